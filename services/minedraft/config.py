@@ -1,0 +1,144 @@
+"""Configuration models shared by the offline API, the CLI and the services.
+
+`SpeculativeConfig` accepts the MineDraft ``--speculative-config`` JSON keys exactly as they are, so a
+user can paste their string; unknown keys are rejected rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_MODELS_DIR = REPO_ROOT / "models"
+BUNDLED_TARGET = BUNDLED_MODELS_DIR / "minedraft-target"
+BUNDLED_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft"
+
+
+class Mode(str, Enum):
+    """Decoding modes; all are lossless with respect to the target model."""
+
+    AR = "ar"  # target only, one token per step
+    SD = "sd"  # draft k, then verify; strictly sequential
+    PEARL = "pearl"  # draft the next window of the same batch while it is verified
+    MINEDRAFT = "minedraft"  # two batches: draft one while the other is verified
+
+
+class SpeculativeConfig(BaseModel):
+    """The MineDraft speculative-decoding keys, with their original names and meanings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    method: Literal["draft_model"] = Field(
+        "draft_model", description="Proposal method; a separate small draft model is the one supported."
+    )
+    model: str | None = Field(None, description="Draft checkpoint folder (HF format); None = bundled draft.")
+    draft_tensor_parallel_size: Literal[1] = Field(
+        1, description="Tensor-parallel size of the drafter; the drafter runs on one device."
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="k: draft tokens per verification.")
+    is_parallel: bool = Field(False, description="Overlap drafting with verification (MineDraft / PEARL).")
+    force_pearl: bool = Field(False, description="With is_parallel: one batch, PEARL-style post-verify.")
+    tetris: bool = Field(False, description="Draft k + e tokens and keep the most likely prefixes.")
+    tetris_turn_on_batch_size: int = Field(1, ge=1, description="Use Tetris only from this batch size on.")
+    tetris_capacity: int | None = Field(
+        None, ge=1, description="Draft tokens verified per step over the batch (default k x max_num_seqs)."
+    )
+    tetris_extra_proposals: int = Field(2, ge=0, le=32, description="e: extra draft tokens per request.")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> SpeculativeConfig:
+        if self.force_pearl and not self.is_parallel:
+            raise ValueError("force_pearl requires is_parallel: true")
+        return self
+
+    @property
+    def mode(self) -> Mode:
+        if not self.is_parallel:
+            return Mode.SD
+        return Mode.PEARL if self.force_pearl else Mode.MINEDRAFT
+
+    @property
+    def max_draft_len(self) -> int:
+        """Most draft tokens one request can carry into a verification."""
+        extra = self.tetris_extra_proposals if self.tetris else 0
+        return self.num_speculative_tokens + extra
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """Accept a config object, a dict or a JSON string (as given to --speculative-config)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from exc
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        return cls.model_validate(value)
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to start: models, limits, numerics, decoding mode."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="Target checkpoint folder (HF format); None = bundled target.")
+    speculative_config: SpeculativeConfig | None = Field(None, description="None = plain autoregressive.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests per batch (MineDraft keeps two).")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Most tokens (prompt + output) per request; default from the checkpoint."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU (batch-shape independent logits), bfloat16 on CUDA."
+    )
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    seed: int = Field(0, description="Seeds requests that bring no seed of their own.")
+    draft_support_size: int = Field(
+        64, ge=1, description="Draft tokens are sampled from the top-N of the draft distribution; N is this."
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: Any) -> Any:
+        return SpeculativeConfig.parse(value)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.AR if self.speculative_config is None else self.speculative_config.mode
+
+    @property
+    def target_path(self) -> Path:
+        return Path(self.model) if self.model else BUNDLED_TARGET
+
+    @property
+    def draft_path(self) -> Path:
+        spec = self.speculative_config
+        return Path(spec.model) if spec and spec.model else BUNDLED_DRAFT
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if device == "cpu" else "bfloat16"
