@@ -90,7 +90,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(None, description="Target checkpoint folder (HF format); None = bundled target.")
+    model: str | None = Field(
+        None, description="Target checkpoint folder (HF format); None = bundled target."
+    )
     speculative_config: SpeculativeConfig | None = Field(None, description="None = plain autoregressive.")
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests per batch (MineDraft keeps two).")

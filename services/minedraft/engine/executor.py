@@ -1,0 +1,100 @@
+"""The in-process executor: drafter and verifier in one process, their stages on two threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from minedraft.config import EngineConfig
+from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.engine.workers import DraftWorker, VerifyWorker
+from minedraft.model.config import ModelConfig, load_model_config
+from minedraft.model.runner import ModelRunner
+
+T = TypeVar("T")
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+class LocalExecutor:
+    """Runs the draft and verify parts of a step concurrently (torch releases the GIL in its kernels),
+    then performs the step-end exchange by handing objects over directly."""
+
+    def __init__(self, verifier: VerifyWorker, drafter: DraftWorker | None = None) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self._draft_thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter") if drafter else None
+        )
+
+    def admit(self, seqs: list[SequenceSpec]) -> None:
+        self.verifier.admit(seqs)
+        if self.drafter:
+            self.drafter.admit(seqs)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.verifier.release(request_ids)
+        if self.drafter:
+            self.drafter.release(request_ids)
+
+    def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        start = time.perf_counter()
+        result = StepResult()
+        pending_draft = None
+        if draft is not None:
+            if self.drafter is None or self._draft_thread is None:
+                raise RuntimeError("a draft plan was given but this executor has no drafter")
+            pending_draft = self._draft_thread.submit(_timed, lambda: self.drafter.draft(draft))
+        if verify is not None:
+            result.verified, result.verify_seconds = _timed(lambda: self.verifier.verify(verify))
+        if pending_draft is not None:
+            _, result.draft_seconds = pending_draft.result()
+        if self.drafter is not None:  # the synchronisation point: results first, then drafts
+            self.drafter.apply_results(result.verified)
+            handed_over = self.drafter.take_drafts()
+            self.verifier.receive_drafts(handed_over)
+            result.drafted = {request_id: len(d.tokens) for request_id, d in handed_over.items()}
+        result.step_seconds = time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        if self._draft_thread is not None:
+            self._draft_thread.shutdown(wait=True)
+
+
+def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExecutor, ModelRunner]:
+    """Load the target (and the draft, when speculating) into this process."""
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            "the in-process engine runs the target on one device (tensor_parallel_size=1); "
+            "for tensor parallelism start the distributed services"
+        )
+    device = config.resolved_device()
+    dtype = config.resolved_dtype(device)
+    max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
+    target = ModelRunner(
+        config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype
+    )
+    drafter = None
+    if config.speculative_config is not None:
+        draft = ModelRunner(
+            config.draft_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype
+        )
+        check_compatible(target.config, draft.config)
+        drafter = DraftWorker(draft, support_size=config.draft_support_size)
+    return LocalExecutor(VerifyWorker(target), drafter), target
+
+
+def check_compatible(target: ModelConfig, draft: ModelConfig) -> None:
+    """Drafts are token ids of the target's vocabulary: the two models must share it."""
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}): "
+            "the draft model must use the target's tokenizer"
+        )

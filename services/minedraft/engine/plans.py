@@ -1,0 +1,93 @@
+"""What the engine asks of its workers each step, and what comes back.
+
+A step has a draft part (run by the drafter) and a verify part (run by the verifier); either may be
+absent. Both parts run at the same time, then the step ends at a synchronisation point where
+verification results go to the drafter and the new drafts go to the verifier. Every decoding mode is a
+sequence of such steps:
+
+- ar:        verify-only steps with no drafts;
+- sd:        a draft-only step, then a verify-only step, on one batch;
+- pearl:     verify a batch while drafting its continuation (assuming all drafts are accepted);
+- minedraft: draft batch X while batch Y is verified, then swap.
+
+The plans carry only request ids and small integers so that they travel cheaply as protobuf; the tokens
+themselves stay with the workers, who exchange them directly (in one process, or over NCCL / gloo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from minedraft.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What a worker needs to hold a request: its tokens so far and how to sample."""
+
+    request_id: str
+    token_ids: list[int]  # prompt (+ output so far, when a worker re-admits a running request)
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class DraftTask:
+    request_id: str
+    num_tokens: int  # draft tokens to propose (k, or k + e with Tetris)
+    # PEARL: draft on from the window handed over last step, which is being verified right now,
+    # assuming all of it is accepted. The new drafts are dropped at the step's end unless it was.
+    continue_window: bool = False
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    tasks: list[DraftTask]
+    tetris_capacity: int | None = None  # with Tetris: draft tokens kept over the whole batch
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    request_id: str
+    # False when the drafter continues this request (PEARL): if every draft is accepted, the target's
+    # bonus token is dropped and the continuation is verified next instead. Still lossless.
+    keep_bonus: bool = True
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    tasks: list[VerifyTask]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One request's verification: the new tokens (accepted drafts + at most one target token)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_draft_tokens: int
+    num_accepted: int
+
+
+@dataclass
+class StepResult:
+    verified: list[Verified] = field(default_factory=list)
+    # Draft tokens handed to the verifier at the step's end, per request (after Tetris and after
+    # discarding PEARL continuations whose window was rejected).
+    drafted: dict[str, int] = field(default_factory=dict)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+class Executor(Protocol):
+    """Runs steps on a drafter/verifier pair: in one process, or across processes and pods."""
+
+    def admit(self, seqs: list[SequenceSpec]) -> None: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+    def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,190 @@
+"""A request's lifecycle: tokens in, tokens and text out, stop conditions, statistics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minedraft.engine.detokenizer import Decoder, IncrementalDetokenizer
+from minedraft.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative-decoding counters of one request (or summed over many), named as in vLLM."""
+
+    num_drafts: int = 0  # verifications that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.extend(
+                [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+            )
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = other.num_accepted_tokens_per_pos
+        if len(self.num_accepted_tokens_per_pos) < len(per_pos):
+            self.num_accepted_tokens_per_pos.extend(
+                [0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos))
+            )
+        for pos, count in enumerate(per_pos):
+            self.num_accepted_tokens_per_pos[pos] += count
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification that carried drafts: accepted drafts + the target's token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """Everything the engine knows of one request; the engine is its single source of truth."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # max_tokens clipped to what max_model_len leaves
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
+    _streamed: int = 0  # characters of text already handed to a stream
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        tokenizer: Decoder,
+        prompt: str | None = None,
+    ) -> Request:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
+                "no room is left for output"
+            )
+        return cls(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=seed,
+            max_new_tokens=min(params.max_tokens, max_model_len - len(prompt_ids)),
+            eos_token_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else eos_token_ids),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
+            prompt=prompt,
+        )
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Take newly verified tokens one by one, stopping at the first stop condition.
+
+        Tokens after a stop are dropped, exactly as if decoding had stopped there.
+        """
+        for token_id in token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = time.monotonic()
+            self.output_ids.append(token_id)
+            delta = self.detokenizer.add(token_id)
+            if token_id in self.eos_token_ids:
+                self._finish("stop")
+            elif len(self.output_ids) >= self.max_new_tokens:
+                self._finish("length")
+            if self.finished:
+                delta += self.detokenizer.flush()
+            self._append_text(delta)
+            if self.finished:
+                return
+
+    def take_stream_delta(self) -> str:
+        """Text that is final and not yet streamed.
+
+        While running, the last len(longest stop string) - 1 characters are held back: they could
+        still turn out to be the start of a stop string, which is never shown.
+        """
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            end -= max(len(s) for s in self.params.stop) - 1
+        if end <= self._streamed:
+            return ""
+        delta = self.text[self._streamed : end]
+        self._streamed = end
+        return delta
+
+    def _append_text(self, delta: str) -> None:
+        """Add text; cut it before the first stop string that the new text completes."""
+        if not delta:
+            return
+        if self.params.stop:
+            window_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
+            window = self.text[window_start:] + delta
+            hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.text = (self.text[:window_start] + window)[: window_start + min(hits)]
+                self._finish("stop")
+                return
+        self.text += delta
+
+    def abort(self) -> None:
+        self._finish("abort")
+
+    def _finish(self, reason: str) -> None:
+        if not self.finished:
+            self.status = RequestStatus.FINISHED
+            self.finish_reason = reason
+            self.finish_time = time.monotonic()

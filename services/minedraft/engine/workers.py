@@ -1,0 +1,215 @@
+"""The drafter's and the verifier's model-side work, independent of how they talk to each other.
+
+Each worker keeps, per request, a mirror of the committed tokens and the list of tokens its KV cache
+holds. Before every forward it compares the two: the common prefix stays, everything after it is
+overwritten (a rollback is just a smaller start position), and the last committed token is always fed
+again when needed so that its logits exist. This one rule covers prefill, verification, rollback after
+rejection, and PEARL's continuation windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minedraft.engine.plans import DraftPlan, DraftTask, SequenceSpec, Verified, VerifyPlan
+from minedraft.model.runner import ModelRunner, SeqInput
+from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.rejection import rejection_sample
+from minedraft.sampling.sampler import SparseProbs, draft_sample
+from minedraft.sampling.tetris import tetris_select
+
+# Drafter and verifier draw from different random streams of the same request seed.
+_DRAFT_SEED_SALT = 0x5EED_D4AF
+_TAIL_SCAN = 64
+
+
+@dataclass
+class _Sequence:
+    slot: int
+    tokens: list[int]  # committed tokens (prompt + verified output), mirrored from the engine
+    params: SamplingParams
+    generator: torch.Generator
+    kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
+
+    def pending(self, target: list[int]) -> tuple[int, list[int]]:
+        """Where to start writing, and the tokens to write, so the cache ends up holding `target`.
+
+        At least the last token is always rewritten: its logits are what the next step samples from.
+        """
+        limit = min(len(self.kv_tokens), len(target) - 1)
+        # Differences sit near the end (rejected drafts), so compare the long head in one C-level
+        # list comparison and scan only the tail.
+        keep = max(0, limit - _TAIL_SCAN)
+        if self.kv_tokens[:keep] != target[:keep]:
+            keep = 0
+        while keep < limit and self.kv_tokens[keep] == target[keep]:
+            keep += 1
+        return keep, target[keep:]
+
+
+@dataclass
+class Drafts:
+    """One request's draft window: tokens, their draft probabilities and the sparse q they came from."""
+
+    tokens: list[int] = field(default_factory=list)
+    token_probs: list[float] = field(default_factory=list)
+    q_ids: list[torch.Tensor] = field(default_factory=list)
+    q_probs: list[torch.Tensor] = field(default_factory=list)
+
+    def truncate(self, n: int) -> None:
+        for part in (self.tokens, self.token_probs, self.q_ids, self.q_probs):
+            del part[n:]
+
+    def sparse_q(self) -> SparseProbs | None:
+        if not self.tokens:
+            return None
+        return SparseProbs(token_ids=torch.stack(self.q_ids), probs=torch.stack(self.q_probs))
+
+
+class _Worker:
+    def __init__(self, runner: ModelRunner, seed_salt: int = 0) -> None:
+        self.runner = runner
+        self._seed_salt = seed_salt
+        self.sequences: dict[str, _Sequence] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.runner.device)
+
+    def admit(self, specs: list[SequenceSpec]) -> None:
+        for spec in specs:
+            if spec.request_id in self.sequences:
+                self.release([spec.request_id])  # re-admission rebuilds the request from scratch
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((spec.seed ^ self._seed_salt) & 0x7FFF_FFFF_FFFF_FFFF)
+            self.sequences[spec.request_id] = _Sequence(
+                slot=self.runner.allocate_slot(),
+                tokens=list(spec.token_ids),
+                params=spec.params,
+                generator=generator,
+            )
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            seq = self.sequences.pop(request_id, None)
+            if seq is not None:
+                self.runner.free_slot(seq.slot)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.sequences)
+
+
+class DraftWorker(_Worker):
+    """Proposes draft windows with the small model and hands them over at the step's end."""
+
+    def __init__(self, runner: ModelRunner, support_size: int) -> None:
+        super().__init__(runner, seed_salt=_DRAFT_SEED_SALT)
+        self.support_size = support_size
+        self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
+        self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
+
+    def release(self, request_ids: list[str]) -> None:
+        super().release(request_ids)
+        for request_id in request_ids:
+            self._windows.pop(request_id, None)
+            self._handed.pop(request_id, None)
+
+    def draft(self, plan: DraftPlan) -> None:
+        """Draft every task's window autoregressively, all requests batched in each forward."""
+        tasks = [t for t in plan.tasks if t.num_tokens > 0]
+        seqs = [self.sequences[t.request_id] for t in tasks]
+        bases = [self._base(t) for t in tasks]
+        drafts = [Drafts() for _ in tasks]
+        inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
+        for step in range(max((t.num_tokens for t in tasks), default=0)):
+            live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
+            logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live])
+            tokens, token_probs, q = draft_sample(
+                logits, [seqs[i].params for i in live], [seqs[i].generator for i in live], self.support_size
+            )
+            for row, i in enumerate(live):
+                start, written = inputs[i]
+                seqs[i].kv_tokens[start:] = written
+                drafts[i].tokens.append(tokens[row])
+                drafts[i].token_probs.append(token_probs[row])
+                drafts[i].q_ids.append(q.token_ids[row])
+                drafts[i].q_probs.append(q.probs[row])
+                inputs[i] = (start + len(written), [tokens[row]])
+        if plan.tetris_capacity is not None and drafts:
+            keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
+            for d, n in zip(drafts, keep):
+                d.truncate(n)
+        for task, base, window in zip(tasks, bases, drafts):
+            self._windows[task.request_id] = (base, window)
+        for task in plan.tasks:
+            if task.num_tokens <= 0:  # nothing to draft: the verifier will decode one token plainly
+                self._windows[task.request_id] = (self._base(task), Drafts())
+
+    def _base(self, task: DraftTask) -> list[int]:
+        """The token sequence the task drafts after."""
+        tokens = self.sequences[task.request_id].tokens
+        return tokens + self._handed.get(task.request_id, []) if task.continue_window else list(tokens)
+
+    def apply_results(self, verified: list[Verified]) -> None:
+        for result in verified:
+            seq = self.sequences.get(result.request_id)
+            if seq is not None:
+                seq.tokens.extend(result.token_ids)
+
+    def take_drafts(self) -> dict[str, Drafts]:
+        """The windows that are still valid after this step's results (a continuation of a window that
+        was not accepted in full is dropped)."""
+        valid = {}
+        for request_id, (base, window) in self._windows.items():
+            seq = self.sequences.get(request_id)
+            if seq is not None and seq.tokens == base:
+                valid[request_id] = window
+        self._windows.clear()
+        self._handed = {request_id: list(window.tokens) for request_id, window in valid.items()}
+        return valid
+
+
+class VerifyWorker(_Worker):
+    """Runs the target over each request's pending tokens and drafts, then rejection-samples."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner)
+        self._drafts: dict[str, Drafts] = {}
+
+    def release(self, request_ids: list[str]) -> None:
+        super().release(request_ids)
+        for request_id in request_ids:
+            self._drafts.pop(request_id, None)
+
+    def receive_drafts(self, drafts: dict[str, Drafts]) -> None:
+        self._drafts.update(drafts)
+
+    def verify(self, plan: VerifyPlan) -> list[Verified]:
+        seqs = [self.sequences[t.request_id] for t in plan.tasks]
+        windows = [self._drafts.pop(t.request_id, None) or Drafts() for t in plan.tasks]
+        inputs = [seq.pending(seq.tokens) for seq in seqs]
+        logits = self.runner.forward(
+            [
+                SeqInput(seq.slot, written + w.tokens, start, num_logits=len(w.tokens) + 1)
+                for seq, (start, written), w in zip(seqs, inputs, windows)
+            ]
+        )
+        new_tokens = rejection_sample(
+            logits,
+            [w.tokens for w in windows],
+            [w.sparse_q() for w in windows],
+            [seq.params for seq in seqs],
+            [seq.generator for seq in seqs],
+        )
+        results = []
+        for task, seq, w, tokens in zip(plan.tasks, seqs, windows, new_tokens):
+            accepted = len(tokens) - 1
+            if w.tokens and accepted == len(w.tokens) and not task.keep_bonus:
+                tokens = tokens[:-1]
+            seq.kv_tokens = seq.tokens + w.tokens
+            seq.tokens.extend(tokens)
+            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted))
+        return results

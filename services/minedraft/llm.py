@@ -1,0 +1,96 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as vLLM users know it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minedraft.config import EngineConfig, SpeculativeConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine.request import Request
+from minedraft.outputs import RequestOutput
+from minedraft.sampling.params import SamplingParams
+
+PromptInput = str | list[int]
+
+
+class LLM:
+    """Load a target (and optionally a draft) model in this process and generate with them.
+
+    `model=None` loads the bundled target; `speculative_config=None` decodes autoregressively; a
+    speculative config without `model` drafts with the bundled draft.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        *,
+        tensor_parallel_size: int = 1,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            **engine_kwargs,
+        )
+        self.engine = LLMEngine.local(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs come back in prompt order.
+
+        Every prompt is validated before any is run, so one bad prompt fails the call cleanly.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for request in requests:
+            self.engine.enqueue(request)
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                finished = sum(r.finished for r in self.engine.step())
+                bar.update(finished)
+        return [RequestOutput.from_request(r) for r in requests]
+
+    def close(self) -> None:
+        self.engine.executor.close()
+
+    def _make_request(self, index: int, prompt: PromptInput, params: SamplingParams) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:
+            return self.engine.make_request(ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        except ValueError as exc:
+            raise ValueError(f"prompt {index}: {exc}") from None
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
