@@ -1,0 +1,205 @@
+"""Turning logits into tokens: the request's logits processing, plain sampling and draft sampling.
+
+Every random draw comes from the request's own ``torch.Generator`` (the global RNG when it is None),
+one float64 uniform per sampled token, so a seeded request gives the same tokens whatever else is in
+the batch. Uniforms are drawn on the generator's device and moved to the logits' device, so a CPU
+generator also works with CUDA logits.
+
+Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logits, then top-p keeps
+the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
+Ties: every token whose logit equals the last kept one is kept, for top-k (as vLLM and HF do) and for
+top-p (where vLLM and HF cut inside a run of equal values by sort position). So the result never
+depends on how a sort orders equal values, and is the same on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Generator, Tensor
+
+from minedraft.sampling.params import SamplingParams
+
+
+def draw_uniforms(generator: Generator | None, count: int, device: torch.device) -> Tensor:
+    """``count`` float64 uniforms in [0, 1) from the request's stream, on ``device``."""
+    source = generator.device if generator is not None else device
+    return torch.rand(count, generator=generator, device=source, dtype=torch.float64).to(device)
+
+
+def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF sampling: one index per row of ``probs`` [r, K] (unnormalised is fine), given one
+    uniform per row. The float64 CDF keeps tiny probabilities samplable, and a flat CDF step (p = 0)
+    is never chosen."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.to(cdf.device) * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) what top-k and then top-p drop.
+
+    ``top_k`` [r] int64 (>= vocab turns it off), ``top_p`` [r] float64 (1 turns it off)."""
+    vocab = logits.shape[-1]
+    ordered = logits.sort(dim=-1).values  # ascending, as in HF/vLLM
+    # Top-k: the k-th largest logit is the threshold; ties with it survive.
+    kth = ordered.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    # Top-p: drop the longest run of smallest tokens whose mass is <= 1 - top_p (what remains has mass
+    # >= top_p). Summing from the small end keeps the tail's mass accurate, so top_p = 1 drops nothing
+    # with non-zero probability; the sum is monotone, so the dropped positions form a prefix.
+    mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+    dropped = (mass <= (1.0 - top_p).float()[:, None]).sum(dim=1).clamp_(max=vocab - 1)  # keep the largest
+    threshold = ordered.gather(1, dropped[:, None])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _uses_filter(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0
+
+
+def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Tensor:
+    """Probabilities [m, V] after each row's temperature, top-k and top-p; greedy rows are one-hot at
+    the argmax of the raw logits (first index among equal maxima)."""
+    logits = logits.float()
+    device, rows = logits.device, len(params_list)
+    if rows != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows but {rows} sampling params")
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params_list], device=device)
+    scaled = logits / temps[:, None]
+    filtered = [i for i, p in enumerate(params_list) if _uses_filter(p) and not p.greedy]
+    if filtered:
+        index = torch.tensor(filtered, device=device)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([params_list[i].top_k if params_list[i].top_k > 0 else vocab for i in filtered])
+        top_p = torch.tensor([params_list[i].top_p for i in filtered], dtype=torch.float64)
+        scaled[index] = _filter_top_k_top_p(scaled[index], top_k.to(device), top_p.to(device))
+    probs = scaled.softmax(dim=-1)
+    greedy = [i for i, p in enumerate(params_list) if p.greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=device)
+        hot = torch.zeros(len(greedy), logits.shape[-1], device=device)
+        probs[index] = hot.scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
+    return probs
+
+
+def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """One request's logits [m, V] -> probabilities [m, V] under its temperature, top-k and top-p
+    (greedy: one-hot at the argmax)."""
+    return processed_probs(logits, [params] * logits.shape[0])
+
+
+def sample_next(
+    logits: Tensor, params_list: list[SamplingParams], generators: list[Generator | None]
+) -> list[int]:
+    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params_list) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = processed_probs(logits[index], [params_list[i] for i in rows])
+        uniforms = torch.cat([draw_uniforms(generators[i], 1, logits.device) for i in rows])
+        tokens[index] = sample_from(probs, uniforms)
+    return tokens.tolist()
+
+
+@dataclass
+class SparseProbs:
+    """Draft distributions over their top-S support, one row per draft token.
+
+    ``token_ids`` [n, S] int64 and ``probs`` [n, S] float32; each row sums to 1. Padding entries have
+    probability 0 and an arbitrary valid id, which may repeat another id of the row (so densify by
+    adding, never by assigning).
+    """
+
+    token_ids: Tensor
+    probs: Tensor
+
+    def __post_init__(self) -> None:
+        if self.token_ids.shape != self.probs.shape or self.token_ids.dim() != 2:
+            raise ValueError(f"need matching [n, S] tensors, got {self.token_ids.shape}, {self.probs.shape}")
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def __getitem__(self, rows: int | slice | Tensor | list[int]) -> SparseProbs:
+        """Rows as a new SparseProbs (an int keeps its row dimension)."""
+        if isinstance(rows, int):
+            rows = slice(rows, rows + 1 if rows != -1 else None)
+        return SparseProbs(self.token_ids[rows], self.probs[rows])
+
+    @property
+    def support_size(self) -> int:
+        return self.token_ids.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.probs.device
+
+    def to(self, device: torch.device | str) -> SparseProbs:
+        return SparseProbs(self.token_ids.to(device), self.probs.to(device))
+
+    @staticmethod
+    def cat(parts: Sequence[SparseProbs]) -> SparseProbs:
+        """Rows of all ``parts`` in order (same support size)."""
+        return SparseProbs(torch.cat([p.token_ids for p in parts]), torch.cat([p.probs for p in parts]))
+
+    @staticmethod
+    def one_hot(token_ids: Tensor) -> SparseProbs:
+        """Deterministic proposals: all mass on ``token_ids`` [n], support size 1."""
+        ids = token_ids.reshape(-1, 1).long()
+        return SparseProbs(ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
+
+    def to_dense(self, vocab_size: int) -> Tensor:
+        """[n, vocab_size] float32."""
+        dense = torch.zeros(len(self), vocab_size, dtype=torch.float32, device=self.device)
+        return dense.scatter_add_(1, self.token_ids, self.probs.float())
+
+    def prob_of(self, tokens: Tensor) -> Tensor:
+        """q_i(tokens[i]) for each row i, [n] float32."""
+        match = self.token_ids == tokens.reshape(-1, 1).to(self.token_ids.device)
+        return (self.probs.float() * match).sum(dim=1)
+
+
+def draft_sample(
+    logits: Tensor,
+    params_list: list[SamplingParams],
+    generators: list[Generator | None],
+    support_size: int,
+) -> tuple[list[int], list[float], SparseProbs]:
+    """One draft token per row of ``logits`` [B, V].
+
+    Random rows sample from q = the request's processed distribution truncated to its top
+    ``support_size`` tokens and renormalised, so q can travel sparsely; the returned probability is
+    q(chosen) under that q. Greedy rows take the argmax; their probability is softmax(logits)[argmax]
+    (the drafter's confidence, for Tetris) and their q is one-hot on the argmax. The returned
+    SparseProbs always has exactly ``support_size`` columns (padded with probability 0 when the
+    vocabulary is smaller).
+    """
+    if support_size < 1:
+        raise ValueError("support_size must be >= 1")
+    batch, vocab = logits.shape
+    device = logits.device
+    width = min(support_size, vocab)
+    argmax = logits.argmax(dim=-1)
+    token_probs = logits.float().softmax(dim=-1).gather(1, argmax[:, None]).squeeze(1)
+    # Greedy layout: the argmax in column 0 with all the mass; the rest is padding.
+    ids = argmax[:, None].repeat(1, support_size)
+    probs = torch.zeros(batch, support_size, device=device)
+    probs[:, 0] = 1.0
+    tokens = argmax.clone()
+    rows = [i for i, p in enumerate(params_list) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=device)
+        top = processed_probs(logits[index], [params_list[i] for i in rows]).topk(width, dim=-1)
+        q = top.values / top.values.sum(dim=-1, keepdim=True)
+        uniforms = torch.cat([draw_uniforms(generators[i], 1, device) for i in rows])
+        pick = sample_from(q, uniforms)[:, None]
+        tokens[index] = top.indices.gather(1, pick).squeeze(1)
+        token_probs[index] = q.gather(1, pick).squeeze(1)
+        ids[index, :width] = top.indices
+        probs[index] = torch.nn.functional.pad(q, (0, support_size - width))
+    return tokens.tolist(), token_probs.tolist(), SparseProbs(ids, probs)
