@@ -1,0 +1,5 @@
+import sys
+
+from minedraft.cli import main
+
+sys.exit(main())
