@@ -84,10 +84,9 @@ class TwoBatchPipeline(Pipeline):
         self._step += 1
         if self.num_batches == 1 and x == 1:  # SD's verify half-step
             return [], None, self._verify_plan(self.batches.batches[0])
-        if self.batches.num_running == 0:
-            admitted = self.batches.admit_balanced()
-        else:
-            admitted = self.batches.admit_into(x)
+        # Before decoding starts requests spread over both batches; later they join the one drafted next.
+        starting = self.batches.num_running == 0
+        admitted = self.batches.admit_balanced() if starting else self.batches.admit_into(x)
         to_draft = self.batches.batches[x]
         to_verify = self.batches.batches[1 - x] if self.num_batches == 2 else []
         return admitted, self._draft_plan(to_draft), self._verify_plan(to_verify)
