@@ -1,0 +1,201 @@
+"""Logits processing (temperature, top-k, top-p), plain sampling and draft sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.sampler import (
+    SparseProbs,
+    draft_sample,
+    processed_probs,
+    sample_next,
+    target_probs,
+)
+
+# p = [0.1, 0.2, 0.3, 0.4]: hand-checkable top-k / top-p cut-offs.
+LOGITS_1234 = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+
+
+def probs_of(logits: torch.Tensor, *args: float, **kwargs: float) -> list[float]:
+    return target_probs(logits, SamplingParams(*args, **kwargs))[0].tolist()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.log(torch.tensor([[1.0, 2.0, 4.0]]))
+    assert probs_of(logits, 1.0) == pytest.approx([1 / 7, 2 / 7, 4 / 7])
+    # T = 2: probabilities proportional to sqrt of the originals.
+    root = [1.0, math.sqrt(2.0), 2.0]
+    assert probs_of(logits, 2.0) == pytest.approx([x / sum(root) for x in root])
+    # T = 0.5: squares.
+    assert probs_of(logits, 0.5) == pytest.approx([1 / 21, 4 / 21, 16 / 21])
+
+
+def test_top_k() -> None:
+    assert probs_of(LOGITS_1234, 1.0, top_k=2) == pytest.approx([0, 0, 3 / 7, 4 / 7])
+    assert probs_of(LOGITS_1234, 1.0, top_k=1) == pytest.approx([0, 0, 0, 1])
+    assert probs_of(LOGITS_1234, 1.0, top_k=10) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_top_k_keeps_ties_with_the_kth_value() -> None:
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    assert probs_of(logits, 1.0, top_k=1) == pytest.approx([0, 0.5, 0.5, 0])
+
+
+def test_top_p_keeps_smallest_prefix_reaching_the_mass() -> None:
+    assert probs_of(LOGITS_1234, 1.0, top_p=0.35) == pytest.approx([0, 0, 0, 1])
+    assert probs_of(LOGITS_1234, 1.0, top_p=0.5) == pytest.approx([0, 0, 3 / 7, 4 / 7])
+    assert probs_of(LOGITS_1234, 1.0, top_p=0.75) == pytest.approx([0, 2 / 9, 3 / 9, 4 / 9])
+    assert probs_of(LOGITS_1234, 1.0, top_p=0.95) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    # Always at least one token, however small top_p is.
+    assert probs_of(LOGITS_1234, 1.0, top_p=1e-6) == pytest.approx([0, 0, 0, 1])
+
+
+def test_top_p_keeps_ties_with_the_last_kept_value() -> None:
+    # [1/8, 1/8, 1/4, 1/2] with top_p = 0.8 needs one of the 1/8s; equal values are kept together.
+    logits = torch.log(torch.tensor([[0.125, 0.125, 0.25, 0.5]]))
+    assert probs_of(logits, 1.0, top_p=0.8) == pytest.approx([0.125, 0.125, 0.25, 0.5])
+    assert probs_of(logits, 1.0, top_p=0.6) == pytest.approx([0, 0, 1 / 3, 2 / 3])
+
+
+def test_top_p_applies_after_temperature_and_top_k() -> None:
+    # After top-k = 2 the survivors are [3/7, 4/7]; 4/7 >= 0.55 alone. (Top-p first would keep both.)
+    assert probs_of(LOGITS_1234, 1.0, top_k=2, top_p=0.55) == pytest.approx([0, 0, 0, 1])
+    # At T = 0.5 p = [1, 4, 9, 16] / 30: 16/30 < 0.6 <= 25/30.
+    assert probs_of(LOGITS_1234, 0.5, top_p=0.6) == pytest.approx([0, 0, 9 / 25, 16 / 25])
+
+
+def test_matches_huggingface_warpers() -> None:
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    torch.manual_seed(0)
+    for _ in range(15):
+        vocab = int(torch.randint(5, 200, ()))
+        logits = torch.randn(3, vocab) * 3
+        temp = float(torch.rand(())) * 2 + 0.1
+        top_k = int(torch.randint(1, vocab + 3, ()))
+        top_p = float(torch.rand(())) * 0.98 + 0.01
+        for k, p in [(top_k, 1.0), (-1, top_p), (top_k, top_p)]:
+            expected = logits / temp
+            if k > 0:
+                expected = warpers.TopKLogitsWarper(k)(None, expected)
+            if p < 1:
+                expected = warpers.TopPLogitsWarper(p)(None, expected)
+            ours = target_probs(logits, SamplingParams(temp, p, k))
+            torch.testing.assert_close(ours, expected.softmax(-1), atol=1e-6, rtol=1e-5)
+            assert torch.equal(ours > 0, expected > -math.inf)
+
+
+def test_greedy_is_one_hot_at_first_argmax() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, -1.0, 2.0, 0.0]])
+    probs = target_probs(logits, SamplingParams(0.0, top_k=2, top_p=0.1))
+    assert probs.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_rows_with_different_params_are_processed_independently() -> None:
+    logits = LOGITS_1234.repeat(3, 1)
+    params = [SamplingParams(1.0, top_k=2), SamplingParams(0.0), SamplingParams(0.5)]
+    probs = processed_probs(logits, params)
+    assert probs[0].tolist() == pytest.approx([0, 0, 3 / 7, 4 / 7])
+    assert probs[1].tolist() == [0, 0, 0, 1]
+    assert probs[2].tolist() == pytest.approx([1 / 30, 4 / 30, 9 / 30, 16 / 30])
+
+
+def test_sample_next_greedy_rows_take_argmax() -> None:
+    logits = torch.randn(5, 50)
+    assert sample_next(logits, [SamplingParams(0.0)] * 5, [None] * 5) == logits.argmax(-1).tolist()
+
+
+def test_sample_next_seeded_rows_are_batch_independent() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 1000)
+    params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.8, 0.9, 50), SamplingParams(1.2)]
+    batch = [sample_next(logits, params, [gen(7), None, gen(8), gen(9)]) for _ in range(2)]
+    assert batch[0] == batch[1]
+    alone = [sample_next(logits[i : i + 1], [params[i]], [gen(s)])[0] for i, s in [(0, 7), (2, 8), (3, 9)]]
+    assert [batch[0][i] for i in (0, 2, 3)] == alone
+    # A generator continues its stream: successive draws from one generator equal a fresh replay.
+    g, replay = gen(3), gen(3)
+    first = [sample_next(logits[:1], params[:1], [g])[0] for _ in range(20)]
+    assert first == [sample_next(logits[:1], params[:1], [replay])[0] for _ in range(20)]
+    assert len(set(first)) > 1
+
+
+def test_sample_next_distribution_and_support() -> None:
+    # 20k rows share one distribution; a chi-square test on the draws (fixed seed: deterministic).
+    torch.manual_seed(2)
+    vocab, rows = 6, 20_000
+    logits = torch.randn(1, vocab).repeat(rows, 1)
+    params = SamplingParams(0.9, top_k=4)
+    expected = target_probs(logits[:1], params)[0]
+    counts = torch.bincount(torch.tensor(sample_next(logits, [params] * rows, [None] * rows)), minlength=vocab)
+    assert counts[expected == 0].sum() == 0
+    support = expected > 0
+    assert stats.chisquare(counts[support].numpy(), expected[support].double().numpy() * rows).pvalue > 1e-4
+
+
+def test_draft_sample_truncates_and_renormalises() -> None:
+    vocab, support = 10, 3
+    logits = torch.log(torch.arange(1, vocab + 1, dtype=torch.float32) / 55).repeat(400, 1)
+    params = [SamplingParams(1.0)] * 400
+    tokens, token_probs, q = draft_sample(logits, params, [gen(i) for i in range(400)], support)
+    assert q.token_ids.shape == q.probs.shape == (400, support)
+    assert q.token_ids[0].tolist() == [9, 8, 7]
+    assert q.probs[0].tolist() == pytest.approx([10 / 27, 9 / 27, 8 / 27])
+    assert set(tokens) == {7, 8, 9}  # always inside the support, and all of it is reached
+    for token, prob in zip(tokens, token_probs):
+        assert prob == pytest.approx((token + 1) / 27)  # q(chosen) under the truncated q
+    torch.testing.assert_close(q.probs.sum(-1), torch.ones(400))
+
+
+def test_draft_sample_applies_request_params_before_truncating() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    _, _, q = draft_sample(logits, [SamplingParams(1.0, top_k=2)], [gen(0)], 3)
+    # Top-k leaves two tokens; the third support entry is padding with probability 0.
+    assert q.probs[0].tolist() == pytest.approx([4 / 7, 3 / 7, 0])
+    assert q.token_ids[0, :2].tolist() == [3, 2]
+
+
+def test_draft_sample_greedy_rows_and_padding() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 0.0, 0.5]])
+    params = [SamplingParams(0.0), SamplingParams(1.0)]
+    tokens, token_probs, q = draft_sample(logits, params, [None, gen(1)], support_size=5)
+    assert tokens[0] == 1
+    assert token_probs[0] == pytest.approx(logits[0].softmax(-1)[1].item())
+    assert q.probs.shape == q.token_ids.shape == (2, 5)
+    assert q.to_dense(3)[0].tolist() == [0, 1, 0]
+    # Support larger than the vocabulary: padded, and densifies back to the full distribution.
+    torch.testing.assert_close(q.to_dense(3)[1], logits[1].softmax(-1))
+    assert token_probs[1] == pytest.approx(logits[1].softmax(-1)[tokens[1]].item())
+
+
+def test_draft_sample_seeded_rows_are_batch_independent() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, 500)
+    params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.7, 0.95)]
+    batch = draft_sample(logits, params, [gen(5), None, gen(6)], 16)
+    alone = draft_sample(logits[2:], params[2:], [gen(6)], 16)
+    assert batch[0][2] == alone[0][0]
+    assert batch[1][2] == alone[1][0]
+    assert torch.equal(batch[2].probs[2], alone[2].probs[0])
+
+
+def test_sparse_probs_helpers() -> None:
+    q = SparseProbs(torch.tensor([[2, 0, 0], [1, 3, 3]]), torch.tensor([[0.75, 0.25, 0.0], [0.5, 0.5, 0.0]]))
+    assert len(q) == 2 and q.support_size == 3
+    assert q.to_dense(4).tolist() == [[0.25, 0, 0.75, 0], [0, 0.5, 0, 0.5]]
+    assert q.prob_of(torch.tensor([2, 0])).tolist() == [0.75, 0.0]
+    both = SparseProbs.cat([q[1], q[0]])
+    assert both.token_ids.tolist() == [[1, 3, 3], [2, 0, 0]]
+    assert q[-1].token_ids.tolist() == [[1, 3, 3]]
+    assert q[torch.tensor([1])].probs.tolist() == [[0.5, 0.5, 0.0]]
+    assert SparseProbs.one_hot(torch.tensor([4, 1])).to_dense(5).tolist() == [[0, 0, 0, 0, 1], [0, 1, 0, 0, 0]]
+    with pytest.raises(ValueError):
+        SparseProbs(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2))
