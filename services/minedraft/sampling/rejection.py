@@ -41,10 +41,7 @@ def _verify_random(
     accept = uniforms[:n] * q.prob_of(drafts).double() < p_draft
     rejected = (~accept).nonzero()
     accepted = int(rejected[0]) if rejected.numel() else n
-    if accepted < n:
-        dist = correction_distribution(p[accepted], q[accepted].to_dense(p.shape[-1])[0])
-    else:
-        dist = p[n]
+    dist = correction_distribution(p[accepted], q[accepted].to_dense(p.shape[-1])[0]) if accepted < n else p[n]
     last = sample_from(dist[None], uniforms[n:])
     return drafts[:accepted].tolist() + [int(last)]
 

@@ -86,16 +86,20 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     return probs
 
 
+def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], generators: Sequence) -> None:
+    if not logits.shape[0] == len(params_list) == len(generators):
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(generators)} generators")
+
+
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """One request's logits [m, V] -> probabilities [m, V] under its temperature, top-k and top-p
     (greedy: one-hot at the argmax)."""
     return processed_probs(logits, [params] * logits.shape[0])
 
 
-def sample_next(
-    logits: Tensor, params_list: list[SamplingParams], generators: list[Generator | None]
-) -> list[int]:
+def sample_next(logits: Tensor, params_list: list[SamplingParams], generators: list[Generator | None]) -> list[int]:
     """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``."""
+    _check_batch(logits, params_list, generators)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
@@ -179,13 +183,18 @@ def draft_sample(
     SparseProbs always has exactly ``support_size`` columns (padded with probability 0 when the
     vocabulary is smaller).
     """
+    _check_batch(logits, params_list, generators)
     if support_size < 1:
         raise ValueError("support_size must be >= 1")
     batch, vocab = logits.shape
     device = logits.device
     width = min(support_size, vocab)
     argmax = logits.argmax(dim=-1)
-    token_probs = logits.float().softmax(dim=-1).gather(1, argmax[:, None]).squeeze(1)
+    token_probs = torch.zeros(batch, device=device)
+    greedy = [i for i, p in enumerate(params_list) if p.greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=device)
+        token_probs[index] = logits[index].float().softmax(dim=-1).amax(dim=-1)  # = softmax at the argmax
     # Greedy layout: the argmax in column 0 with all the mass; the rest is padding.
     ids = argmax[:, None].repeat(1, support_size)
     probs = torch.zeros(batch, support_size, device=device)
