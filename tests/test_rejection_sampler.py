@@ -352,3 +352,17 @@ def test_outputs_with_drafts_are_accepted_prefix_plus_one() -> None:
     logits = torch.eye(4) * 5
     out = rejection_sample(logits, [[0, 1, 2]], [None], [SamplingParams(0.0)], [None])
     assert out == [[0, 1, 2, 3]]
+
+
+def test_correction_distribution() -> None:
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    torch.testing.assert_close(rejection.correction_distribution(p, q), torch.tensor([0.3, 0.0, 0.0]))
+    # p == q leaves no residual: fall back to p (a rejection there can only come from rounding, or from
+    # a draft both give probability 0).
+    assert torch.equal(rejection.correction_distribution(p, p.clone()), p)
+    # A draft that q says it could not produce (q(d) = 0) is accepted whenever p(d) > 0.
+    q_elsewhere = SparseProbs.one_hot(torch.tensor([0]))
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        out = rejection_sample(torch.log(p).repeat(2, 1), [[1]], [q_elsewhere], [SamplingParams(1.0)], [generator])
+        assert out[0][0] == 1 and len(out[0]) == 2

@@ -199,3 +199,13 @@ def test_sparse_probs_helpers() -> None:
     assert SparseProbs.one_hot(torch.tensor([4, 1])).to_dense(5).tolist() == [[0, 0, 0, 0, 1], [0, 1, 0, 0, 0]]
     with pytest.raises(ValueError):
         SparseProbs(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2))
+
+
+def test_batch_sizes_must_agree() -> None:
+    logits = torch.randn(2, 5)
+    with pytest.raises(ValueError):
+        sample_next(logits, [SamplingParams(1.0)], [None])
+    with pytest.raises(ValueError):
+        draft_sample(logits, [SamplingParams(1.0)] * 2, [None], 3)
+    with pytest.raises(ValueError):
+        draft_sample(logits, [SamplingParams(1.0)] * 2, [None] * 2, 0)

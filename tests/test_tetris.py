@@ -74,7 +74,7 @@ def test_random_inputs_give_optimal_prefixes() -> None:
         next_up = [math.prod(p[: n + 1]) for p, n in zip(probs, keep) if n < len(p)]
         if kept and next_up:
             assert min(kept) >= max(next_up) - 1e-12
-        # Same total value as any other prefix choice of the same size (checked by brute force on small cases).
+        # On small cases, brute force: no other prefix choice of the same size has a larger total score.
         if len(probs) <= 3 and total <= 8:
             best = max(
                 brute_force_value(probs, list(c))
