@@ -9,7 +9,7 @@ Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logi
 the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
 Ties: every token whose logit equals the last kept one is kept, for top-k (as vLLM and HF do) and for
 top-p (where vLLM and HF cut inside a run of equal values by sort position). So the result never
-depends on how a sort orders equal values, and is the same on CPU and CUDA.
+depends on how a sort (CPU or CUDA, stable or not) orders equal values.
 """
 
 from __future__ import annotations
