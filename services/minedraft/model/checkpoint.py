@@ -1,0 +1,142 @@
+"""Checkpoint folders: finding and validating files, lazy safetensors reads (single or sharded).
+
+Tensors are read through ``safe_open(...).get_slice`` so a tensor-parallel rank reads only its shard.
+Pickled weights (.bin/.pt) are refused: loading them would execute code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors import SafetensorError, safe_open
+
+if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
+    import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file is missing, corrupt or unsupported; the message names it."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A required checkpoint folder or file does not exist."""
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise CheckpointNotFoundError(f"checkpoint folder not found: {folder}")
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint path is not a folder: {folder}")
+    if not (folder / "config.json").is_file():
+        raise CheckpointNotFoundError(f"config.json not found in checkpoint folder {folder}")
+    return folder
+
+
+def read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise CheckpointNotFoundError(f"{path.name} not found in {path.parent}")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+class TensorSlice:
+    """One checkpoint tensor, read lazily: whole, or a contiguous range along one dimension."""
+
+    def __init__(self, name: str, file: Path, handle: Any) -> None:
+        self.name, self.file = name, file
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            index: Any = slice(None)
+        else:
+            stop = self.shape[dim] if length is None else start + length
+            index = (slice(None),) * dim + (slice(start, stop),)
+        try:
+            return self._slice[index]
+        except (SafetensorError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"cannot read tensor {self.name} from {self.file}: {exc}") from exc
+
+
+class CheckpointReader:
+    """Maps tensor names to safetensors files and opens each file once, on first use."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.weight_map = find_weight_files(self.folder)
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def tensor(self, name: str) -> TensorSlice:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.folder}")
+        return TensorSlice(name, file, self._open(file))
+
+    def _open(self, file: Path) -> Any:
+        if file not in self._handles:
+            self._handles[file] = open_safetensors(file)
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def open_safetensors(file: Path) -> Any:
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"safetensors file not found: {file}")
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {exc}") from exc
+
+
+def find_weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors, the shard index, or every *.safetensors present."""
+    if (folder / SINGLE_FILE).is_file():
+        return _names_in(folder / SINGLE_FILE)
+    if (folder / INDEX_FILE).is_file():
+        return _weight_map_from_index(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return {name: f for f in files for name in _names_in(f)}
+    pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    hint = f" (found {', '.join(sorted(pickles))}; pickled weights are not loaded, convert to safetensors)"
+    raise CheckpointNotFoundError(
+        f"no safetensors weights in {folder}: expected {SINGLE_FILE} or {INDEX_FILE}" + (hint if pickles else "")
+    )
+
+
+def _names_in(file: Path) -> dict[str, Path]:
+    with open_safetensors(file) as handle:
+        return dict.fromkeys(handle.keys(), file)
+
+
+def _weight_map_from_index(folder: Path) -> dict[str, Path]:
+    index = read_json(folder / INDEX_FILE, required=True) or {}
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{folder / INDEX_FILE} has no weight_map")
+    files = {name: folder / str(fname) for name, fname in weight_map.items()}
+    for file in sorted(set(files.values())):
+        listed = {n for n, f in files.items() if f == file}
+        missing = listed - set(_names_in(file))  # also validates that every shard opens
+        if missing:
+            raise CheckpointError(f"{file} lacks tensors its index lists, e.g. {sorted(missing)[0]}")
+    return files

@@ -1,0 +1,49 @@
+"""Tokenizer: a thin wrapper over a fast tokenizer.json; needs no torch and no model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from minedraft.model.checkpoint import CheckpointError, CheckpointNotFoundError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    def __init__(self, backend: _HFTokenizer) -> None:
+        self._tok = backend
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids with the tokenizer.json post-processor applied (e.g. Llama's BOS)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load <path>/tokenizer.json (path may also be the file itself)."""
+    path = Path(path).expanduser()
+    file = path if path.is_file() else path / TOKENIZER_FILE
+    if not path.exists():
+        raise CheckpointNotFoundError(f"tokenizer folder not found: {path}")
+    if not file.is_file():
+        raise CheckpointNotFoundError(
+            f"{TOKENIZER_FILE} not found in {path} (only fast tokenizers saved as {TOKENIZER_FILE} are supported)"
+        )
+    try:
+        return Tokenizer(_HFTokenizer.from_file(str(file)))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise CheckpointError(f"cannot load {file}: {exc}") from exc
