@@ -1,0 +1,259 @@
+"""Building blocks: RMSNorm, rotary embedding, tensor-parallel linears, vocab-parallel embedding / LM head.
+
+Every parameter carries a ``weight_loader(param, source, shard_id=None)``: the model loader only maps
+checkpoint names to parameters, and the parameter itself knows which part of the tensor this rank reads
+(TP shard, q/k/v or gate/up slot of a packed weight).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minedraft.model.checkpoint import CheckpointError, TensorSlice
+from minedraft.model.config import RopeConfig
+from minedraft.model.parallel import TensorParallel
+
+# Rows per GEMM in batch-invariant mode. Every matmul is issued with this fixed M, so a row's result
+# does not depend on how many other rows share the forward pass.
+ROW_BLOCK = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+    """x @ weight.T (+ bias). Batch-invariant mode pads rows to ROW_BLOCK and runs fixed-shape GEMMs.
+
+    BLAS picks kernels (and reduction orders) by matrix shape, so a plain GEMM gives a row slightly
+    different bits at M=1 and M=5; with every GEMM at M=ROW_BLOCK, a row's bits depend on that row alone.
+    """
+    if not batch_invariant:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    blocks = F.pad(x, (0, 0, 0, -rows % ROW_BLOCK)).reshape(-1, ROW_BLOCK, x.shape[1])
+    y = torch.bmm(blocks, weight.t().expand(blocks.shape[0], -1, -1)).reshape(-1, weight.shape[0])[:rows]
+    return y if bias is None else y + bias
+
+
+def _check_shape(source: TensorSlice, expected: tuple[int, ...]) -> None:
+    if tuple(source.shape) != tuple(expected):
+        raise CheckpointError(
+            f"shape mismatch for tensor {source.name} in {source.file.name}: "
+            f"checkpoint has {list(source.shape)}, the model expects {list(expected)}"
+        )
+
+
+def _load_rows(dst: torch.Tensor, source: TensorSlice, full_rows: int, start: int, dim: int = 0) -> None:
+    """Copy source[start : start + len] along `dim` into the front of dst (which may be padded)."""
+    expected = list(dst.shape)
+    expected[dim] = full_rows
+    _check_shape(source, tuple(expected))
+    length = min(dst.shape[dim], full_rows - start)
+    dst.narrow(dim, 0, length).copy_(source.read(dim, start, length))
+
+
+def replicated_loader(param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+    _check_shape(source, tuple(param.shape))
+    param.data.copy_(source.read())
+
+
+def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), replicated_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as Hugging Face, in fp32 whatever the model dtype.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with cos/sin tables precomputed for every position."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x of shape [tokens, heads, head_dim] by its token's position."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return tuple(x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype) for x in xs)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (default, linear, llama3)."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, tp: TensorParallel, batch_invariant: bool) -> None:
+        super().__init__()
+        self.tp, self.batch_invariant = tp, batch_invariant
+        self.bias: nn.Parameter | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, bias, self.batch_invariant)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, batch_invariant: bool):
+        super().__init__(tp, batch_invariant)
+        if out_features % tp.size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor-parallel size {tp.size}")
+        self.out_local = out_features // tp.size
+        self.weight = _param((self.out_local, in_features), self.weight_loader)
+        if bias:
+            self.bias = _param((self.out_local,), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        _load_rows(param.data, source, param.shape[0] * self.tp.size, self.tp.rank * param.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one GEMM (gate_proj + up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallel,
+                 batch_invariant: bool):
+        for size in output_sizes:
+            if size % tp.size:
+                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {tp.size}")
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp, batch_invariant)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int)
+        local = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        _load_rows(param.data.narrow(0, offset, local), source, self.output_sizes[shard_id], self.tp.rank * local)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed in one column-parallel GEMM, split by heads across ranks.
+
+    With fewer kv heads than ranks, each kv head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TensorParallel, batch_invariant: bool):
+        check_head_split(num_heads, num_kv_heads, tp.size)
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        self.full = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden, local_out * tp.size, bias, tp, batch_invariant)
+
+    def split_sizes(self) -> tuple[int, int, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return q, kv, kv
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        q, kv, _ = self.split_sizes()
+        if shard_id == "q":
+            dst, start = param.data.narrow(0, 0, q), self.tp.rank * q
+        elif shard_id in ("k", "v"):
+            dst = param.data.narrow(0, q if shard_id == "k" else q + kv, kv)
+            start = self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        _load_rows(dst, source, self.full[shard_id], start)
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor-parallel size {tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads={num_kv_heads} must be a multiple or a divisor of tensor-parallel size {tp_size}"
+        )
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed over the TP group."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, batch_invariant: bool):
+        super().__init__(tp, batch_invariant)
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {tp.size}")
+        self.in_local = in_features // tp.size
+        self.weight = _param((out_features, self.in_local), self.weight_loader)
+        if bias:  # replicated, added once after the reduction
+            self.bias = _param((out_features,), replicated_loader)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        _load_rows(param.data, source, self.in_local * self.tp.size, self.tp.rank * self.in_local, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.matmul(x, None))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across ranks (the last shard zero-padded); lookups summed over the group."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel, batch_invariant: bool) -> None:
+        super().__init__()
+        self.tp, self.batch_invariant, self.vocab_size = tp, batch_invariant, vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows
+        self.weight = _param((self.rows, hidden), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        param.data.zero_()
+        _load_rows(param.data, source, self.vocab_size, self.vocab_start)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)  # exactly one rank contributes a non-zero row
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary rows, gathered so every rank holds the full row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = linear(x, self.weight, None, self.batch_invariant)
+        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

@@ -1,0 +1,145 @@
+"""One decoder for Llama, Qwen2 and Qwen3 (GQA; Qwen2 qkv bias; Qwen3 q/k norm and tied embeddings).
+
+Module names mirror the Hugging Face checkpoints, except the packed ``qkv_proj`` and ``gate_up_proj``,
+which PACKED_MODULES maps back to their checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minedraft.model.attention import SeqAttention, attend
+from minedraft.model.checkpoint import CheckpointReader
+from minedraft.model.config import ModelConfig
+from minedraft.model.kv_cache import KVCache
+from minedraft.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from minedraft.model.parallel import TensorParallel
+
+PACKED_MODULES: dict[str, tuple[tuple[str, str | int], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs besides hidden states: where tokens go in the cache, who attends to what."""
+
+    positions: torch.Tensor  # [tokens]
+    token_slots: torch.Tensor  # [tokens] cache slot of each token
+    seqs: list[SeqAttention]
+    kv_cache: KVCache
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel,
+                 batch_invariant: bool) -> None:
+        super().__init__()
+        self.layer, self.rotary, self.batch_invariant = layer, rotary, batch_invariant
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.qkv_bias, tp, batch_invariant)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        config.o_proj_bias, tp, batch_invariant)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes(), dim=-1)
+        q, k, v = (t.reshape(tokens, -1, self.head_dim) for t in (q, k, v))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(ctx.positions, q, k)
+        ctx.kv_cache.write(self.layer, ctx.token_slots, ctx.positions, k, v)
+        k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
+        out = torch.cat([
+            attend(q[s.offset : s.offset + s.length], k_cache, v_cache, s, self.scale, self.batch_invariant)
+            for s in ctx.seqs
+        ])
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, batch_invariant: bool) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, tp,
+                                                       batch_invariant)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp, batch_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel,
+                 batch_invariant: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, rotary, tp, batch_invariant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, tp, batch_invariant)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel, batch_invariant: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, batch_invariant)
+        rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, tp, batch_invariant) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return x  # the final norm is applied by CausalLM to the rows that need logits only
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel, batch_invariant: bool) -> None:
+        super().__init__()
+        self.model = DecoderModel(config, max_positions, tp, batch_invariant)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, batch_invariant)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, ctx)[logits_indices]
+        return self.lm_head(self.model.norm(hidden))
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        """Fill every parameter from the checkpoint; each parameter's loader reads only its shard."""
+        for name, param in self.named_parameters():
+            for tensor_name, shard_id in checkpoint_sources(name):
+                param.weight_loader(param, reader.tensor(tensor_name), shard_id)  # type: ignore[attr-defined]
+
+
+def checkpoint_sources(param_name: str) -> list[tuple[str, str | int | None]]:
+    """Checkpoint tensors (and their shard ids) that make up one model parameter."""
+    for packed, parts in PACKED_MODULES.items():
+        if f".{packed}." in param_name:
+            return [(param_name.replace(packed, part), shard) for part, shard in parts]
+    return [(param_name, None)]
