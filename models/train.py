@@ -1,0 +1,574 @@
+#!/usr/bin/env python
+"""Train MineDraft's bundled tiny target/draft pair on the Python standard library.
+
+The pair exists so that speculative-decoding benchmarks on a laptop CPU show real
+dynamics (partial acceptance, varying accepted lengths); the models are not useful
+for anything else.  One run does everything, deterministically for a given seed and
+Python version:
+
+1. corpus: the stdlib's own ``.py`` files (no site-packages, no test folders, no
+   generated data tables), split into train / held-out by a stable hash of the path;
+2. a byte-level BPE tokenizer (``tokenizers``) with ``<|endoftext|>`` as EOS/separator;
+3. a ~5.8M-parameter Qwen3 target trained with the plain LM loss;
+4. a ~1.0M-parameter Qwen3 draft distilled from the target (KL + hard argmax loss) on
+   corpus windows and on target-generated greedy continuations;
+5. bf16 safetensors folders, held-out prompts, and a measured greedy acceptance rate
+   (direct simulation of speculative decoding with k draft tokens).
+
+Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
+(the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
+short by the clock still ends with a full LR decay.
+
+Example: ``python models/train.py --out models`` (about 30 min on 2 idle cores).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before torch loads OpenMP.  With the default (spinning) wait policy a
+# 2-thread run on a 2-core machine that anything else also uses slows down ~10x
+# (measured: 4200 -> 270 tokens/s); PASSIVE degrades gracefully to 1-core speed.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import sysconfig  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GenerationConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+EOS = "<|endoftext|>"
+TARGET_DIR = "minedraft-target"
+DRAFT_DIR = "minedraft-draft"
+PROMPTS_FILE = "prompts/heldout.jsonl"
+# Folders whose code we do not train on: third-party packages and test suites.
+# Tests are excluded to keep the corpus "library code" and the run short.
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+# Machine-specific generated file (build paths of this interpreter): not portable code.
+EXCLUDED_PREFIXES = ("_sysconfigdata",)
+# Marker of the 72 generated charmap tables in encodings/ (1.3 MB of "'\x80' # 0x80 -> ..."
+# lines): not code, and trivially predictable, which would inflate measured acceptance.
+GENERATED_MARKER = "with gencodec.py"
+
+log = logging.getLogger("minedraft.train")
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True)
+class Doc:
+    path: str  # relative to the stdlib root, POSIX separators
+    text: str
+
+
+def is_heldout(rel_path: str, heldout_permille: int) -> bool:
+    """Stable split: independent of file order, Python hash seed and platform."""
+    digest = hashlib.sha256(rel_path.encode("utf-8")).hexdigest()
+    return int(digest, 16) % 1000 < heldout_permille
+
+
+def collect_docs(root: Path, max_file_bytes: int) -> list[Doc]:
+    docs = []
+    for path in sorted(root.rglob("*.py")):  # sorted: deterministic order
+        rel = path.relative_to(root)
+        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
+            continue
+        if rel.name.startswith(EXCLUDED_PREFIXES) or path.stat().st_size > max_file_bytes:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a few legacy files declare other encodings
+            continue
+        if text.strip() and GENERATED_MARKER not in text[:300]:
+            docs.append(Doc(rel.as_posix(), text))
+    return docs
+
+
+def split_docs(docs: Sequence[Doc], heldout_permille: int) -> tuple[list[Doc], list[Doc]]:
+    train = [d for d in docs if not is_heldout(d.path, heldout_permille)]
+    heldout = [d for d in docs if is_heldout(d.path, heldout_permille)]
+    return train, heldout
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],  # id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode_stream(tok: Tokenizer, docs: Sequence[Doc], eos_id: int) -> torch.Tensor:
+    """All documents as one token stream, each followed by EOS (the document separator)."""
+    ids: list[int] = []
+    for enc in tok.encode_batch([d.text for d in docs]):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def save_tokenizer(tok: Tokenizer, folder: Path, max_len: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+TARGET_ARCH = Arch(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, ffn=768)
+DRAFT_ARCH = Arch(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=512)
+
+
+def build_model(arch: Arch, vocab_size: int, eos_id: int, max_positions: int) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=arch.hidden,
+        intermediate_size=arch.ffn,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        dtype="bfloat16",  # recorded in config.json: the dtype we ship
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights counted once
+
+
+def save_model(model: Qwen3ForCausalLM, folder: Path, eos_id: int) -> None:
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+    )
+    # Copy so the caller keeps its fp32 master weights.
+    shipped = Qwen3ForCausalLM(model.config)
+    shipped.load_state_dict(model.state_dict())
+    shipped.generation_config = model.generation_config
+    shipped.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+
+
+def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a shipped folder exactly as users will (fp32 upcast is exact for bf16 weights)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------- training
+
+
+@dataclass
+class Budget:
+    """Stop at `steps` or after `minutes`, whichever comes first."""
+
+    steps: int
+    minutes: float | None
+    start: float = field(default_factory=time.monotonic)
+
+    def progress(self, step: int) -> float:
+        by_steps = step / self.steps
+        if self.minutes is None:
+            return by_steps
+        return max(by_steps, (time.monotonic() - self.start) / (60 * self.minutes))
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of peak as progress goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / warmup)
+    return peak * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - length, (batch,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x[:, :-1]).logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+def train_loop(
+    model: torch.nn.Module,
+    next_batch: Callable[[], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    budget: Budget,
+    peak_lr: float,
+    name: str,
+    log_every: int,
+) -> dict[str, float]:
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: no weight decay
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, min(100, budget.steps // 10))
+    step, ema = 0, None
+    while (progress := budget.progress(step)) < 1.0:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, progress, peak_lr, warmup)
+        # bf16 autocast: ~1.5x faster on AVX512-BF16 CPUs; master weights stay fp32.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(next_batch())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % log_every == 0:
+            elapsed = time.monotonic() - budget.start
+            log.info("%s step %d/%d  loss(ema) %.4f  lr %.2e  %.0fs", name, step, budget.steps, ema,
+                     opt.param_groups[0]["lr"], elapsed)
+    model.eval()
+    stopped_by = "steps" if step >= budget.steps else "clock"
+    log.info("%s done: %d steps in %.0fs (stopped by %s)", name, step, time.monotonic() - budget.start,
+             stopped_by)
+    return {"steps": step, "seconds": round(time.monotonic() - budget.start, 1), "stopped_by": stopped_by}
+
+
+def distill_loss(teacher: torch.nn.Module, student: torch.nn.Module, hard_weight: float
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """KL(teacher || student) per position, plus CE on the teacher's argmax.
+
+    The hard term targets what speculative decoding actually needs under greedy
+    verification: the student's top-1 must equal the teacher's top-1.
+    """
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        inputs = x[:, :-1]
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
+        s_logits = student(input_ids=inputs).logits.float()
+        s_logp = F.log_softmax(s_logits, dim=-1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+        hard = F.cross_entropy(s_logits.reshape(-1, s_logits.size(-1)), t_logp.argmax(-1).reshape(-1))
+        return kl + hard_weight * hard
+
+    return loss
+
+
+@torch.no_grad()
+def greedy_extend(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation of a [B, P] batch with a KV cache; returns [B, P + new_tokens]."""
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    pieces = [prompt]
+    for i in range(new_tokens):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        pieces.append(nxt)
+        if i + 1 < new_tokens:
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(pieces, dim=1)
+
+
+def generate_distill_set(
+    teacher: torch.nn.Module, stream: torch.Tensor, args: argparse.Namespace, gen: torch.Generator
+) -> torch.Tensor:
+    """Target-greedy continuations of random training prompts, as [N, seq_len + 1] windows.
+
+    At benchmark time the draft sees prompt + *target-generated* text, which is far
+    more repetitive than the corpus; training on it closes that distribution gap.
+    """
+    length = args.seq_len + 1
+    rows: list[torch.Tensor] = []
+    start = time.monotonic()
+    deadline = start + 60 * args.gen_minutes
+    while len(rows) * args.gen_batch < args.gen_seqs and time.monotonic() < deadline:
+        plen = int(torch.randint(16, args.max_prompt_tokens + 1, (1,), generator=gen))
+        prompts = random_windows(stream, args.gen_batch, plen, gen)
+        rows.append(greedy_extend(teacher, prompts, length - plen))
+        log.info("generated %d/%d sequences (prompt %d tokens)  %.0fs", len(rows) * args.gen_batch,
+                 args.gen_seqs, plen, time.monotonic() - start)
+    return torch.cat(rows) if rows else torch.empty(0, length, dtype=torch.long)
+
+
+def mixed_batches(
+    stream: torch.Tensor, generated: torch.Tensor, args: argparse.Namespace, gen: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Batches of corpus windows with a fraction `gen_mix` replaced by generated rows."""
+    n_gen = round(args.batch * args.gen_mix) if len(generated) else 0
+    while True:
+        corpus = random_windows(stream, args.batch - n_gen, args.seq_len + 1, gen)
+        rows = generated[torch.randint(0, max(1, len(generated)), (n_gen,), generator=gen)]
+        yield torch.cat([corpus, rows])
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, windows: torch.Tensor, batch: int = 8) -> float:
+    losses = [lm_loss(model, windows[i : i + batch]).item() * len(windows[i : i + batch])
+              for i in range(0, len(windows), batch)]
+    return sum(losses) / len(windows)
+
+
+def eval_windows(stream: torch.Tensor, count: int, length: int, seed: int) -> torch.Tensor:
+    """A fixed sample of windows (same for every model) for comparable loss numbers."""
+    return random_windows(stream, count, length, torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def speculative_round(target: torch.nn.Module, draft: torch.nn.Module, ctx: torch.Tensor, k: int
+                      ) -> tuple[torch.Tensor, int]:
+    """One greedy speculative step: draft proposes k tokens, target verifies them in one pass.
+
+    Returns (tokens emitted this round, number of accepted draft tokens).  Emitted
+    tokens are the accepted prefix plus the target's own next token, so the output
+    is exactly the target's greedy decoding (lossless).
+    """
+    proposal = greedy_extend(draft, ctx, k)[:, ctx.size(1):]
+    logits = target(input_ids=torch.cat([ctx, proposal], dim=1), logits_to_keep=k + 1).logits
+    verified = logits[0].argmax(-1)  # target's choice after ctx, ctx+p1, ..., ctx+p1..pk
+    matches = (verified[:k] == proposal[0]).int()
+    accepted = int(matches.cumprod(0).sum())
+    return verified[: accepted + 1].unsqueeze(0), accepted
+
+
+@torch.no_grad()
+def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module, tok: Tokenizer,
+                       prompts: Sequence[str], new_tokens: int, k: int) -> dict[str, float]:
+    agree = positions = rounds = emitted_total = 0
+    for text in prompts:
+        ctx = torch.tensor([tok.encode(text).ids])
+        plen = ctx.size(1)
+        while ctx.size(1) - plen < new_tokens:
+            emitted, _ = speculative_round(target, draft, ctx, k)
+            ctx = torch.cat([ctx, emitted], dim=1)
+            rounds += 1
+            emitted_total += emitted.size(1)
+        # alpha: teacher-forced top-1 agreement along the target's greedy trajectory.
+        cont = ctx[0, plen : plen + new_tokens]
+        draft_top1 = draft(input_ids=ctx[:, : plen + new_tokens - 1]).logits[0, plen - 1 :].argmax(-1)
+        agree += int((draft_top1 == cont).sum())
+        positions += new_tokens
+    alpha = agree / positions
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "k": k,
+        "alpha": round(alpha, 4),
+        "implied_mean_accepted_length": round((1 - alpha ** (k + 1)) / (1 - alpha), 3) if alpha < 1 else k + 1,
+        "simulated_mean_accepted_length": round(emitted_total / rounds, 3),
+        "rounds": rounds,
+    }
+
+
+# -------------------------------------------------------------------------- prompts
+
+
+def cut_prompts(heldout: Sequence[Doc], tok: Tokenizer, count: int, lo: int, hi: int, seed: int
+                ) -> list[dict[str, str]]:
+    """Prompts of lo..hi tokens starting at line starts of held-out files, round-robin over files."""
+    rng = random.Random(seed)
+    prompts: list[dict[str, str]] = []
+    attempts = 0
+    while len(prompts) < count and attempts < 50 * count:
+        doc = heldout[attempts % len(heldout)]
+        attempts += 1
+        lines = doc.text.splitlines(keepends=True)
+        start = rng.randrange(len(lines))
+        ids = tok.encode("".join(lines[start:])).ids
+        length = rng.randint(lo, hi)
+        if len(ids) < length:
+            continue
+        text = tok.decode(ids[:length])
+        if "\ufffd" in text or not text.strip():  # cut inside a multi-byte char, or blank
+            continue
+        prompts.append({"prompt": text, "source": doc.path})
+    return prompts
+
+
+def write_jsonl(rows: Sequence[dict[str, str]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="output folder")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--heldout-permille", type=int, default=50, help="held-out share, per mille of files")
+    p.add_argument("--max-file-kib", type=int, default=256, help="skip larger files (generated data)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=384, help="training context (prompt+64 must fit)")
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--target-steps", type=int, default=1100)
+    p.add_argument("--target-minutes", type=float, default=14.0, help="wall-clock cap for the target")
+    p.add_argument("--target-lr", type=float, default=2e-3)
+    p.add_argument("--gen-seqs", type=int, default=1280, help="target-generated distillation rows")
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--gen-minutes", type=float, default=4.0, help="wall-clock cap for generation")
+    p.add_argument("--gen-mix", type=float, default=0.5, help="share of generated rows per draft batch")
+    p.add_argument("--draft-steps", type=int, default=1000)
+    p.add_argument("--draft-minutes", type=float, default=8.0, help="wall-clock cap for the draft")
+    p.add_argument("--draft-lr", type=float, default=3e-3)
+    p.add_argument("--hard-weight", type=float, default=0.5, help="weight of CE on target argmax")
+    p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
+    p.add_argument("--num-prompts", type=int, default=160)
+    p.add_argument("--min-prompt-tokens", type=int, default=20)
+    p.add_argument("--max-prompt-tokens", type=int, default=300)
+    p.add_argument("--eval-prompts", type=int, default=160, help="prompts used for acceptance")
+    p.add_argument("--eval-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="draft tokens per speculative round")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply all step/minute budgets (e.g. 0.05 for a smoke test)")
+    return p.parse_args(argv)
+
+
+def scaled(args: argparse.Namespace) -> argparse.Namespace:
+    for name in ("target_steps", "draft_steps", "gen_seqs"):
+        setattr(args, name, max(1, round(getattr(args, name) * args.scale)))
+    for name in ("target_minutes", "draft_minutes", "gen_minutes"):
+        setattr(args, name, getattr(args, name) * args.scale)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = scaled(parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.monotonic()
+    gen = torch.Generator().manual_seed(args.seed)  # the only source of data order
+    out: Path = args.out
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_docs, heldout_docs = split_docs(collect_docs(root, args.max_file_kib * 1024), args.heldout_permille)
+    log.info("corpus %s: %d train files, %d held-out files", root, len(train_docs), len(heldout_docs))
+
+    tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)
+    eos_id = tok.token_to_id(EOS)
+    train_stream = encode_stream(tok, train_docs, eos_id)
+    heldout_stream = encode_stream(tok, heldout_docs, eos_id)
+    chars = sum(len(d.text) for d in train_docs)
+    log.info("tokenizer: vocab %d; train %d tokens (%.2f chars/token), held-out %d tokens",
+             tok.get_vocab_size(), len(train_stream), chars / len(train_stream), len(heldout_stream))
+    for folder in (TARGET_DIR, DRAFT_DIR):
+        save_tokenizer(tok, out / folder, args.max_positions)
+
+    def next_batch() -> torch.Tensor:
+        return random_windows(train_stream, args.batch, args.seq_len + 1, gen)
+
+    target = build_model(TARGET_ARCH, tok.get_vocab_size(), eos_id, args.max_positions)
+    log.info("target: %d parameters", n_params(target))
+    target_run = train_loop(target, next_batch, lambda x: lm_loss(target, x),
+                            Budget(args.target_steps, args.target_minutes), args.target_lr, "target",
+                            args.log_every)
+    save_model(target, out / TARGET_DIR, eos_id)
+    # The teacher is the shipped bf16 target, not the fp32 master copy; pure bf16 is
+    # also ~1.5x faster than fp32 here for both its forward passes and generation.
+    teacher = load_model(out / TARGET_DIR, torch.bfloat16)
+
+    generated = generate_distill_set(teacher, train_stream, args, gen)
+    batches = mixed_batches(train_stream, generated, args, gen)
+    draft = build_model(DRAFT_ARCH, tok.get_vocab_size(), eos_id, args.max_positions)
+    log.info("draft: %d parameters", n_params(draft))
+    draft_run = train_loop(draft, lambda: next(batches), distill_loss(teacher, draft, args.hard_weight),
+                           Budget(args.draft_steps, args.draft_minutes), args.draft_lr, "draft",
+                           args.log_every)
+    save_model(draft, out / DRAFT_DIR, eos_id)
+
+    prompts = cut_prompts(heldout_docs, tok, args.num_prompts, args.min_prompt_tokens,
+                          args.max_prompt_tokens, args.seed)
+    write_jsonl(prompts, out / PROMPTS_FILE)
+    log.info("wrote %d prompts to %s", len(prompts), out / PROMPTS_FILE)
+
+    report = evaluate(out, tok, train_stream, heldout_stream, prompts, args)
+    report["target_training"], report["draft_training"] = target_run, draft_run
+    report["generated_rows"] = len(generated)
+    report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
+    report["args"] = {k: str(v) for k, v in vars(args).items()}
+    print(json.dumps(report, indent=2))
+
+
+def evaluate(out: Path, tok: Tokenizer, train_stream: torch.Tensor, heldout_stream: torch.Tensor,
+             prompts: Sequence[dict[str, str]], args: argparse.Namespace) -> dict:
+    """Reload the shipped folders and measure losses and greedy acceptance."""
+    target, draft = load_model(out / TARGET_DIR), load_model(out / DRAFT_DIR)
+    assert Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json")).get_vocab_size() == tok.get_vocab_size()
+    train_w = eval_windows(train_stream, args.loss_windows, args.seq_len + 1, args.seed + 1)
+    heldout_w = eval_windows(heldout_stream, args.loss_windows, args.seq_len + 1, args.seed + 2)
+    report: dict = {"python": sysconfig.get_python_version(), "arch": {}}
+    for name, model, arch in (("target", target, TARGET_ARCH), ("draft", draft, DRAFT_ARCH)):
+        report["arch"][name] = asdict(arch)
+        report[name] = {
+            "parameters": n_params(model),
+            "train_loss": round(mean_loss(model, train_w), 4),
+            "heldout_loss": round(mean_loss(model, heldout_w), 4),
+            "weights_bytes": (out / (TARGET_DIR if name == "target" else DRAFT_DIR) / "model.safetensors")
+            .stat().st_size,
+        }
+        log.info("%s: %s", name, report[name])
+    texts = [p["prompt"] for p in prompts[: args.eval_prompts]]
+    report["acceptance"] = measure_acceptance(target, draft, tok, texts, args.eval_new_tokens, args.k)
+    log.info("acceptance: %s", report["acceptance"])
+    return report
+
+
+if __name__ == "__main__":
+    main()
