@@ -174,3 +174,20 @@ def test_sdpa_kernels_agree_within_float32_noise(checkpoints):
     ref = results.pop("one_at_a_time")
     for logits in results.values():
         torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_memory_chunking_changes_no_bit(checkpoints, monkeypatch):
+    """Long prefills are split into runs of query blocks and groups are cut to bound memory."""
+    import minedraft.model.attention as attention
+
+    ids, other = tokens(100, seed=15), tokens(9, seed=16)
+
+    def run() -> torch.Tensor:
+        r = runner(checkpoints["qwen3"], "invariant")
+        a, b = r.allocate_slot(), r.allocate_slot()
+        r.forward([SeqInput(b, other, 0)])
+        return r.forward([SeqInput(a, ids, 0, num_logits=100), SeqInput(b, ids[:3], 9, num_logits=3)])
+
+    ref = run()
+    monkeypatch.setattr(attention, "_MAX_SCORES", 1)  # every query block of every sequence on its own
+    assert torch.equal(run(), ref)

@@ -2,11 +2,12 @@
 
 Query i of a sequence sits at position start + i and sees keys 0 .. start + i. Two kernels:
 
-* ``sdpa``: torch scaled_dot_product_attention per sequence (fast; used on CUDA).
+* ``sdpa``: torch scaled_dot_product_attention, one call per sequence (fast; the default on CUDA).
 * ``batch-invariant``: the same math with every GEMM and reduction at a fixed shape (Q_BLOCK query rows
-  x KV_BLOCK keys, blocks combined sequentially), so a token's output is bit-identical whether it is
-  decoded alone, verified among k drafts or batched with other sequences. Fully masked blocks contribute
-  exact zeros, which is what makes the longer key range of a verification pass harmless.
+  x KV_BLOCK keys, key blocks combined strictly left to right), so a token's output is bit-identical
+  whether it is decoded alone, verified among k drafts or batched with other sequences. Blocks a row
+  may not see contribute exact zeros, which makes padding to a longer key range harmless. Sequences
+  are batched into groups of equal query-block count, so a decode step is a handful of ops per layer.
 """
 
 from __future__ import annotations
@@ -19,28 +20,51 @@ import torch.nn.functional as F
 from minedraft.model.kv_cache import KV_BLOCK
 
 Q_BLOCK = 8  # query rows per fixed-shape block
-_MAX_SCORES = 1 << 22  # score elements per chunk of query blocks, to bound memory on long prefills
+_MAX_SCORES = 1 << 22  # score elements per group, to bound memory on long prefills
 
 
 @dataclass
 class SeqAttention:
-    """Per-sequence attention inputs, built once per forward and shared by all layers."""
+    """One sequence, for the sdpa kernel."""
 
     slot: int
     start: int  # tokens already in the cache before this pass
     offset: int  # index of the sequence's first token in the flattened batch
     length: int  # new tokens of this sequence
-    mask: torch.Tensor | None  # boolean; None where every key is visible (sdpa decode)
+    mask: torch.Tensor | None  # [length, start + length]; None when it is a single token (sees all)
 
 
-def build_seq_attention(slots: list[int], starts: list[int], lengths: list[int], device: torch.device,
-                        batch_invariant: bool) -> list[SeqAttention]:
-    seqs, offset = [], 0
-    for slot, start, length in zip(slots, starts, lengths, strict=True):
-        mask = _block_mask(start, length, device) if batch_invariant else _sdpa_mask(start, length, device)
-        seqs.append(SeqAttention(slot, start, offset, length, mask))
-        offset += length
-    return seqs
+@dataclass
+class BlockGroup:
+    """Pieces of sequences with the same number of query blocks, for the batch-invariant kernel."""
+
+    slots: torch.Tensor  # [pieces]
+    rows: torch.Tensor  # [pieces, q_blocks * Q_BLOCK] token index of each query row (padding repeats one)
+    mask: torch.Tensor  # [pieces, q_blocks, kv_blocks, Q_BLOCK, KV_BLOCK] key visibility
+    src: torch.Tensor  # indices of real (non-padding) rows in the flattened output
+    dst: torch.Tensor  # their token indices in the batch
+
+
+@dataclass
+class AttentionPlan:
+    seqs: list[SeqAttention]
+    groups: list[BlockGroup]
+
+
+def plan_attention(starts: list[int], lengths: list[int], slots: list[int], num_heads: int,
+                   device: torch.device, batch_invariant: bool) -> AttentionPlan:
+    """Host-side bookkeeping shared by all layers of one forward pass."""
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    if not batch_invariant:
+        seqs = [SeqAttention(slot, start, off, n, _sdpa_mask(start, n, device))
+                for slot, start, off, n in zip(slots, starts, offsets, lengths, strict=True)]
+        return AttentionPlan(seqs, [])
+    pieces = [p for s in zip(slots, starts, offsets, lengths, strict=True) for p in _pieces(*s, num_heads)]
+    by_blocks: dict[int, list[_Piece]] = {}
+    for piece in pieces:
+        by_blocks.setdefault(piece.q_blocks, []).append(piece)
+    groups = [_build_group(chunk, device) for same in by_blocks.values() for chunk in _chunks(same, num_heads)]
+    return AttentionPlan([], groups)
 
 
 def _sdpa_mask(start: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -49,57 +73,102 @@ def _sdpa_mask(start: int, length: int, device: torch.device) -> torch.Tensor | 
     return torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
-def _block_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
-    """[q_blocks, kv_blocks, Q_BLOCK, KV_BLOCK] visibility; padding rows repeat the last position."""
-    num_q = -(-length // Q_BLOCK)
-    num_kv = -(-(start + length) // KV_BLOCK)
-    pos = torch.arange(num_q * Q_BLOCK, device=device).clamp(max=length - 1) + start
-    keys = torch.arange(num_kv * KV_BLOCK, device=device).view(num_kv, KV_BLOCK)
-    return keys[None, :, None, :] <= pos.view(num_q, 1, Q_BLOCK, 1)
+@dataclass
+class _Piece:
+    slot: int
+    start: int  # cache position of the sequence's first new token
+    offset: int  # its token index in the batch
+    length: int  # new tokens of the sequence
+    first_block: int  # query blocks [first_block, first_block + q_blocks) of the sequence
+    q_blocks: int
+
+    @property
+    def kv_blocks(self) -> int:
+        last_row = min(self.length, (self.first_block + self.q_blocks) * Q_BLOCK) - 1
+        return -(-(self.start + last_row + 1) // KV_BLOCK)
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqAttention, scale: float,
-           batch_invariant: bool) -> torch.Tensor:
-    """q: [length, heads, head_dim] of one sequence; caches: [slots, kv_heads, max_len, head_dim]."""
-    k, v = k_cache[seq.slot], v_cache[seq.slot]
-    if batch_invariant:
-        return _invariant_attention(q, k, v, seq, scale)
+def _pieces(slot: int, start: int, offset: int, length: int, num_heads: int) -> list[_Piece]:
+    """Split a long sequence into runs of query blocks whose scores fit in _MAX_SCORES."""
+    total = -(-length // Q_BLOCK)
+    kv_blocks = -(-(start + length) // KV_BLOCK)
+    step = max(1, _MAX_SCORES // (num_heads * Q_BLOCK * kv_blocks * KV_BLOCK))
+    return [_Piece(slot, start, offset, length, b, min(step, total - b)) for b in range(0, total, step)]
+
+
+def _chunks(pieces: list[_Piece], num_heads: int) -> list[list[_Piece]]:
+    """Batch pieces together while the padded score tensor stays under _MAX_SCORES."""
+    chunks: list[list[_Piece]] = []
+    current: list[_Piece] = []
+    for piece in pieces:
+        candidate = current + [piece]
+        kv = max(p.kv_blocks for p in candidate)
+        if current and len(candidate) * num_heads * piece.q_blocks * Q_BLOCK * kv * KV_BLOCK > _MAX_SCORES:
+            chunks.append(current)
+            candidate = [piece]
+        current = candidate
+    return chunks + [current]
+
+
+def _build_group(pieces: list[_Piece], device: torch.device) -> BlockGroup:
+    q_blocks, kv_blocks = pieces[0].q_blocks, max(p.kv_blocks for p in pieces)
+    index = torch.tensor([p.first_block * Q_BLOCK for p in pieces])[:, None] + torch.arange(q_blocks * Q_BLOCK)
+    lengths = torch.tensor([p.length for p in pieces])[:, None]
+    real = index < lengths
+    index = torch.minimum(index, lengths - 1)  # padding rows act as the sequence's last token
+    positions = torch.tensor([p.start for p in pieces])[:, None] + index
+    keys = torch.arange(kv_blocks * KV_BLOCK)
+    mask = (keys[None, None, :] <= positions[:, :, None]).view(len(pieces), q_blocks, Q_BLOCK, kv_blocks, KV_BLOCK)
+    rows = torch.tensor([p.offset for p in pieces])[:, None] + index
+    return BlockGroup(
+        slots=torch.tensor([p.slot for p in pieces], device=device),
+        rows=rows.to(device),
+        mask=mask.permute(0, 1, 3, 2, 4).contiguous().to(device),
+        src=real.flatten().nonzero().squeeze(1).to(device),
+        dst=rows[real].to(device),
+    )
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+           scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim] of the whole batch; caches: [slots, kv_heads, max_len, head_dim]."""
+    if not plan.groups:
+        return torch.cat([_sdpa(q[s.offset : s.offset + s.length], k_cache, v_cache, s, scale) for s in plan.seqs])
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        out[group.dst] = _block_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)[group.src]
+    return out
+
+
+def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqAttention,
+          scale: float) -> torch.Tensor:
     end = seq.start + seq.length
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k[:, :end], v[:, :end], attn_mask=seq.mask,
-                                         scale=scale, enable_gqa=True)
+    k, v = k_cache[seq.slot, :, :end], v_cache[seq.slot, :, :end]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
-def _invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqAttention,
-                         scale: float) -> torch.Tensor:
-    length, heads, dim = q.shape
-    kv_heads = k.shape[0]
-    group = heads // kv_heads
-    num_q, num_kv = seq.mask.shape[0], seq.mask.shape[1]
-    rows = group * Q_BLOCK
-    # [kv_heads, q_blocks, 1, group * Q_BLOCK, dim]: GQA query heads of one kv head share a GEMM.
-    qb = F.pad(q, (0, 0, 0, 0, 0, num_q * Q_BLOCK - length)).view(num_q, Q_BLOCK, kv_heads, group, dim)
-    qb = qb.permute(2, 0, 3, 1, 4).reshape(kv_heads, num_q, 1, rows, dim)
-    kb = k[:, : num_kv * KV_BLOCK].reshape(kv_heads, 1, num_kv, KV_BLOCK, dim)
-    vb = v[:, : num_kv * KV_BLOCK].reshape(kv_heads, 1, num_kv, KV_BLOCK, dim)
-    step = max(1, _MAX_SCORES // (heads * Q_BLOCK * num_kv * KV_BLOCK))
-    outs = [
-        _attend_q_blocks(qb[:, i : i + step], kb, vb, seq.mask[i : i + step], scale, group)
-        for i in range(0, num_q, step)
-    ]
-    out = torch.cat(outs, dim=1).view(kv_heads, num_q, group, Q_BLOCK, dim)
-    return out.permute(1, 3, 0, 2, 4).reshape(num_q * Q_BLOCK, heads, dim)[:length]
-
-
-def _attend_q_blocks(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor, scale: float,
-                     group: int) -> torch.Tensor:
-    kv_heads, num_q, _, rows, dim = qb.shape
-    num_kv = kb.shape[2]
-    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [kv_heads, q, kv, rows, KV_BLOCK]
-    scores = scores.view(kv_heads, num_q, num_kv, group, Q_BLOCK, KV_BLOCK)
-    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))  # row max is exact in any order
-    # cumsum runs strictly left to right over kv blocks, so trailing all-zero blocks change nothing.
-    denom = probs.sum(-1).cumsum(2)[:, :, -1]  # [kv_heads, q, group, Q_BLOCK]
-    out = torch.matmul(probs.view(kv_heads, num_q, num_kv, rows, KV_BLOCK), vb).cumsum(2)[:, :, -1]
-    return out.view(kv_heads, num_q, group, Q_BLOCK, dim) / denom.unsqueeze(-1)
+def _block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: BlockGroup,
+                     scale: float) -> torch.Tensor:
+    """[pieces, q_blocks * Q_BLOCK, heads, head_dim] attention output of one group."""
+    pieces, q_blocks, kv_blocks = group.mask.shape[:3]
+    heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    group_size, rows = heads // kv_heads, heads // kv_heads * Q_BLOCK
+    # [pieces, kv_heads, q_blocks, 1, group * Q_BLOCK, dim]: GQA heads of one kv head share a GEMM.
+    qb = q[group.rows].view(pieces, q_blocks, Q_BLOCK, kv_heads, group_size, dim)
+    qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(pieces, kv_heads, q_blocks, 1, rows, dim)
+    keys = kv_blocks * KV_BLOCK
+    # index_select on the sliced view copies only the keys in use (and is far faster than [slots, :, :keys]).
+    kb = k_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
+    vb = v_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
+    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [p, kv_heads, q, kv, rows, KV_BLOCK]
+    scores = scores.view(pieces, kv_heads, q_blocks, kv_blocks, group_size, Q_BLOCK, KV_BLOCK)
+    scores = scores.masked_fill(~group.mask[:, None, :, :, None], float("-inf"))
+    probs = torch.exp(scores - scores.amax(dim=(3, 6), keepdim=True))  # a max is exact in any order
+    # cumsum adds kv blocks strictly left to right: trailing all-zero blocks change no bit.
+    denom = probs.sum(-1).cumsum(3)[:, :, :, -1]  # [p, kv_heads, q, group, Q_BLOCK]
+    out = torch.matmul(probs.view(pieces, kv_heads, q_blocks, kv_blocks, rows, KV_BLOCK), vb)
+    out = out.cumsum(3)[:, :, :, -1].view(pieces, kv_heads, q_blocks, group_size, Q_BLOCK, dim)
+    out = out / denom.unsqueeze(-1)
+    return out.permute(0, 2, 4, 1, 3, 5).reshape(pieces, q_blocks * Q_BLOCK, heads, dim)

@@ -51,7 +51,8 @@ def _load_rows(dst: torch.Tensor, source: TensorSlice, full_rows: int, start: in
     expected[dim] = full_rows
     _check_shape(source, tuple(expected))
     length = min(dst.shape[dim], full_rows - start)
-    dst.narrow(dim, 0, length).copy_(source.read(dim, start, length))
+    if length > 0:  # a trailing vocab shard may be all padding
+        dst.narrow(dim, 0, length).copy_(source.read(dim, start, length))
 
 
 def replicated_loader(param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:

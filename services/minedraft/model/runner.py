@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minedraft.model.attention import build_seq_attention
+from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.kv_cache import KVCache
@@ -163,12 +163,13 @@ class ModelRunner:
         """Run the model on a prepared batch (every TP rank calls this with the same batch)."""
         if len(batch.logits_indices) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
+        # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
+        plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.slots.tolist(),
+                              self.config.num_attention_heads // self.tp.size, self.device, self.batch_invariant)
         batch = batch.to(self.device)
-        seqs = build_seq_attention(batch.slots.tolist(), batch.start_pos.tolist(), batch.query_lens.tolist(),
-                                   self.device, self.batch_invariant)
         ctx = ForwardContext(
             positions=batch.positions, token_slots=torch.repeat_interleave(batch.slots, batch.query_lens),
-            seqs=seqs, kv_cache=self.kv_cache,
+            attention=plan, kv_cache=self.kv_cache,
         )
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minedraft.model.attention import SeqAttention, attend
+from minedraft.model.attention import AttentionPlan, attend
 from minedraft.model.checkpoint import CheckpointReader
 from minedraft.model.config import ModelConfig
 from minedraft.model.kv_cache import KVCache
@@ -39,7 +39,7 @@ class ForwardContext:
 
     positions: torch.Tensor  # [tokens]
     token_slots: torch.Tensor  # [tokens] cache slot of each token
-    seqs: list[SeqAttention]
+    attention: AttentionPlan
     kv_cache: KVCache
 
 
@@ -47,7 +47,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel,
                  batch_invariant: bool) -> None:
         super().__init__()
-        self.layer, self.rotary, self.batch_invariant = layer, rotary, batch_invariant
+        self.layer, self.rotary = layer, rotary
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -67,10 +67,7 @@ class Attention(nn.Module):
         q, k = self.rotary(ctx.positions, q, k)
         ctx.kv_cache.write(self.layer, ctx.token_slots, ctx.positions, k, v)
         k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
-        out = torch.cat([
-            attend(q[s.offset : s.offset + s.length], k_cache, v_cache, s, self.scale, self.batch_invariant)
-            for s in ctx.seqs
-        ])
+        out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
