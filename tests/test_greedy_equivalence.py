@@ -44,7 +44,9 @@ MODES = {
 def random_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("random_pair")
     target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=32, num_layers=1, seed=2)
+    # The target's first layer under its own embeddings and head: agrees with it now and then, so
+    # windows are accepted in part (the self-draft test below covers full acceptance).
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
     return target, draft
 
 
