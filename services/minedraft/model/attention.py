@@ -162,13 +162,14 @@ def _block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # index_select on the sliced view copies only the keys in use (and is far faster than [slots, :, :keys]).
     kb = k_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
     vb = v_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
-    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [p, kv_heads, q, kv, rows, KV_BLOCK]
+    # Softmax in fp32 whatever the model dtype (no-op casts for fp32 models).
+    scores = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale  # [p, kv_heads, q, kv, rows, KV_BLOCK]
     scores = scores.view(pieces, kv_heads, q_blocks, kv_blocks, group_size, Q_BLOCK, KV_BLOCK)
     scores = scores.masked_fill(~group.mask[:, None, :, :, None], float("-inf"))
     probs = torch.exp(scores - scores.amax(dim=(3, 6), keepdim=True))  # a max is exact in any order
     # cumsum adds kv blocks strictly left to right: trailing all-zero blocks change no bit.
     denom = probs.sum(-1).cumsum(3)[:, :, :, -1]  # [p, kv_heads, q, group, Q_BLOCK]
-    out = torch.matmul(probs.view(pieces, kv_heads, q_blocks, kv_blocks, rows, KV_BLOCK), vb)
-    out = out.cumsum(3)[:, :, :, -1].view(pieces, kv_heads, q_blocks, group_size, Q_BLOCK, dim)
-    out = out / denom.unsqueeze(-1)
+    out = torch.matmul(probs.to(vb.dtype).view(pieces, kv_heads, q_blocks, kv_blocks, rows, KV_BLOCK), vb)
+    out = out.float().cumsum(3)[:, :, :, -1].view(pieces, kv_heads, q_blocks, group_size, Q_BLOCK, dim)
+    out = (out / denom.unsqueeze(-1)).to(q.dtype)
     return out.permute(0, 2, 4, 1, 3, 5).reshape(pieces, q_blocks * Q_BLOCK, heads, dim)
