@@ -54,15 +54,15 @@ class Attention(nn.Module):
                                           config.num_key_value_heads, config.qkv_bias, tp, batch_invariant)
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         config.o_proj_bias, tp, batch_invariant)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes(), dim=-1)
         q, k, v = (t.reshape(tokens, -1, self.head_dim) for t in (q, k, v))
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(ctx.positions, q, k)
         ctx.kv_cache.write(self.layer, ctx.token_slots, ctx.positions, k, v)
