@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC stubs (regenerate with `python scripts/gen_protos.py`)."""
