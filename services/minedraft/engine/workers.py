@@ -188,6 +188,14 @@ class VerifyWorker(_Worker):
         self._drafts.update(drafts)
 
     def verify(self, plan: VerifyPlan) -> list[Verified]:
+        """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""
+        batch = self.forward(plan)
+        results = self.sample(batch)
+        self.commit(batch, results)
+        return results
+
+    def forward(self, plan: VerifyPlan) -> VerifyBatch:
+        """Run the target over every task's pending tokens + drafts (collective under tensor parallelism)."""
         seqs = [self.sequences[t.request_id] for t in plan.tasks]
         windows = [self._drafts.pop(t.request_id, None) or Drafts() for t in plan.tasks]
         inputs = [seq.pending(seq.tokens) for seq in seqs]
@@ -197,19 +205,37 @@ class VerifyWorker(_Worker):
                 for seq, (start, written), w in zip(seqs, inputs, windows)
             ]
         )
+        return VerifyBatch(plan, seqs, windows, logits)
+
+    def sample(self, batch: VerifyBatch) -> list[Verified]:
+        """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
         new_tokens = rejection_sample(
-            logits,
-            [w.tokens for w in windows],
-            [w.sparse_q() for w in windows],
-            [seq.params for seq in seqs],
-            [seq.generator for seq in seqs],
+            batch.logits,
+            [w.tokens for w in batch.windows],
+            [w.sparse_q() for w in batch.windows],
+            [seq.params for seq in batch.seqs],
+            [seq.generator for seq in batch.seqs],
         )
         results = []
-        for task, seq, w, tokens in zip(plan.tasks, seqs, windows, new_tokens):
+        for task, w, tokens in zip(batch.plan.tasks, batch.windows, new_tokens):
             accepted = len(tokens) - 1
             if w.tokens and accepted == len(w.tokens) and not task.keep_bonus:
                 tokens = tokens[:-1]
-            seq.kv_tokens = seq.tokens + w.tokens
-            seq.tokens.extend(tokens)
             results.append(Verified(task.request_id, tokens, len(w.tokens), accepted))
         return results
+
+    def commit(self, batch: VerifyBatch, results: list[Verified]) -> None:
+        """Record what the cache now holds and the new committed tokens (followers get `results` from rank 0)."""
+        for seq, w, result in zip(batch.seqs, batch.windows, results):
+            seq.kv_tokens = seq.tokens + w.tokens
+            seq.tokens.extend(result.token_ids)
+
+
+@dataclass
+class VerifyBatch:
+    """A verification between its forward and its commit."""
+
+    plan: VerifyPlan
+    seqs: list[_Sequence]
+    windows: list[Drafts]
+    logits: torch.Tensor
