@@ -144,3 +144,24 @@ class EngineConfig(BaseModel):
         if self.dtype != "auto":
             return self.dtype
         return "float32" if device == "cpu" else "bfloat16"
+
+
+class DistributedConfig(BaseModel):
+    """Where drafter and verifier ranks meet for torch.distributed (rendezvous at verifier rank 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_addr: str = Field("127.0.0.1", description="Verifier rank 0's address, as the drafter reaches it.")
+    master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
+    timeout_s: float = Field(1800.0, gt=0, description="How long a collective may wait for its peers.")
+
+
+def num_batches(config: EngineConfig) -> int:
+    """MineDraft keeps two batches; every other mode one."""
+    return 2 if config.mode is Mode.MINEDRAFT else 1
+
+
+def num_slots(config: EngineConfig) -> int:
+    """KV-cache slots each worker needs: one per request that can run at once."""
+    return config.max_num_seqs * num_batches(config)

@@ -6,7 +6,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import make_pipeline
 from minedraft.engine.plans import Executor, SequenceSpec, StepResult
@@ -149,9 +149,7 @@ class LLMEngine:
         """Drafter and verifier in this process (the offline API and the tests)."""
         from minedraft.engine.executor import build_local_executor
 
-        executor, runner = build_local_executor(
-            config, num_slots=config.max_num_seqs * cls._num_batches(config)
-        )
+        executor, runner = build_local_executor(config, num_slots=num_slots(config))
         return cls(
             config,
             executor,
@@ -159,10 +157,6 @@ class LLMEngine:
             runner.config.eos_token_ids,
             runner.max_seq_len,
         )
-
-    @staticmethod
-    def _num_batches(config: EngineConfig) -> int:
-        return make_pipeline(config).num_batches
 
     def _release_finished(self) -> list[Request]:
         done = self.pipeline.batches.remove_finished()

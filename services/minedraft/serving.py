@@ -1,0 +1,76 @@
+"""gRPC plumbing shared by the three services: health, reflection, ports, graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from minedraft.api import generate_pb2, worker_pb2
+
+log = logging.getLogger("minedraft")
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+PUBLIC_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["MineDraft"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a plan admitting many long prompts can be large
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def add_health_and_reflection(server, health_servicer, service_name: str) -> None:
+    """Register grpc.health.v1 (NOT_SERVING until `set_serving`) and server reflection."""
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+
+def start_worker_server(
+    servicer, host: str, port: int, max_workers: int = 8
+) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """Start a threaded gRPC server for a drafter or verifier; health starts as NOT_SERVING."""
+    from minedraft.api import worker_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options())
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    set_status(health_servicer, WORKER_SERVICE, serving=False)
+    add_health_and_reflection(server, health_servicer, WORKER_SERVICE)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    return server, health_servicer, bound
+
+
+def set_status(health_servicer, service_name: str, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", service_name):
+        health_servicer.set(name, status)
+
+
+def wait_for_termination(stop: Callable[[], None]) -> None:
+    """Block until SIGINT or SIGTERM, then call `stop` once."""
+    done = threading.Event()
+
+    def handle(signum, _frame) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+    done.wait()
+    stop()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,115 @@
+"""Translation between protobuf messages and the engine's types: the one place services convert."""
+
+from __future__ import annotations
+
+from minedraft.api import generate_pb2, worker_pb2
+from minedraft.engine.plans import (
+    DraftPlan,
+    DraftTask,
+    SequenceSpec,
+    StepResult,
+    Verified,
+    VerifyPlan,
+    VerifyTask,
+)
+from minedraft.engine.request import SpecDecodeStats
+from minedraft.sampling.params import SamplingParams
+
+_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+
+
+def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; raises pydantic.ValidationError on bad values."""
+    kwargs = {name: getattr(msg, name) for name in _FIELDS if msg.HasField(name)}
+    return SamplingParams(
+        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters:
+    return generate_pb2.SamplingParameters(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def stats_to_proto(stats: SpecDecodeStats) -> generate_pb2.SpecDecodeStats:
+    return generate_pb2.SpecDecodeStats(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos,
+    )
+
+
+def plan_to_proto(
+    step_id: int,
+    admit: list[SequenceSpec],
+    release: list[str],
+    draft: DraftPlan | None,
+    verify: VerifyPlan | None,
+) -> worker_pb2.StepPlan:
+    msg = worker_pb2.StepPlan(
+        step_id=step_id,
+        admit=[
+            worker_pb2.SequenceSpec(
+                request_id=s.request_id, token_ids=s.token_ids, sampling=sampling_to_proto(s.params), seed=s.seed
+            )
+            for s in admit
+        ],
+        release=release,
+        has_draft=draft is not None,
+        has_verify=verify is not None,
+    )
+    if draft is not None:
+        msg.draft.extend(
+            worker_pb2.DraftTask(request_id=t.request_id, num_tokens=t.num_tokens, continue_window=t.continue_window)
+            for t in draft.tasks
+        )
+        msg.tetris_capacity = draft.tetris_capacity or 0
+    if verify is not None:
+        msg.verify.extend(worker_pb2.VerifyTask(request_id=t.request_id, keep_bonus=t.keep_bonus) for t in verify.tasks)
+    return msg
+
+
+def plan_from_proto(
+    msg: worker_pb2.StepPlan,
+) -> tuple[list[SequenceSpec], list[str], DraftPlan | None, VerifyPlan | None]:
+    admit = [SequenceSpec(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed) for s in msg.admit]
+    draft = None
+    if msg.has_draft:
+        tasks = [DraftTask(t.request_id, t.num_tokens, t.continue_window) for t in msg.draft]
+        draft = DraftPlan(tasks, tetris_capacity=msg.tetris_capacity or None)
+    verify = VerifyPlan([VerifyTask(t.request_id, t.keep_bonus) for t in msg.verify]) if msg.has_verify else None
+    return admit, list(msg.release), draft, verify
+
+
+def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
+    return [
+        worker_pb2.Verified(
+            request_id=v.request_id,
+            token_ids=v.token_ids,
+            num_draft_tokens=v.num_draft_tokens,
+            num_accepted=v.num_accepted,
+        )
+        for v in results
+    ]
+
+
+def result_from_replies(replies: list[worker_pb2.StepReply]) -> StepResult:
+    """Merge the drafter's and the verifier's replies to one step."""
+    result = StepResult()
+    for reply in replies:
+        result.verified.extend(
+            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted) for v in reply.verified
+        )
+        result.drafted.update(reply.drafted)
+        result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)
+        result.verify_seconds = max(result.verify_seconds, reply.verify_seconds)
+    return result
