@@ -1,0 +1,192 @@
+"""Asyncio client over a grpc.aio channel."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import generate_pb2 as pb
+from minedraft.api import generate_pb2_grpc
+from minedraft.client._common import (
+    UNSET,
+    ChannelOptions,
+    Prompt,
+    Timeout,
+    Tls,
+    build_generate_request,
+    call_metadata,
+    channel_credentials,
+    channel_options,
+    completion_from_deltas,
+    incomplete_stream_error,
+    resolve_timeout,
+    to_delta,
+)
+from minedraft.client.retry import DEFAULT_RETRY_POLICY, Deadline, RetryPolicy, retry_delay
+from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo
+
+_Resp = TypeVar("_Resp")
+
+
+class AsyncClient:
+    """Asyncio client of a MineDraft server; the same arguments and results as `Client`.
+
+    The grpc.aio channel is created on first use, in the running event loop, and is bound to that loop:
+    use one AsyncClient per loop. `close()` is a coroutine.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: Tls = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        retries: RetryPolicy | int | None = DEFAULT_RETRY_POLICY,
+        options: ChannelOptions | None = None,
+    ) -> None:
+        self._target = target
+        self._creds = channel_credentials(tls)  # validated now, so a bad `tls` fails at construction
+        self._options = channel_options(options)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        self._retry = RetryPolicy.coerce(retries)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: generate_pb2_grpc.MineDraftStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout: Timeout = UNSET,
+    ) -> Completion:
+        """Generate a completion: the concatenated deltas of `stream`."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+        )  # fmt: skip
+        deltas = [d async for d in self._stream(request, resolve_timeout(timeout, self._timeout))]
+        return completion_from_deltas(deltas)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout: Timeout = UNSET,
+    ) -> AsyncIterator[Delta]:
+        """Stream a completion as Deltas (`async for`); the RPC starts at the first step, closing early cancels it."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+        )  # fmt: skip
+        return self._stream(request, resolve_timeout(timeout, self._timeout))
+
+    async def server_info(self, *, timeout: Timeout = UNSET) -> ServerInfo:
+        reply = await self._unary(self._stubs()[0].GetServerInfo, pb.GetServerInfoRequest(), timeout)
+        return ServerInfo.from_proto(reply)
+
+    async def health(self, service: str = "", *, timeout: Timeout = UNSET) -> bool:
+        """True if the standard grpc.health.v1 service reports SERVING ("" = the whole server)."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = await self._unary(self._stubs()[1].Check, request, timeout)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = self._health = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _stubs(self) -> tuple[generate_pb2_grpc.MineDraftStub, health_pb2_grpc.HealthStub]:
+        if self._channel is None:
+            if self._creds is None:
+                self._channel = grpc.aio.insecure_channel(self._target, self._options)
+            else:
+                self._channel = grpc.aio.secure_channel(self._target, self._creds, self._options)
+            self._stub = generate_pb2_grpc.MineDraftStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        assert self._stub is not None and self._health is not None
+        return self._stub, self._health
+
+    async def _unary(self, method: Callable[..., Awaitable[_Resp]], request: Any, timeout: Timeout) -> _Resp:
+        deadline = Deadline(resolve_timeout(timeout, self._timeout))
+        for attempt in itertools.count(1):
+            try:
+                return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
+            except grpc.RpcError as err:
+                await self._backoff_or_raise(err, attempt, deadline)
+        raise AssertionError("unreachable")
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[Delta]:
+        deadline = Deadline(timeout)
+        call, msg = await self._open_stream(request, deadline)
+        finished = False
+        try:
+            while msg is not None:
+                delta = to_delta(msg)
+                finished = finished or delta.finish_reason is not None
+                yield delta
+                msg = await _read(call)
+        except grpc.RpcError as err:  # after the first message: never retried, it would repeat output
+            raise MineDraftError.from_rpc_error(err) from err
+        finally:
+            call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
+        if not finished:
+            raise incomplete_stream_error()
+
+    async def _open_stream(
+        self, request: pb.GenerateRequest, deadline: Deadline
+    ) -> tuple[grpc.aio.UnaryStreamCall, pb.GenerateResponse | None]:
+        """Start Generate and wait for its first message, retrying while nothing has arrived."""
+        stub = self._stubs()[0]
+        for attempt in itertools.count(1):
+            call = stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            try:
+                return call, await _read(call)
+            except grpc.RpcError as err:
+                await self._backoff_or_raise(err, attempt, deadline)
+        raise AssertionError("unreachable")
+
+    async def _backoff_or_raise(self, err: grpc.RpcError, attempt: int, deadline: Deadline) -> None:
+        delay = retry_delay(self._retry, err, attempt, deadline)
+        if delay is None:
+            raise MineDraftError.from_rpc_error(err) from err
+        await asyncio.sleep(delay)
+
+
+async def _read(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse | None:
+    msg = await call.read()
+    return None if msg is grpc.aio.EOF else msg

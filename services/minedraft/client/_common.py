@@ -1,0 +1,149 @@
+"""What both clients share: request building, response conversion, channel credentials and metadata."""
+
+from __future__ import annotations
+
+import enum
+import operator
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import grpc
+
+from minedraft import __version__
+from minedraft.api import generate_pb2 as pb
+from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, Usage
+
+
+class _Unset(enum.Enum):
+    UNSET = "UNSET"
+
+
+UNSET = _Unset.UNSET  # "use the client's default timeout"; None means no deadline
+Timeout = Union[float, None, Literal[_Unset.UNSET]]  # noqa: UP007 (Literal of an enum member needs Union)
+Prompt = Union[str, Sequence[int]]  # noqa: UP007
+Tls = Union[bool, None, grpc.ChannelCredentials, str, os.PathLike]  # noqa: UP007
+ChannelOptions = Sequence[tuple[str, Any]]
+
+# The documented server defaults of SamplingParameters. A value equal to its default is left unset so
+# the server applies its own default: the wire carries only what the caller chose to change.
+_SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def build_generate_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: str | Sequence[str] | None,
+    stop_token_ids: Sequence[int] | None,
+    ignore_eos: bool,
+    request_id: str | None,
+) -> pb.GenerateRequest:
+    """The one place both clients turn call arguments into a GenerateRequest."""
+    request = pb.GenerateRequest(request_id=request_id or "")
+    _set_prompt(request, prompt)
+    sampling = request.sampling
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value != _SAMPLING_DEFAULTS[name]:
+            setattr(sampling, name, value)
+    if seed is not None:
+        sampling.seed = seed
+    if stop:
+        sampling.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids:
+        sampling.stop_token_ids.extend(operator.index(t) for t in stop_token_ids)
+    sampling.ignore_eos = ignore_eos
+    return request
+
+
+def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+    else:
+        # operator.index rejects floats and accepts numpy integers; set the oneof even when empty.
+        request.prompt_token_ids.SetInParent()
+        request.prompt_token_ids.ids.extend(operator.index(t) for t in prompt)
+
+
+def _finish_reason(value: int) -> str | None:
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    try:
+        return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+    except ValueError:  # a reason newer than these stubs: still the last message
+        return "unknown"
+
+
+def to_delta(msg: pb.GenerateResponse) -> Delta:
+    finish_reason = _finish_reason(msg.finish_reason)
+    if finish_reason is None:
+        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id)
+    stats = msg.spec_decode_stats
+    return Delta(
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        request_id=msg.request_id,
+        finish_reason=finish_reason,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
+        spec_decode_stats=SpecDecodeStats(
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            num_accepted_tokens_per_pos=tuple(stats.num_accepted_tokens_per_pos),
+        ),
+    )
+
+
+def incomplete_stream_error() -> MineDraftError:
+    """The server closed the stream with OK but never sent the final message."""
+    return MineDraftError(grpc.StatusCode.UNKNOWN, "Generate stream ended without a finish reason")
+
+
+def completion_from_deltas(deltas: Iterable[Delta]) -> Completion:
+    """Concatenate a finished stream (the last delta carries the finish reason and statistics)."""
+    deltas = list(deltas)
+    last = deltas[-1] if deltas else None
+    if last is None or last.finish_reason is None or last.usage is None or last.spec_decode_stats is None:
+        raise incomplete_stream_error()
+    return Completion(
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        spec_decode_stats=last.spec_decode_stats,
+        request_id=last.request_id,
+    )
+
+
+def channel_credentials(tls: Tls) -> grpc.ChannelCredentials | None:
+    """None for a plaintext channel; otherwise the TLS credentials `tls` asks for."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()  # the system / gRPC bundled roots
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    if isinstance(tls, (str, os.PathLike)):
+        return grpc.ssl_channel_credentials(root_certificates=Path(tls).read_bytes())
+    raise TypeError(f"tls must be None, a bool, grpc.ChannelCredentials or a PEM path, got {type(tls).__name__}")
+
+
+def channel_options(options: ChannelOptions | None) -> list[tuple[str, Any]]:
+    return [("grpc.primary_user_agent", f"minedraft-python/{__version__}"), *(options or ())]
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    # Sent as plain metadata rather than call credentials, which gRPC refuses on insecure channels
+    # (a cluster-internal server behind a mesh may still check the token).
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+    return default if timeout is UNSET else timeout

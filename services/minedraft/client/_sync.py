@@ -1,0 +1,171 @@
+"""Blocking client over a grpc channel."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import generate_pb2 as pb
+from minedraft.api import generate_pb2_grpc
+from minedraft.client._common import (
+    UNSET,
+    ChannelOptions,
+    Prompt,
+    Timeout,
+    Tls,
+    build_generate_request,
+    call_metadata,
+    channel_credentials,
+    channel_options,
+    completion_from_deltas,
+    incomplete_stream_error,
+    resolve_timeout,
+    to_delta,
+)
+from minedraft.client.retry import DEFAULT_RETRY_POLICY, Deadline, RetryPolicy, retry_delay
+from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo
+
+_Resp = TypeVar("_Resp")
+
+
+class Client:
+    """Blocking client of a MineDraft server. Thread-safe; one channel per client.
+
+    `tls`: None/False plaintext, True TLS with the system roots, a `grpc.ChannelCredentials`, or the path
+    of a PEM root certificate. `token` is sent as `authorization: Bearer <token>` on every call. `timeout`
+    is the default deadline of a call in seconds (None: none), covering all of its retries. `retries`: a
+    RetryPolicy, or the number of retries after the first attempt (0/None: none); UNAVAILABLE only.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: Tls = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        retries: RetryPolicy | int | None = DEFAULT_RETRY_POLICY,
+        options: ChannelOptions | None = None,
+    ) -> None:
+        creds = channel_credentials(tls)
+        opts = channel_options(options)
+        self._channel = (
+            grpc.insecure_channel(target, opts) if creds is None else grpc.secure_channel(target, creds, opts)
+        )
+        self._stub = generate_pb2_grpc.MineDraftStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        self._retry = RetryPolicy.coerce(retries)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout: Timeout = UNSET,
+    ) -> Completion:
+        """Generate a completion: the concatenated deltas of `stream`."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+        )  # fmt: skip
+        return completion_from_deltas(self._stream(request, resolve_timeout(timeout, self._timeout)))
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout: Timeout = UNSET,
+    ) -> Iterator[Delta]:
+        """Stream a completion as Deltas; the RPC starts at the first `next`, and stopping early cancels it."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+        )  # fmt: skip
+        return self._stream(request, resolve_timeout(timeout, self._timeout))
+
+    def server_info(self, *, timeout: Timeout = UNSET) -> ServerInfo:
+        reply = self._unary(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+        return ServerInfo.from_proto(reply)
+
+    def health(self, service: str = "", *, timeout: Timeout = UNSET) -> bool:
+        """True if the standard grpc.health.v1 service reports SERVING ("" = the whole server)."""
+        reply = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _unary(self, method: Callable[..., _Resp], request: Any, timeout: Timeout) -> _Resp:
+        deadline = Deadline(resolve_timeout(timeout, self._timeout))
+        for attempt in itertools.count(1):
+            try:
+                return method(request, timeout=deadline.remaining(), metadata=self._metadata)
+            except grpc.RpcError as err:
+                self._backoff_or_raise(err, attempt, deadline)
+        raise AssertionError("unreachable")
+
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Delta]:
+        deadline = Deadline(timeout)
+        call, msg = self._open_stream(request, deadline)
+        finished = False
+        try:
+            while msg is not None:
+                delta = to_delta(msg)
+                finished = finished or delta.finish_reason is not None
+                yield delta
+                msg = next(call, None)
+        except grpc.RpcError as err:  # after the first message: never retried, it would repeat output
+            raise MineDraftError.from_rpc_error(err) from err
+        finally:
+            call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
+        if not finished:
+            raise incomplete_stream_error()
+
+    def _open_stream(self, request: pb.GenerateRequest, deadline: Deadline) -> tuple[Any, pb.GenerateResponse | None]:
+        """Start Generate and wait for its first message, retrying while nothing has arrived."""
+        for attempt in itertools.count(1):
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            try:
+                return call, next(call, None)
+            except grpc.RpcError as err:
+                self._backoff_or_raise(err, attempt, deadline)
+        raise AssertionError("unreachable")
+
+    def _backoff_or_raise(self, err: grpc.RpcError, attempt: int, deadline: Deadline) -> None:
+        delay = retry_delay(self._retry, err, attempt, deadline)
+        if delay is None:
+            raise MineDraftError.from_rpc_error(err) from err
+        time.sleep(delay)

@@ -1,0 +1,133 @@
+"""Plain result types of the client SDK, decoupled from the generated protobuf classes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from minedraft.api import generate_pb2 as pb
+
+
+class MineDraftError(grpc.RpcError):
+    """A failed call: the server's (or the deadline's) status code and details.
+
+    Both clients raise this one type; the underlying grpc error, when there is one, is `__cause__`.
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._trailing_metadata = trailing_metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._trailing_metadata
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> MineDraftError:
+        """Wrap a grpc error (sync `grpc.Call` or `grpc.aio.AioRpcError`); keeps code, details, trailers."""
+        if isinstance(err, MineDraftError):
+            return err
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = err.details() if hasattr(err, "details") else str(err)
+        trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        return cls(code, details or "", tuple(trailers or ()))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative-decoding counters of one request (all zero without speculative decoding)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: the accepted drafts plus the target's own token."""
+        if self.num_drafts == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed message: the new text and token ids since the previous delta.
+
+    `text` may be empty while `token_ids` is not: the server holds back bytes of an incomplete
+    UTF-8 character until the token that completes it arrives. `finish_reason`, `usage` and
+    `spec_decode_stats` are set on the last delta only (None on the others).
+    """
+
+    text: str
+    token_ids: list[int]
+    request_id: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    spec_decode_stats: SpecDecodeStats | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: the concatenation of a stream's deltas."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+    spec_decode_stats: SpecDecodeStats
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The `GetServerInfo` answer (see proto/minedraft/v1/generate.proto for the field meanings)."""
+
+    version: str = ""
+    target_model: str = ""
+    draft_model: str = ""  # empty without speculative decoding
+    mode: str = ""  # ar | sd | pearl | minedraft
+    speculative_config_json: str = ""
+    tensor_parallel_size: int = 0
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    max_waiting_requests: int = 0
+    vocab_size: int = 0
+
+    @property
+    def speculative_config(self) -> dict[str, Any]:
+        """The active speculative config as a dict; empty for plain autoregressive serving."""
+        return json.loads(self.speculative_config_json) if self.speculative_config_json else {}
+
+    @classmethod
+    def from_proto(cls, msg: pb.ServerInfo) -> ServerInfo:
+        return cls(
+            version=msg.version,
+            target_model=msg.target_model,
+            draft_model=msg.draft_model,
+            mode=msg.mode,
+            speculative_config_json=msg.speculative_config_json,
+            tensor_parallel_size=msg.tensor_parallel_size,
+            max_num_seqs=msg.max_num_seqs,
+            max_model_len=msg.max_model_len,
+            max_waiting_requests=msg.max_waiting_requests,
+            vocab_size=msg.vocab_size,
+        )
