@@ -21,11 +21,14 @@ PUBLIC_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["MineDraft"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a plan admitting many long prompts can be large
 
 
-def grpc_options() -> list[tuple[str, int]]:
-    return [
+def grpc_options(server: bool = False) -> list[tuple[str, int]]:
+    options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+    if server:  # a port already in use must fail, not be silently shared with another process
+        options.append(("grpc.so_reuseport", 0))
+    return options
 
 
 def add_health_and_reflection(server, health_servicer, service_name: str) -> None:
@@ -40,7 +43,7 @@ def start_worker_server(
     """Start a threaded gRPC server for a drafter or verifier; health starts as NOT_SERVING."""
     from minedraft.api import worker_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options(server=True))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     set_status(health_servicer, WORKER_SERVICE, serving=False)
@@ -74,3 +77,57 @@ def wait_for_termination(stop: Callable[[], None]) -> None:
 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class NodeServicer:
+    """The Worker gRPC service around a drafter or verifier node that loads in the background.
+
+    Health is NOT_SERVING until the node has joined the world group and loaded its model. Steps run one
+    at a time: the torch.distributed exchange at each step's end must stay in lockstep with the peer.
+    """
+
+    def __init__(self) -> None:
+        self.node = None
+        self.load_error: BaseException | None = None
+        self._health: health.HealthServicer | None = None
+        self._lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+
+    def start_loading(self, load_node: Callable[[], object], health_servicer: health.HealthServicer) -> None:
+        """Join the world group and load the model in the background; flip health to SERVING when done."""
+        self._health = health_servicer
+        self._loader = threading.Thread(target=self._load, args=(load_node,), name="load-node", daemon=True)
+        self._loader.start()
+
+    def _load(self, load_node: Callable[[], object]) -> None:
+        try:
+            self.node = load_node()
+        except BaseException as exc:  # reported through health and every call
+            self.load_error = exc
+            log.exception("failed to start the worker node")
+            return
+        set_status(self._health, WORKER_SERVICE, serving=True)
+        log.info("worker ready")
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._loader is not None:
+            self._loader.join(timeout)
+        return self.node is not None
+
+    def _ready_node(self, context: grpc.ServicerContext):
+        if self.node is None:
+            detail = f"worker failed to start: {self.load_error}" if self.load_error else "worker is still loading"
+            context.abort(grpc.StatusCode.UNAVAILABLE, detail)
+        return self.node
+
+    def Step(self, request, context):  # noqa: N802 (gRPC method name)
+        node = self._ready_node(context)
+        with self._lock:
+            try:
+                return node.lead(request) if hasattr(node, "lead") else node.run(request)
+            except Exception as exc:
+                log.exception("step %d failed", request.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
+
+    def GetWorkerInfo(self, request, context):  # noqa: N802
+        return self._ready_node(context).info()

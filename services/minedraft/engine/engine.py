@@ -53,6 +53,7 @@ class LLMEngine:
         self.pipeline = make_pipeline(config)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
+        self.last_step: StepResult | None = None
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
@@ -120,13 +121,12 @@ class LLMEngine:
         self._release_finished()
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
-            self.executor.admit(
-                [SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed) for r in admitted]
-            )
+            self.executor.admit([SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed) for r in admitted])
         if draft is None and verify is None:
             return []
         result = self.executor.step(draft, verify)
         self.step_stats.add(result)
+        self.last_step = result
         touched = []
         for verified in result.verified:
             request = self.requests.get(verified.request_id)

@@ -29,9 +29,7 @@ class LocalExecutor:
     def __init__(self, verifier: VerifyWorker, drafter: DraftWorker | None = None) -> None:
         self.verifier = verifier
         self.drafter = drafter
-        self._draft_thread = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter") if drafter else None
-        )
+        self._draft_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter") if drafter else None
 
     def admit(self, seqs: list[SequenceSpec]) -> None:
         self.verifier.admit(seqs)
@@ -63,6 +61,9 @@ class LocalExecutor:
         result.step_seconds = time.perf_counter() - start
         return result
 
+    def flush(self) -> None:
+        """Nothing to do: admissions and releases take effect at once in one process."""
+
     def close(self) -> None:
         if self._draft_thread is not None:
             self._draft_thread.shutdown(wait=True)
@@ -78,14 +79,10 @@ def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExe
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
-    target = ModelRunner(
-        config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype
-    )
+    target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype)
     drafter = None
     if config.speculative_config is not None:
-        draft = ModelRunner(
-            config.draft_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype
-        )
+        draft = ModelRunner(config.draft_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype)
         check_compatible(target.config, draft.config)
         drafter = DraftWorker(draft, support_size=config.draft_support_size)
     return LocalExecutor(VerifyWorker(target), drafter), target

@@ -28,9 +28,7 @@ class Pipeline(ABC):
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""
 
-    def _draft_plan(
-        self, requests: list[Request], continuing: frozenset[str] = frozenset()
-    ) -> DraftPlan | None:
+    def _draft_plan(self, requests: list[Request], continuing: frozenset[str] = frozenset()) -> DraftPlan | None:
         """Draft k tokens per request (k + e and a capacity when Tetris is on for this batch size).
 
         Requests in `continuing` draft on after the window the verifier holds for them (PEARL).
@@ -46,9 +44,7 @@ class Pipeline(ABC):
             carried = (r.window or 0) if cont else 0
             # Drafts past the request's last token are wasted: each verification adds one token of its own.
             tasks.append(DraftTask(r.request_id, max(0, min(k, r.remaining_tokens - carried - 1)), cont))
-        capacity = (
-            (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
-        )
+        capacity = (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
         return DraftPlan(tasks, tetris_capacity=capacity)
 
     @staticmethod
@@ -107,9 +103,7 @@ class PearlPipeline(Pipeline):
         batch = self.batches.batches[0]
         verifying = [r for r in batch if r.window is not None]
         draft = self._draft_plan(batch, continuing=frozenset(r.request_id for r in verifying))
-        continued = (
-            {t.request_id for t in draft.tasks if t.continue_window and t.num_tokens > 0} if draft else set()
-        )
+        continued = {t.request_id for t in draft.tasks if t.continue_window and t.num_tokens > 0} if draft else set()
         verify = [VerifyTask(r.request_id, keep_bonus=r.request_id not in continued) for r in verifying]
         return admitted, draft, VerifyPlan(verify) if verify else None
 

@@ -90,4 +90,7 @@ class Executor(Protocol):
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult: ...
 
+    def flush(self) -> None:
+        """Apply pending admissions and releases now (the engine is idle)."""
+
     def close(self) -> None: ...

@@ -32,9 +32,7 @@ class SpecDecodeStats:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos.extend(
-                [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
-            )
+            self.num_accepted_tokens_per_pos.extend([0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos)))
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
@@ -44,9 +42,7 @@ class SpecDecodeStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         per_pos = other.num_accepted_tokens_per_pos
         if len(self.num_accepted_tokens_per_pos) < len(per_pos):
-            self.num_accepted_tokens_per_pos.extend(
-                [0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos))
-            )
+            self.num_accepted_tokens_per_pos.extend([0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos)))
         for pos, count in enumerate(per_pos):
             self.num_accepted_tokens_per_pos[pos] += count
 
@@ -100,8 +96,7 @@ class Request:
             raise ValueError("prompt is empty: it must contain at least one token")
         if len(prompt_ids) >= max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
-                "no room is left for output"
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: no room is left for output"
             )
         return cls(
             request_id=request_id,
@@ -109,8 +104,7 @@ class Request:
             params=params,
             seed=seed,
             max_new_tokens=min(params.max_tokens, max_model_len - len(prompt_ids)),
-            eos_token_ids=frozenset(params.stop_token_ids)
-            | (frozenset() if params.ignore_eos else eos_token_ids),
+            eos_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prompt=prompt,
         )

@@ -1,0 +1,1 @@
+"""The drafter service: the draft model on one device."""

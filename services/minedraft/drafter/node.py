@@ -1,0 +1,79 @@
+"""The drafter process: the draft model, the draft worker and its end of the step channel."""
+
+from __future__ import annotations
+
+import time
+
+from minedraft.api import worker_pb2
+from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.workers import DraftWorker
+from minedraft.model.runner import ModelRunner
+from minedraft.transport.channel import StepChannel
+from minedraft.transport.groups import WorldGroups, init_world
+from minedraft.verifier.node import max_model_len_of, topology_of
+from minedraft.wire import plan_from_proto
+
+
+class DrafterNode:
+    def __init__(self, config: EngineConfig, dist: DistributedConfig, device_index: int | None = None) -> None:
+        if config.speculative_config is None:
+            raise ValueError("the drafter needs a speculative config (plain autoregressive decoding has no drafter)")
+        self.config = config
+        device = config.resolved_device()
+        if device == "cuda":
+            device = f"cuda:{device_index or 0}"
+        topology = topology_of(config)
+        self.groups: WorldGroups = init_world(
+            rank=topology.drafter_rank,
+            topology=topology,
+            master_addr=dist.master_addr,
+            master_port=dist.master_port,
+            device=device,
+            backend=None if dist.backend == "auto" else dist.backend,
+            timeout_s=dist.timeout_s,
+        )
+        self.runner = ModelRunner(
+            config.draft_path,
+            num_slots=num_slots(config),
+            max_seq_len=max_model_len_of(config),
+            device=device,
+            dtype=config.resolved_dtype(device),
+        )
+        self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
+        self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
+
+    def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        """Draft, then the step-end exchange: results in first, then the still-valid drafts out."""
+        admit, release, draft, verify = plan_from_proto(plan)
+        self.worker.release(release)
+        self.worker.admit(admit)
+        reply = worker_pb2.StepReply(step_id=plan.step_id)
+        if draft is not None:
+            start = time.perf_counter()
+            self.worker.draft(draft)
+            reply.draft_seconds = time.perf_counter() - start
+        if verify is not None:
+            self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
+        if draft is not None:
+            windows = self.worker.take_drafts()
+            self.channel.send_drafts([t.request_id for t in draft.tasks], windows)
+            for request_id, window in windows.items():
+                reply.drafted[request_id] = len(window.tokens)
+        return reply
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            role="drafter",
+            model=str(self.config.draft_path),
+            num_slots=self.runner.kv_cache.num_slots,
+            num_free_slots=self.runner.num_free_slots,
+            num_active_sequences=self.worker.num_active,
+            vocab_size=self.runner.config.vocab_size,
+            max_model_len=self.runner.max_seq_len,
+            eos_token_ids=self.runner.config.eos_token_ids,
+            world_rank=self.groups.rank,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
+
+    def close(self) -> None:
+        self.groups.close()

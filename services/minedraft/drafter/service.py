@@ -1,0 +1,29 @@
+"""`minedraft drafter`: the draft model behind the Worker gRPC API."""
+
+from __future__ import annotations
+
+import logging
+
+from minedraft.config import DistributedConfig, EngineConfig
+from minedraft.drafter.node import DrafterNode
+from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+
+log = logging.getLogger("minedraft.drafter")
+
+
+def serve_drafter(config: EngineConfig, dist: DistributedConfig, host: str, port: int) -> None:
+    if config.speculative_config is None:
+        raise ValueError("the drafter needs --speculative-config (plain autoregressive decoding has no drafter)")
+    servicer = NodeServicer()
+    server, health, bound = start_worker_server(servicer, host, port)
+    servicer.start_loading(lambda: DrafterNode(config, dist), health)
+    log.info(
+        "drafter listening on %s:%d, joining the verifier at %s:%d", host, bound, dist.master_addr, dist.master_port
+    )
+
+    def stop() -> None:
+        server.stop(grace=5).wait()
+        if servicer.node is not None:
+            servicer.node.close()
+
+    wait_for_termination(stop)

@@ -1,0 +1,146 @@
+"""Run the whole stack as local processes: verifier (all TP ranks), drafter and scheduler.
+
+This is `minedraft up` and what the end-to-end tests start: exactly the commands a pod runs, with
+service addresses on 127.0.0.1 and free ports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.config import EngineConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The engine flags that reproduce `config` on a service's command line."""
+    flags = [
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--dtype", config.dtype,
+        "--device", config.device,
+        "--seed", str(config.seed),
+    ]  # fmt: skip
+    if config.model:
+        flags += ["--model", config.model]
+    if config.max_model_len:
+        flags += ["--max-model-len", str(config.max_model_len)]
+    if config.speculative_config is not None:
+        flags += ["--speculative-config", config.speculative_config.model_dump_json(exclude_none=True)]
+    return flags
+
+
+class LocalStack:
+    """Start the services, wait until the scheduler reports SERVING, stop them all on exit."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_waiting: int = 256,
+        log_level: str = "INFO",
+        log_dir: Path | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.config = config
+        self.port = port or free_port()
+        self.address = f"{host}:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self._log_dir = log_dir
+        self._processes: list[tuple[str, subprocess.Popen]] = []
+        verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
+        engine = engine_flags(config)
+        dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
+        common = ["--log-level", log_level]
+        self._commands = [
+            ("verifier", ["verifier", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(verifier_port)]),
+            ("scheduler", [
+                "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
+                "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
+                "--max-waiting-requests", str(max_waiting), "--metrics-port", "0",
+            ]),
+        ]  # fmt: skip
+        if config.speculative_config is not None:
+            drafter = ["drafter", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(drafter_port)]
+            self._commands.insert(1, ("drafter", drafter))
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        # Model processes share the machine's cores: one intra-op thread pool each would oversubscribe it.
+        processes = self.config.tensor_parallel_size + (self.config.speculative_config is not None)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+        for name, args in self._commands:
+            out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
+            process = subprocess.Popen(
+                [sys.executable, "-m", "minedraft", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+            )
+            self._processes.append((name, process))
+        self._wait_serving()
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                for name, process in self._processes:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
+                time.sleep(0.25)
+
+    def wait(self) -> None:
+        """Block until a service exits or Ctrl-C."""
+        try:
+            while all(p.poll() is None for _, p in self._processes):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order (scheduler first), then SIGKILL what does not exit."""
+        for _, process in reversed(self._processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process in reversed(self._processes):
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._processes.clear()

@@ -1,0 +1,1 @@
+"""The scheduler: the public gRPC API, request lifecycle, and the step loop driving the workers."""

@@ -1,0 +1,90 @@
+"""The engine's Executor over gRPC: each step's plan goes to the drafter and verifier rank 0 at once."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.serving import grpc_options
+from minedraft.wire import plan_to_proto, result_from_replies
+
+
+class WorkerClient:
+    def __init__(self, address: str, role: str) -> None:
+        self.address = address
+        self.role = role
+        self.channel = grpc.insecure_channel(address, options=grpc_options())
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def serving(self) -> bool:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteExecutor:
+    """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
+    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly)."""
+
+    def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
+        self.verifier = WorkerClient(verifier, "verifier")
+        self.drafter = WorkerClient(drafter, "drafter") if drafter else None
+        self.step_timeout_s = step_timeout_s
+        self._admit: list[SequenceSpec] = []
+        self._release: list[str] = []
+        self._step_id = 0
+        self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return [w for w in (self.verifier, self.drafter) if w is not None]
+
+    def wait_until_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            while not worker.serving():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
+                time.sleep(0.2)
+
+    def verifier_info(self) -> worker_pb2.WorkerInfo:
+        return self.verifier.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+
+    def worker_infos(self) -> dict[str, worker_pb2.WorkerInfo]:
+        return {w.role: w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers}
+
+    def admit(self, seqs: list[SequenceSpec]) -> None:
+        self._admit.extend(seqs)
+
+    def release(self, request_ids: list[str]) -> None:
+        self._release.extend(request_ids)
+
+    def flush(self) -> None:
+        if self._admit or self._release:
+            self.step(None, None)
+
+    def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        start = time.perf_counter()
+        self._step_id += 1
+        plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        self._admit, self._release = [], []
+        calls = [self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s) for w in self.workers]
+        result = result_from_replies([c.result() for c in calls])
+        result.step_seconds = time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False)
+        for worker in self.workers:
+            worker.close()

@@ -1,0 +1,156 @@
+"""The step loop: one thread owns the engine; asyncio handlers talk to it through queues.
+
+The engine is not thread-safe, so every change to it (new requests, aborts) is a command that this
+thread applies between steps. Outputs go back to each request's asyncio queue with
+`call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine.request import Request
+from minedraft.metrics import Metrics
+from minedraft.sampling.params import SamplingParams
+
+log = logging.getLogger("minedraft.scheduler")
+
+
+@dataclass
+class StreamItem:
+    """New output of one request since the previous item; `request` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finished: Request | None = None
+
+
+@dataclass
+class Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent_tokens: int = 0
+
+    def put(self, item: StreamItem | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    sink: Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stopped = False
+        self.num_waiting = 0  # read by handlers for admission control (an int: safe to read across threads)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def queued(self) -> int:
+        """Requests accepted but not yet running."""
+        return self.num_waiting + self._commands.qsize()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink):
+        self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _run(self) -> None:
+        while not self._stopped:
+            idle = not self.engine.has_unfinished()
+            if idle:
+                self._safe(self.engine.executor.flush)  # release the KV of finished/aborted requests now
+            if not self._apply_commands(block=idle):
+                return
+            if self.engine.has_unfinished():
+                self._safe(self._step)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once stopped."""
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while command is not None:
+            if isinstance(command, _Submit):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _add(self, command: _Submit) -> None:
+        try:
+            self.engine.add_request(
+                command.prompt_ids, command.params, request_id=command.request_id, prompt=command.prompt
+            )
+        except ValueError as exc:
+            command.sink.put(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._sinks.pop(request_id, None)
+
+    def _step(self) -> None:
+        touched = self.engine.step()
+        batches = self.engine.pipeline.batches
+        self.num_waiting = len(batches.waiting)
+        if self.metrics and self.engine.last_step is not None:
+            self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
+        for request in touched:
+            sink = self._sinks.get(request.request_id)
+            if sink is None:
+                continue
+            new_ids = request.output_ids[sink.sent_tokens :]
+            sink.sent_tokens = len(request.output_ids)
+            text = request.take_stream_delta()
+            if request.finished:
+                del self._sinks[request.request_id]
+                if self.metrics:
+                    self.metrics.record_finished(request)
+            if text or new_ids or request.finished:
+                sink.put(StreamItem(text, new_ids, request if request.finished else None))
+
+    def _safe(self, fn) -> None:
+        """A failed step fails the requests in flight, not the loop: the server keeps serving."""
+        try:
+            fn()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in flight")
+            for request_id, sink in list(self._sinks.items()):
+                sink.put(exc)
+                self.engine.abort_request(request_id)
+            self._sinks.clear()

@@ -1,0 +1,60 @@
+"""`minedraft verifier`: rank 0 serves the Worker gRPC API; ranks 1..tp-1 run as child processes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+from minedraft.config import DistributedConfig, EngineConfig
+from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.verifier.node import VerifierNode
+
+log = logging.getLogger("minedraft.verifier")
+
+
+def _follower_main(config_json: str, dist_json: str, rank: int) -> None:
+    node = VerifierNode(
+        EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank
+    )
+    try:
+        node.follow()
+    finally:
+        node.close()
+
+
+def serve_verifier(config: EngineConfig, dist: DistributedConfig, host: str, port: int) -> None:
+    followers = [
+        mp.get_context("spawn").Process(
+            target=_follower_main,
+            args=(config.model_dump_json(), dist.model_dump_json(), rank),
+            name=f"verifier-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
+    for process in followers:
+        process.start()
+    holder: dict = {}
+
+    def load() -> VerifierNode:
+        holder["node"] = VerifierNode(config, dist, rank=0)
+        return holder["node"]
+
+    servicer = NodeServicer()
+    server, health, bound = start_worker_server(servicer, host, port)
+    servicer.start_loading(load, health)
+    log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
+
+    def stop() -> None:
+        node = holder.get("node")
+        if node is not None:
+            node.stop_followers()
+        server.stop(grace=5).wait()
+        for process in followers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        if node is not None:
+            node.close()
+
+    wait_for_termination(stop)
