@@ -65,6 +65,8 @@ class LocalStack:
         self._log_dir = log_dir
         self._processes: list[tuple[str, subprocess.Popen]] = []
         verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
+        self.verifier_address = f"127.0.0.1:{verifier_port}"
+        self.drafter_address = f"127.0.0.1:{drafter_port}" if config.speculative_config is not None else None
         engine = engine_flags(config)
         dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
         common = ["--log-level", log_level]

@@ -1,0 +1,241 @@
+"""The whole stack as separate processes (verifier ranks, drafter, scheduler) over real gRPC and gloo.
+
+Greedy outputs over the wire must equal the offline autoregressive output in every mode, with TP=1 and
+TP=2, under concurrency, with requests arriving while others run.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.client import Client
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.launcher import LocalStack, engine_flags, free_port
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+
+MAX_MODEL_LEN = 128
+MODES = {
+    "ar": None,
+    "sd": {"num_speculative_tokens": 3},
+    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
+    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
+    "minedraft+tetris": {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True, "tetris_capacity": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
+    return str(target), str(draft)
+
+
+def _config(pair, spec, **overrides) -> EngineConfig:
+    target, draft = pair
+    kwargs = {"model": target, "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, "device": "cpu", **overrides}
+    return EngineConfig(**kwargs, speculative_config={**spec, "model": draft} if spec else None)
+
+
+def _workload(n: int = 32) -> list[tuple[list[int], int]]:
+    rng = random.Random(5)
+    return [
+        ([rng.randrange(320) for _ in range(rng.choice([1, 3, 9, 30]))], rng.choice([1, 5, 12, 24])) for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[list[int]]:
+    """Offline autoregressive output of the target: the reference every mode must reproduce."""
+    engine = LLMEngine.local(_config(pair, None))
+    requests = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=m)) for p, m in _workload()]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+def _generate_concurrently(address: str, work, stagger_s: float = 0.01) -> list[list[int]]:
+    """32 streams at once; later ones start while earlier ones run."""
+    with Client(address, timeout=120) as client:
+
+        def one(i: int) -> list[int]:
+            time.sleep(stagger_s * i)
+            prompt, max_tokens = work[i]
+            return client.generate(prompt, max_tokens=max_tokens, temperature=0).token_ids
+
+        with ThreadPoolExecutor(len(work)) as pool:
+            return list(pool.map(one, range(len(work))))
+
+
+def _worker_info(address: str) -> worker_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+
+
+def _assert_idle(stack: LocalStack, timeout_s: float = 10.0) -> None:
+    """Every KV slot on every worker is free again."""
+    addresses = [a for a in (stack.verifier_address, stack.drafter_address) if a]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = [_worker_info(a) for a in addresses]
+        if all(i.num_active_sequences == 0 and i.num_free_slots == i.num_slots for i in infos):
+            return
+        assert time.monotonic() < deadline, f"KV slots still held: {infos}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) -> None:
+    with LocalStack(_config(pair, MODES[mode], tensor_parallel_size=tp)) as stack:
+        got = _generate_concurrently(stack.address, _workload())
+        with Client(stack.address) as client:
+            info = client.server_info()
+        assert (info.mode, info.tensor_parallel_size) == (mode.split("+")[0], tp)
+        _assert_idle(stack)
+    assert got == expected
+
+
+@pytest.fixture(scope="module")
+def stack(pair):
+    """One MineDraft stack for the lifecycle tests below."""
+    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), max_waiting=8) as running:
+        yield running
+
+
+def test_stream_deltas_add_up_to_the_final_text(stack) -> None:
+    with Client(stack.address, timeout=60) as client:
+        for prompt in ("héllo wörld → 世界", "def f(x):\n    return x", [7, 8, 9]):
+            deltas = list(client.stream(prompt, max_tokens=24, temperature=0, ignore_eos=True))
+            full = client.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+            assert "".join(d.text for d in deltas) == full.text
+            assert [t for d in deltas for t in d.token_ids] == full.token_ids
+            assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 24
+
+
+def test_cancelled_and_expired_streams_free_their_kv(stack) -> None:
+    with Client(stack.address, retries=0) as client:
+        for _ in range(6):  # cancel after the first delta
+            stream = client.stream([1, 2, 3], max_tokens=100, temperature=0, ignore_eos=True)
+            next(iter(stream))
+            stream.close()
+        errors = []
+
+        def expire() -> None:
+            try:
+                client.generate([4, 5, 6], max_tokens=100, temperature=0, ignore_eos=True, timeout=0.3)
+            except grpc.RpcError as exc:
+                errors.append(exc.code())
+
+        threads = [threading.Thread(target=expire) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors and all(code == grpc.StatusCode.DEADLINE_EXCEEDED for code in errors)
+    _assert_idle(stack)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": [1] * MAX_MODEL_LEN}, "max_model_len"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_harms_nobody(stack, kwargs, message) -> None:
+    with Client(stack.address, timeout=60, retries=0) as client, ThreadPoolExecutor(1) as pool:
+        bystander = pool.submit(client.generate, [3, 4, 5], max_tokens=24, temperature=0, ignore_eos=True)
+        time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(**kwargs)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in info.value.details()
+        assert len(bystander.result().token_ids) == 24
+
+
+def test_overload_is_resource_exhausted(stack) -> None:
+    """max_num_seqs=2 x two batches run; 8 may wait; the rest are turned away, not queued forever."""
+    codes = []
+    with Client(stack.address, timeout=120, retries=0) as client:
+
+        def one(_: int) -> str:
+            try:
+                client.generate([9, 9], max_tokens=40, temperature=0, ignore_eos=True)
+                return "ok"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+        with ThreadPoolExecutor(40) as pool:
+            codes = list(pool.map(one, range(40)))
+    assert "RESOURCE_EXHAUSTED" in codes and "ok" in codes
+    assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _wait_health(address: str, want: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (status := _health(address)) != want:
+        assert time.monotonic() < deadline, f"{address} is {status}, not {want}"
+        time.sleep(0.2)
+
+
+def test_workers_are_not_serving_until_their_model_is_loaded(pair) -> None:
+    """The verifier cannot finish starting before the drafter joins the world group: until then it
+    answers health checks with NOT_SERVING, and steps with UNAVAILABLE."""
+    config = _config(pair, MODES["sd"])
+    engine = engine_flags(config)
+    verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
+    dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), "--host", "127.0.0.1"]
+    run = [sys.executable, "-m", "minedraft"]
+    verifier = subprocess.Popen([*run, "verifier", *engine, *dist, "--port", str(verifier_port)])
+    drafter = None
+    try:
+        _wait_health(f"127.0.0.1:{verifier_port}", "NOT_SERVING")
+        time.sleep(1.0)
+        assert _health(f"127.0.0.1:{verifier_port}") == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as info:
+            _worker_info(f"127.0.0.1:{verifier_port}")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        drafter = subprocess.Popen([*run, "drafter", *engine, *dist, "--port", str(drafter_port)])
+        _wait_health(f"127.0.0.1:{verifier_port}", "SERVING")
+        _wait_health(f"127.0.0.1:{drafter_port}", "SERVING")
+    finally:
+        for process in (drafter, verifier):
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=30)
+
+
+def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "minedraft", "up", "--model", pair[0],
+         "--speculative-config", '{"num_speculative_tokens": 2, "bogus_key": 1}'],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "bogus_key" in result.stderr and "Extra inputs are not permitted" in result.stderr
