@@ -57,9 +57,11 @@ class LocalStack:
         log_level: str = "INFO",
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
+        metrics_port: int = 0,
     ) -> None:
         self.config = config
         self.port = port or free_port()
+        self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
         self.address = f"{host}:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self._log_dir = log_dir
@@ -75,7 +77,7 @@ class LocalStack:
             ("scheduler", [
                 "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
                 "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
-                "--max-waiting-requests", str(max_waiting), "--metrics-port", "0",
+                "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
             ]),
         ]  # fmt: skip
         if config.speculative_config is not None:
