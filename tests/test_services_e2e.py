@@ -239,3 +239,16 @@ def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "bogus_key" in result.stderr and "Extra inputs are not permitted" in result.stderr
+
+
+def test_offline_api_with_tensor_parallelism(pair, expected) -> None:
+    """`LLM(tensor_parallel_size=2)` runs its verifier ranks as worker processes and gives the same tokens."""
+    from minedraft import LLM
+
+    work = _workload()
+    target, draft = pair
+    spec = {**MODES["minedraft"], "model": draft}
+    with LLM(target, spec, tensor_parallel_size=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, device="cpu") as llm:
+        params = [SamplingParams(temperature=0, max_tokens=m) for _, m in work]
+        outputs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

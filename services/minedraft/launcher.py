@@ -58,6 +58,7 @@ class LocalStack:
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
+        workers_only: bool = False,
     ) -> None:
         self.config = config
         self.port = port or free_port()
@@ -83,6 +84,11 @@ class LocalStack:
         if config.speculative_config is not None:
             drafter = ["drafter", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(drafter_port)]
             self._commands.insert(1, ("drafter", drafter))
+        if workers_only:  # the caller drives the workers itself (the offline API with tensor parallelism)
+            self._commands = [c for c in self._commands if c[0] != "scheduler"]
+        self._ready_addresses = (
+            [a for a in (self.verifier_address, self.drafter_address) if a] if workers_only else [self.address]
+        )
 
     def __enter__(self) -> LocalStack:
         try:
@@ -113,20 +119,23 @@ class LocalStack:
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                for name, process in self._processes:
-                    if process.poll() is not None:
-                        raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
-                time.sleep(0.25)
+        for address in self._ready_addresses:
+            with grpc.insecure_channel(address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                while not self._serving(health):
+                    for name, process in self._processes:
+                        if process.poll() is not None:
+                            raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
+                    time.sleep(0.25)
+
+    @staticmethod
+    def _serving(health: health_pb2_grpc.HealthStub) -> bool:
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
+        except grpc.RpcError:
+            return False
 
     def wait(self) -> None:
         """Block until a service exits or Ctrl-C."""

@@ -47,8 +47,25 @@ class LLM:
             seed=seed,
             **engine_kwargs,
         )
-        self.engine = LLMEngine.local(self.config)
+        self._workers = None
+        if tensor_parallel_size > 1:
+            self.engine = self._tensor_parallel_engine()
+        else:
+            self.engine = LLMEngine.local(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def _tensor_parallel_engine(self) -> LLMEngine:
+        """Tensor parallelism needs one process per rank: start the verifier ranks (and the drafter) as
+        local worker processes, exactly as the services run, and drive them from this process."""
+        from minedraft.launcher import LocalStack
+        from minedraft.model.tokenizer import load_tokenizer
+        from minedraft.scheduler.executor import RemoteExecutor
+
+        self._workers = LocalStack(self.config, workers_only=True).__enter__()
+        executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
+        info = executor.verifier_info()
+        tokenizer = load_tokenizer(self.config.target_path)
+        return LLMEngine(self.config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
 
     def generate(
         self,
@@ -75,6 +92,15 @@ class LLM:
 
     def close(self) -> None:
         self.engine.executor.close()
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _make_request(self, index: int, prompt: PromptInput, params: SamplingParams) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

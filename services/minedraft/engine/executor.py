@@ -72,10 +72,7 @@ class LocalExecutor:
 def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExecutor, ModelRunner]:
     """Load the target (and the draft, when speculating) into this process."""
     if config.tensor_parallel_size != 1:
-        raise ValueError(
-            "the in-process engine runs the target on one device (tensor_parallel_size=1); "
-            "for tensor parallelism start the distributed services"
-        )
+        raise ValueError("the in-process executor runs the target on one device (tensor_parallel_size=1)")
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
