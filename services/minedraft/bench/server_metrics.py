@@ -1,0 +1,163 @@
+"""Server-side step statistics of a benchmark run, from the scheduler's Prometheus endpoint.
+
+The scheduler exposes per-step histograms (`minedraft:step_seconds`, `minedraft:draft_step_seconds`,
+`minedraft:verify_step_seconds`, `minedraft:step_overlap_ratio`). A benchmark scrapes them before and
+after its run; the difference of each histogram's `_sum` and `_count` covers exactly the steps of the
+run (provided nothing else is using the server meanwhile).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+STEP = "minedraft:step_seconds"
+DRAFT = "minedraft:draft_step_seconds"
+VERIFY = "minedraft:verify_step_seconds"
+OVERLAP = "minedraft:step_overlap_ratio"
+NUM_DRAFTS = "minedraft:spec_decode_num_drafts"
+NUM_ACCEPTED = "minedraft:spec_decode_num_accepted_tokens"
+GENERATION_TOKENS = "minedraft:generation_tokens"
+
+Samples = dict[str, float]
+
+
+def scrape(url: str, timeout: float = 10.0) -> Samples:
+    """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`).
+
+    Buckets and `_created` timestamps are dropped: only sums and counts are differenced.
+    """
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (a URL the user gave)
+        text = response.read().decode("utf-8")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+def _delta(before: Samples, after: Samples, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class ServerStepStats:
+    """What the scheduler measured during the run. Times are in seconds.
+
+    - `steps`: engine steps (one round trip to the workers each; in SD, drafting and verifying are
+      separate steps, in MineDraft one step drafts one batch while verifying the other).
+    - `draft_steps` / `verify_steps`: steps that drafted / verified anything; `overlap_steps`: both.
+    - the `*_sum` fields: summed step, draft and verify times, and the summed per-step ratio
+      max(draft, verify) / step time over the overlap steps.
+    """
+
+    steps: int
+    step_seconds_sum: float
+    draft_steps: int
+    draft_seconds_sum: float
+    verify_steps: int
+    verify_seconds_sum: float
+    overlap_steps: int
+    overlap_ratio_sum: float
+    num_drafts: int  # verifications carrying drafts (one per request per verify step)
+    num_accepted_tokens: int
+    generation_tokens: int
+
+    @classmethod
+    def from_scrapes(cls, before: Samples, after: Samples) -> ServerStepStats:
+        def count(name: str) -> int:
+            return round(_delta(before, after, name))
+
+        return cls(
+            steps=count(STEP + "_count"),
+            step_seconds_sum=_delta(before, after, STEP + "_sum"),
+            draft_steps=count(DRAFT + "_count"),
+            draft_seconds_sum=_delta(before, after, DRAFT + "_sum"),
+            verify_steps=count(VERIFY + "_count"),
+            verify_seconds_sum=_delta(before, after, VERIFY + "_sum"),
+            overlap_steps=count(OVERLAP + "_count"),
+            overlap_ratio_sum=_delta(before, after, OVERLAP + "_sum"),
+            num_drafts=count(NUM_DRAFTS + "_total"),
+            num_accepted_tokens=count(NUM_ACCEPTED + "_total"),
+            generation_tokens=count(GENERATION_TOKENS + "_total"),
+        )
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        """Mean wall time of a step as the scheduler saw it (RPCs to the workers included)."""
+        return _ratio(self.step_seconds_sum, self.steps)
+
+    @property
+    def mean_draft_seconds(self) -> float | None:
+        """Mean drafter time over the steps that drafted (measured in the drafter process)."""
+        return _ratio(self.draft_seconds_sum, self.draft_steps)
+
+    @property
+    def mean_verify_seconds(self) -> float | None:
+        """Mean verifier time over the steps that verified (measured in verifier rank 0)."""
+        return _ratio(self.verify_seconds_sum, self.verify_steps)
+
+    @property
+    def overlap_efficiency(self) -> float | None:
+        """Mean of max(draft, verify) / step time over the steps that ran both (None if none did).
+
+        1.0 means drafting was fully hidden behind verification (or the reverse) and the step cost
+        nothing beyond its longer half; lower means time lost to the shorter half not overlapping,
+        to contention between the two, or to the control plane. An unweighted mean over steps.
+        """
+        return _ratio(self.overlap_ratio_sum, self.overlap_steps)
+
+    @property
+    def control_plane_overhead(self) -> float | None:
+        """Share of step time not spent in the longer of drafting and verifying: an approximation.
+
+        Wanted: 1 - sum_steps max(draft, verify) / sum_steps step_time, i.e. the time the scheduler's
+        planning, the RPCs and (for steps that ran both) imperfect overlap add on top of the model work.
+        The histograms only give sums, so sum_steps max(draft, verify) is estimated as:
+
+        - single-phase steps (draft only or verify only, all steps of `ar` and `sd`): max is that phase.
+          Their phase time is the phase sum scaled by the share of its steps that ran alone, which
+          assumes a phase takes as long on average in an overlapped step as in a lone one;
+        - overlap steps: the mean overlap ratio times their step time, taken as the mean step time,
+          i.e. `overlap_ratio_sum * step_seconds_sum / steps`.
+
+        Exact when no step ran both phases (ar, sd); equal to 1 - the unweighted mean overlap ratio
+        when every step ran both. Between those (MineDraft's ramp-up and tail) it is an estimate.
+        """
+        if not self.steps or not self.step_seconds_sum:
+            return None
+        alone = 0.0
+        if self.draft_steps:
+            alone += self.draft_seconds_sum * (self.draft_steps - self.overlap_steps) / self.draft_steps
+        if self.verify_steps:
+            alone += self.verify_seconds_sum * (self.verify_steps - self.overlap_steps) / self.verify_steps
+        overlapped = self.overlap_ratio_sum * self.step_seconds_sum / self.steps
+        return 1.0 - (alone + overlapped) / self.step_seconds_sum
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """1 + accepted draft tokens per verification that carried drafts, from the server's counters."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def to_dict(self) -> dict[str, Any]:
+        derived = {
+            name: getattr(self, name)
+            for name in (
+                "mean_step_seconds",
+                "mean_draft_seconds",
+                "mean_verify_seconds",
+                "overlap_efficiency",
+                "control_plane_overhead",
+                "mean_accepted_length",
+            )
+        }
+        return {**asdict(self), **derived}
