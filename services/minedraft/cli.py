@@ -7,9 +7,15 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+
+# Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
+MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
+OFFLINE_MODES = ",".join(MODE_NAMES)
+LAUNCH_MODES = "ar,sd,minedraft"
 
 
 def _env(flag: str, default: Any = None) -> Any:
@@ -137,18 +143,102 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minedraft.bench.offline import format_table, run_offline_bench
     from minedraft.bench.prompts import load_prompts
 
-    if not args.offline:
-        print("minedraft bench: only --offline is available in this build", file=sys.stderr)
-        return 2
+    _check_bench_args(args)
     prompts = load_prompts(args.dataset, limit=args.num_prompts)
+    if args.offline:
+        return _bench_offline(args, prompts)
+    try:
+        return _bench_launch(args, prompts) if args.launch else _bench_target(args, prompts)
+    except (RuntimeError, TimeoutError, ConnectionError) as exc:  # a server that did not start or answer
+        print(f"minedraft bench: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    """Errors a user can fix, before loading anything: raised as ValueError, printed by main()."""
+    checks = [
+        (args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}"),
+        (args.concurrency >= 1, f"--concurrency must be >= 1, got {args.concurrency}"),
+        (args.request_rate is None or args.request_rate > 0, f"--request-rate must be > 0, got {args.request_rate}"),
+        (args.max_tokens >= 1, f"--max-tokens must be >= 1, got {args.max_tokens}"),
+        (args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
+        (args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}"),
+        (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
+        (args.k >= 1, f"--k must be >= 1, got {args.k}"),
+        (args.target is None or ":" in args.target, f"--target must be host:port, got {args.target!r}"),
+        (args.metrics_url is None or args.target is not None, "--metrics-url goes with --target (--launch "
+         "scrapes each stack it starts)"),
+        (args.json is None or not args.offline, "--json is available with --target and --launch"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def _bench_offline(args: argparse.Namespace, prompts: list[str]) -> int:
+    from minedraft.bench.offline import format_table, run_offline_bench
+
     engine = _engine_kwargs(args)
     engine.pop("speculative_config")
-    results = run_offline_bench(prompts, args.modes.split(","), args.k, _sampling_params(args), **engine)
+    modes = (args.modes or OFFLINE_MODES).split(",")
+    results = run_offline_bench(prompts, modes, args.k, _sampling_params(args), **engine)
     print(format_table(results))
     return 0
+
+
+def _online_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """run_online_bench options shared by --target and --launch."""
+    return {
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "ignore_eos": args.ignore_eos,
+        "stop": args.stop,
+        "seed": args.sampling_seed if args.sampling_seed is not None else args.seed,
+        "timeout": args.timeout,
+        "warmup": args.warmup,
+    }
+
+
+def _bench_target(args: argparse.Namespace, prompts: list[str]) -> int:
+    from minedraft.bench.online import format_result, run_online_bench, to_json
+
+    result = run_online_bench(args.target, prompts, metrics_url=args.metrics_url, **_online_kwargs(args))
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(to_json(result, per_request=True) + "\n", encoding="utf-8")
+    return 0 if not result.failed else 1
+
+
+def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
+    import tempfile
+
+    from minedraft.bench.launch import format_comparison, greedy_mismatches, run_launch_bench
+    from minedraft.bench.online import to_json
+
+    engine = _engine_kwargs(args)
+    engine.pop("speculative_config")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="minedraft-bench-"))
+    modes = (args.modes or LAUNCH_MODES).split(",")
+    try:
+        results = run_launch_bench(
+            modes, args.k, engine, prompts, log_dir=log_dir, log_level=args.log_level, **_online_kwargs(args)
+        )
+    except (RuntimeError, TimeoutError, ConnectionError) as exc:
+        raise RuntimeError(f"{exc} (service logs: {log_dir})") from exc
+    print(format_comparison(results))
+    if args.temperature == 0:
+        for mode, count in greedy_mismatches(results).items():
+            if count:
+                print(f"warning: {count} greedy outputs of {mode} differ from {modes[0]}'s", flush=True)
+    if args.json:
+        Path(args.json).write_text(to_json(results, per_request=True) + "\n", encoding="utf-8")
+    return 0 if not any(r.failed for r in results.values()) else 1
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -212,14 +302,53 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmark decoding modes side by side")
-    bench.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark decoding modes: in this process (--offline), against a server (--target), or on local "
+        "stacks started mode by mode (--launch)",
+        description="Three ways to benchmark. --offline: the engine in this process, mode by mode (tokens/s, "
+        "accepted length). --target HOST:PORT: streamed requests against a running server, measured at the "
+        "client (TTFT, ITL, E2E, throughput). --launch: for each of --modes, start verifier, drafter and "
+        "scheduler locally (the engine flags apply), run the --target benchmark on it, stop it; then one "
+        "side-by-side table. See benchmarks/README.md.",
+    )
+    how = bench.add_mutually_exclusive_group(required=True)
+    how.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
+    how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft server at this address")
+    how.add_argument("--launch", action="store_true", help="start a local stack per mode and benchmark each")
     bench.add_argument(
-        "--modes", default="ar,sd,pearl,minedraft,minedraft+tetris", help="comma-separated modes to compare"
+        "--modes",
+        default=None,
+        help=f"comma-separated modes to compare, of {OFFLINE_MODES}; default: {OFFLINE_MODES} "
+        f"with --offline, {LAUNCH_MODES} with --launch",
     )
     bench.add_argument("--k", type=int, default=4, help="num_speculative_tokens for the speculative modes")
-    bench.add_argument("--dataset", default=None, help="prompts: .jsonl of {prompt} or ShareGPT .json")
-    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument(
+        "--dataset", default=None, help="prompts: .jsonl of {prompt} or ShareGPT .json; default: bundled held-out"
+    )
+    bench.add_argument("--num-prompts", type=int, default=64, help="use the first N prompts of the dataset")
+    online = bench.add_argument_group("online (--target, --launch)")
+    online.add_argument("--concurrency", type=int, default=16, help="most requests in flight at once")
+    online.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests per second, arriving as a Poisson process (still capped by --concurrency); "
+        "default: send as fast as the concurrency allows",
+    )
+    online.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    online.add_argument(
+        "--warmup", type=int, default=2, help="requests sent (and not measured) before the run, per server"
+    )
+    online.add_argument(
+        "--metrics-url",
+        default=None,
+        help="--target only: the scheduler's Prometheus endpoint (e.g. http://127.0.0.1:9090/metrics), scraped "
+        "before and after the run for step times, overhead and overlap",
+    )
+    online.add_argument("--json", metavar="FILE", default=None, help="also write the results, per request, as JSON")
+    online.add_argument("--log-dir", default=None, help="--launch: service logs; default: a new temporary folder")
+    online.add_argument("--log-level", default="INFO", help="--launch: the services' log level")
     _add_engine_args(bench)
     _add_sampling_args(bench, temperature=0.0, max_tokens=64)
     bench.set_defaults(func=cmd_bench)
