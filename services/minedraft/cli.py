@@ -171,6 +171,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         (args.metrics_url is None or args.target is not None, "--metrics-url goes with --target (--launch "
          "scrapes each stack it starts)"),
         (args.json is None or not args.offline, "--json is available with --target and --launch"),
+        (args.draft_model is None or args.launch, "--draft-model goes with --launch"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -227,8 +228,9 @@ def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
     modes = (args.modes or LAUNCH_MODES).split(",")
     try:
         results = run_launch_bench(
-            modes, args.k, engine, prompts, log_dir=log_dir, log_level=args.log_level, **_online_kwargs(args)
-        )
+            modes, args.k, engine, prompts, log_dir=log_dir, log_level=args.log_level,
+            draft_model=args.draft_model, **_online_kwargs(args),
+        )  # fmt: skip
     except (RuntimeError, TimeoutError, ConnectionError) as exc:
         raise RuntimeError(f"{exc} (service logs: {log_dir})") from exc
     print(format_comparison(results))
@@ -347,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
         "before and after the run for step times, overhead and overlap",
     )
     online.add_argument("--json", metavar="FILE", default=None, help="also write the results, per request, as JSON")
+    online.add_argument(
+        "--draft-model", default=None, help="--launch: draft checkpoint of the speculative modes; default: bundled"
+    )
     online.add_argument("--log-dir", default=None, help="--launch: service logs; default: a new temporary folder")
     online.add_argument("--log-level", default="INFO", help="--launch: the services' log level")
     _add_engine_args(bench)

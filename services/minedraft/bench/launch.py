@@ -21,11 +21,15 @@ def run_launch_bench(
     *,
     log_dir: Path,
     log_level: str = "INFO",
+    draft_model: str | None = None,
     **bench_kwargs: Any,
 ) -> dict[str, BenchResult]:
     """For each mode: start a LocalStack (own ports, Prometheus on a free port), run `run_online_bench`
-    with `bench_kwargs` over `prompts`, stop the stack. Service logs go to `log_dir/<mode>/`."""
+    with `bench_kwargs` over `prompts`, stop the stack. Service logs go to `log_dir/<mode>/`.
+    `draft_model`: the speculative modes' draft checkpoint (None: the bundled draft)."""
     configs = mode_configs(k)
+    if draft_model:
+        configs = {m: {**spec, "model": draft_model} if spec else spec for m, spec in configs.items()}
     unknown = [m for m in modes if m not in configs]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")
@@ -70,13 +74,13 @@ def _opt(value: float | None, spec: str) -> str:
 
 COLUMNS = (
     ("mode", "<18"), ("ok/fail", ">8"), ("req/s", ">7"), ("tok/s", ">8"), ("x ar", ">6"), ("x sd", ">6"),
-    ("E2E s", ">7"), ("x ar", ">6"), ("x sd", ">6"), ("TTFT ms", ">9"), ("ITL ms", ">8"), ("acc len", ">8"),
+    ("E2E ms", ">8"), ("x ar", ">6"), ("x sd", ">6"), ("TTFT ms", ">9"), ("ITL ms", ">8"), ("acc len", ">8"),
     ("overhead", ">9"), ("overlap", ">8"),
 )  # fmt: skip
 
 LEGEND = """\
 tok/s: output tokens per second over the run; x ar / x sd after it: this mode's tok/s divided by ar's / sd's
-E2E s: mean end-to-end request latency; x ar / x sd after it: divided by ar's / sd's (below 1 = faster)
+E2E ms: mean end-to-end request latency; x ar / x sd after it: divided by ar's / sd's (below 1 = faster)
 TTFT / ITL: mean time to first token / mean per-token gap after it, at the client
 acc len: mean accepted length, 1 + accepted / drafts over all requests (- without speculation)
 overhead: share of scheduler step time outside max(draft, verify), approximate (see benchmarks/README.md)
@@ -94,7 +98,7 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
         cells = [
             mode, f"{len(r.ok)}/{r.failed}", f"{r.request_throughput:.2f}", f"{r.output_throughput:.1f}",
             _ratio(r.output_throughput, base_tput.get("ar")), _ratio(r.output_throughput, base_tput.get("sd")),
-            f"{r.e2e.mean:.2f}", _ratio(r.e2e.mean, base_e2e.get("ar")), _ratio(r.e2e.mean, base_e2e.get("sd")),
+            f"{r.e2e.mean * 1e3:.0f}", _ratio(r.e2e.mean, base_e2e.get("ar")), _ratio(r.e2e.mean, base_e2e.get("sd")),
             f"{r.ttft.mean * 1e3:.0f}", f"{r.itl.mean * 1e3:.1f}", _opt(r.mean_accepted_length, ".2f"),
             _opt(server.control_plane_overhead if server else None, ".1%"),
             _opt(server.overlap_efficiency if server else None, ".2f"),
