@@ -12,7 +12,7 @@ import math
 import pytest
 
 from minedraft.bench.online import BenchResult, format_result, run_online_bench, to_json
-from minedraft.bench.server_metrics import ServerStepStats
+from minedraft.bench.server_metrics import ServerStepStats, scrape
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port
 
@@ -102,3 +102,28 @@ def test_validation_fails_before_connecting() -> None:
         run_online_bench("127.0.0.1:1", ["x"], concurrency=0, max_tokens=4, temperature=0.0)
     with pytest.raises(ConnectionError, match="no MineDraft server"):
         run_online_bench("127.0.0.1:1", ["x"], concurrency=1, max_tokens=4, temperature=0.0, timeout=5)
+
+
+def test_unreadable_metrics_endpoint_is_a_connection_error() -> None:
+    with pytest.raises(ConnectionError, match="cannot scrape"):
+        scrape(f"http://127.0.0.1:{free_port()}/metrics", timeout=5)
+
+
+def _stats(**kw) -> ServerStepStats:
+    zeros = dict.fromkeys(ServerStepStats.__dataclass_fields__, 0)
+    return ServerStepStats(**{**zeros, **kw})
+
+
+def test_overhead_is_exact_without_overlap_steps() -> None:
+    # sd: 10 draft-only steps of 1 s and 10 verify-only steps of 2 s, 40 s of step time in all.
+    s = _stats(steps=20, step_seconds_sum=40, draft_steps=10, draft_seconds_sum=10, verify_steps=10,
+               verify_seconds_sum=20)  # fmt: skip
+    assert math.isclose(s.control_plane_overhead, 1 - 30 / 40)
+    assert s.overlap_efficiency is None
+
+
+def test_overhead_when_every_step_overlaps_is_one_minus_the_mean_ratio() -> None:
+    s = _stats(steps=4, step_seconds_sum=8, draft_steps=4, draft_seconds_sum=3, verify_steps=4,
+               verify_seconds_sum=6, overlap_steps=4, overlap_ratio_sum=3.2)  # fmt: skip
+    assert math.isclose(s.overlap_efficiency, 0.8)
+    assert math.isclose(s.control_plane_overhead, 0.2)

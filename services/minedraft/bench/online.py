@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +214,17 @@ async def _server_mode(client: AsyncClient, target: str) -> str:
         raise ConnectionError(f"no MineDraft server answers at {target}: {exc}") from exc
 
 
+def _server_stats(metrics_url: str | None, before: dict[str, float] | None) -> ServerStepStats | None:
+    """The second scrape; its failure costs the server statistics, not the run's client-side results."""
+    if metrics_url is None or before is None:
+        return None
+    try:
+        return ServerStepStats.from_scrapes(before, scrape(metrics_url))
+    except ConnectionError as exc:
+        print(f"warning: {exc}; reporting without server statistics", file=sys.stderr)
+        return None
+
+
 async def run_online_bench_async(
     target: str,
     prompts: Sequence[str],
@@ -250,7 +262,7 @@ async def run_online_bench_async(
         start = time.perf_counter()
         records = await _dispatch(client, prompts, sampling, concurrency, arrivals, seed, progress)
         duration = time.perf_counter() - start
-    server = ServerStepStats.from_scrapes(before, scrape(metrics_url)) if metrics_url and before else None
+    server = _server_stats(metrics_url, before)
     return BenchResult(
         target, concurrency, request_rate, max_tokens, temperature, duration, records, server, mode, label
     )
@@ -275,7 +287,8 @@ def run_online_bench(
     allows; otherwise requests arrive as a Poisson process of that many per second (still capped by
     `concurrency`). `seed`: seeds the arrival times, and request i carries sampling seed `seed + i`
     (None: requests carry no seed). `metrics_url`: the scheduler's Prometheus endpoint, scraped before
-    and after the run for server-side step statistics (it must serve no other traffic meanwhile).
+    and after the run for server-side step statistics (it must serve no other traffic meanwhile; an
+    endpoint that cannot be read before the run raises ConnectionError).
     `timeout`: per-request deadline in seconds. Further options: top_p, top_k, ignore_eos, stop, warmup
     (requests sent before measuring), progress (tqdm bar on a terminal), label.
     Failed requests are recorded, not raised; an unreachable server raises ConnectionError.

@@ -28,10 +28,14 @@ Samples = dict[str, float]
 def scrape(url: str, timeout: float = 10.0) -> Samples:
     """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`).
 
-    Buckets and `_created` timestamps are dropped: only sums and counts are differenced.
+    Buckets and `_created` timestamps are dropped: only sums and counts are differenced. Raises
+    ConnectionError when the endpoint cannot be read.
     """
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (a URL the user gave)
-        text = response.read().decode("utf-8")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (a URL the user gave)
+            text = response.read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not a URL at all
+        raise ConnectionError(f"cannot scrape Prometheus metrics at {url}: {exc}") from exc
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
