@@ -29,15 +29,20 @@ def _add(group, flag: str, default: Any = None, **kwargs) -> None:
     group.add_argument(flag, default=_env(flag, default), help=f"{help_text} [env {env}]".strip(), **kwargs)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+# `minedraft up` is the embedded demo: MineDraft with the bundled pair unless told otherwise.
+UP_SPECULATIVE_DEFAULT = '{"num_speculative_tokens": 4, "is_parallel": true}'
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, speculative_default: str | None = None) -> None:
     """Engine flags, named as vLLM names them; each can also come from a MINEDRAFT_* variable."""
     group = parser.add_argument_group("engine")
     _add(group, "--model", help="target checkpoint folder (HF format); default: bundled target")
     _add(
         group,
         "--speculative-config",
-        help='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\'; default: none (plain '
-        "autoregressive decoding)",
+        speculative_default,
+        help='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\', or null for plain '
+        "autoregressive decoding (default: %(default)s)",
     )
     _add(group, "--tensor-parallel-size", 1, type=int, help="target tensor-parallel size")
     _add(group, "--max-num-seqs", 16, type=int, help="requests per batch (MineDraft keeps two)")
@@ -358,8 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench, temperature=0.0, max_tokens=64)
     bench.set_defaults(func=cmd_bench)
 
-    up = sub.add_parser("up", help="start verifier, drafter and scheduler as local processes (CPU default)")
-    _add_engine_args(up)
+    up = sub.add_parser(
+        "up",
+        help="start verifier, drafter and scheduler as local processes (the embedded default)",
+        description="Start the whole stack on this machine with the bundled models, in MineDraft mode unless "
+        "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
+    )
+    _add_engine_args(up, speculative_default=UP_SPECULATIVE_DEFAULT)
     _add_listen_args(up, port=50051, host="127.0.0.1")
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     up.set_defaults(func=cmd_up)
