@@ -9,8 +9,7 @@ from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.workers import DraftWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
-from minedraft.transport.groups import WorldGroups, init_world
-from minedraft.verifier.node import max_model_len_of, topology_of
+from minedraft.verifier.node import join_world, max_model_len_of, topology_of
 from minedraft.wire import plan_from_proto
 
 
@@ -22,16 +21,7 @@ class DrafterNode:
         device = config.resolved_device()
         if device == "cuda":
             device = f"cuda:{device_index or 0}"
-        topology = topology_of(config)
-        self.groups: WorldGroups = init_world(
-            rank=topology.drafter_rank,
-            topology=topology,
-            master_addr=dist.master_addr,
-            master_port=dist.master_port,
-            device=device,
-            backend=None if dist.backend == "auto" else dist.backend,
-            timeout_s=dist.timeout_s,
-        )
+        self.groups = join_world(config, dist, topology_of(config).drafter_rank, device)
         self.runner = ModelRunner(
             config.draft_path,
             num_slots=num_slots(config),

@@ -29,19 +29,24 @@ def max_model_len_of(config: EngineConfig) -> int:
     return config.max_model_len or load_model_config(config.target_path).max_position_embeddings
 
 
+def join_world(config: EngineConfig, dist: DistributedConfig, rank: int, device: str) -> WorldGroups:
+    """Form the world group with the other verifier ranks and the drafter (blocks until all have joined)."""
+    return init_world(
+        rank=rank,
+        topology=topology_of(config),
+        master_addr=dist.master_addr,
+        master_port=dist.master_port,
+        device=device,
+        backend=None if dist.backend == "auto" else dist.backend,
+        timeout_s=dist.timeout_s,
+    )
+
+
 class VerifierNode:
     def __init__(self, config: EngineConfig, dist: DistributedConfig, rank: int) -> None:
         self.config = config
         device = _rank_device(config.resolved_device(), rank)
-        self.groups: WorldGroups = init_world(
-            rank=rank,
-            topology=topology_of(config),
-            master_addr=dist.master_addr,
-            master_port=dist.master_port,
-            device=device,
-            backend=None if dist.backend == "auto" else dist.backend,
-            timeout_s=dist.timeout_s,
-        )
+        self.groups = join_world(config, dist, rank, device)
         self.runner = ModelRunner(
             config.target_path,
             num_slots=num_slots(config),
