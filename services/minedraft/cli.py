@@ -155,8 +155,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.offline:
         return _bench_offline(args, prompts)
     try:
+        if args.k8s:
+            return _bench_k8s(args, prompts)
         return _bench_launch(args, prompts) if args.launch else _bench_target(args, prompts)
-    except (RuntimeError, TimeoutError, ConnectionError) as exc:  # a server that did not start or answer
+    except (RuntimeError, TimeoutError, ConnectionError, LookupError) as exc:  # a server that did not start or answer
         print(f"minedraft bench: {exc}", file=sys.stderr)
         return 1
 
@@ -219,6 +221,16 @@ def _bench_target(args: argparse.Namespace, prompts: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(to_json(result, per_request=True) + "\n", encoding="utf-8")
     return 0 if not result.failed else 1
+
+
+def _bench_k8s(args: argparse.Namespace, prompts: list[str]) -> int:
+    """The --target benchmark through a port-forward to the scheduler Service, closed afterwards."""
+    from minedraft.bench.k8s import SCHEDULER_PORT, port_forward
+
+    with port_forward(args.service, args.namespace, method=args.port_forward) as target:
+        print(f"forwarding {target} -> svc/{args.service}:{SCHEDULER_PORT} in namespace {args.namespace}", flush=True)
+        args.target = target
+        return _bench_target(args, prompts)
 
 
 def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
@@ -323,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
     how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft server at this address")
     how.add_argument("--launch", action="store_true", help="start a local stack per mode and benchmark each")
+    how.add_argument(
+        "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its scheduler"
+    )
+    k8s = bench.add_argument_group("kubernetes (--k8s)")
+    k8s.add_argument("--namespace", default="default", help="namespace of the release")
+    k8s.add_argument("--service", default="minedraft-scheduler", help="the scheduler Service (<release>-scheduler)")
+    k8s.add_argument(
+        "--port-forward",
+        choices=("kubectl", "client"),
+        default="kubectl",
+        help="kubectl: `kubectl port-forward svc/...` as a subprocess; client: the kubernetes Python client",
+    )
     bench.add_argument(
         "--modes",
         default=None,
