@@ -1,0 +1,294 @@
+{{/* Names, labels and the pieces every pod shares. */}}
+
+{{- define "minedraft.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-wide prefix; component names add at most "-scheduler" (10 chars), so keep 52. */}}
+{{- define "minedraft.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "minedraft.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "verifier"). */}}
+{{- define "minedraft.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "minedraft.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "minedraft.labels" -}}
+helm.sh/chart: {{ include "minedraft.chart" .root }}
+{{ include "minedraft.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: minedraft
+{{- end }}
+
+{{- define "minedraft.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "minedraft.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "minedraft.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* "true" when a speculative config is set (then a drafter is deployed), "" otherwise. */}}
+{{- define "minedraft.speculative" -}}
+{{- if .Values.speculativeConfig }}true{{ end }}
+{{- end }}
+
+{{- define "minedraft.gpu" -}}
+{{- if ne .Values.engine.device "cpu" }}true{{ end }}
+{{- end }}
+
+{{/* Service DNS names, namespace-qualified so they also resolve from other namespaces. */}}
+{{- define "minedraft.verifierHost" -}}
+{{- printf "%s-verifier.%s.svc" (include "minedraft.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "minedraft.drafterHost" -}}
+{{- printf "%s-drafter.%s.svc" (include "minedraft.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "minedraft.startupBudgetSeconds" -}}
+{{- mul (int .Values.probes.startup.periodSeconds) (int .Values.probes.startup.failureThreshold) }}
+{{- end }}
+
+{{- define "minedraft.claimName" -}}
+{{- if eq .Values.models.volume.type "existingClaim" }}
+{{- .Values.models.volume.existingClaim }}
+{{- else }}
+{{- printf "%s-models" (include "minedraft.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Cross-field checks the JSON schema cannot phrase clearly; each fails the install with what to change.
+*/}}
+{{- define "minedraft.validate" -}}
+{{- $m := .Values.models }}
+{{- $usesVolume := or $m.target $m.draft }}
+{{- if and $usesVolume (eq $m.volume.type "none") }}
+{{- fail "models.target/models.draft name folders on the model volume: set models.volume.type to existingClaim, createClaim or emptyDir (or leave both empty for the bundled models)" }}
+{{- end }}
+{{- if and (eq $m.volume.type "existingClaim") (not $m.volume.existingClaim) }}
+{{- fail "models.volume.type=existingClaim needs models.volume.existingClaim (the PersistentVolumeClaim's name)" }}
+{{- end }}
+{{- if eq $m.volume.type "emptyDir" }}
+{{- if or (and $m.target (not (and $m.download.enabled $m.download.target))) (and $m.draft (not (and $m.download.enabled $m.download.draft))) }}
+{{- fail "models.volume.type=emptyDir starts empty: enable models.download with a repository for each of models.target/models.draft, or use existingClaim/createClaim" }}
+{{- end }}
+{{- end }}
+{{- if $m.download.enabled }}
+{{- if eq $m.volume.type "none" }}
+{{- fail "models.download needs a model volume: set models.volume.type to existingClaim, createClaim or emptyDir" }}
+{{- end }}
+{{- if not (or $m.download.target $m.download.draft) }}
+{{- fail "models.download.enabled needs models.download.target and/or models.download.draft (Hub repository ids)" }}
+{{- end }}
+{{- if and $m.download.target (not $m.target) }}
+{{- fail "models.download.target needs models.target: the folder (under models.mountPath) to download it into" }}
+{{- end }}
+{{- if and $m.download.draft (not $m.draft) }}
+{{- fail "models.download.draft needs models.draft: the folder (under models.mountPath) to download it into" }}
+{{- end }}
+{{- end }}
+{{- with .Values.speculativeConfig }}
+{{- if and .force_pearl (not .is_parallel) }}
+{{- fail "speculativeConfig.force_pearl requires speculativeConfig.is_parallel: true" }}
+{{- end }}
+{{- if and .model $m.draft }}
+{{- fail "set either models.draft (a folder on the model volume) or speculativeConfig.model (a path in the image), not both" }}
+{{- end }}
+{{- end }}
+{{- if and $m.draft (not (include "minedraft.speculative" .)) }}
+{{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
+{{- end }}
+{{- end }}
+
+{{/* The speculative config as the engine reads it: null keys dropped, models.draft resolved to a path. */}}
+{{- define "minedraft.speculativeJson" -}}
+{{- $spec := dict }}
+{{- range $key, $value := .Values.speculativeConfig }}
+{{- if not (kindIs "invalid" $value) }}
+{{- if not (and (eq $key "model") (eq (toString $value) "")) }}
+{{- $_ := set $spec $key $value }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.models.draft }}
+{{- $_ := set $spec "model" (printf "%s/%s" .Values.models.mountPath .Values.models.draft) }}
+{{- end }}
+{{- toJson $spec }}
+{{- end }}
+
+{{/*
+Checksum of everything that defines the engine group. All three pods carry it, so a change that restarts
+one worker restarts the whole group: a new verifier cannot rejoin a running drafter's process group, and
+the scheduler must rebuild its engine over the fresh workers.
+*/}}
+{{- define "minedraft.groupChecksum" -}}
+{{- $group := dict "config" (include (print .Template.BasePath "/configmap.yaml") .) "image" .Values.image.worker "verifier" .Values.verifier "drafter" .Values.drafter "models" .Values.models "distributed" .Values.distributed "security" (list .Values.podSecurityContext .Values.securityContext) }}
+{{- toJson $group | sha256sum }}
+{{- end }}
+
+{{- define "minedraft.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext }}
+{{- end }}
+
+{{- define "minedraft.containerSecurityContext" -}}
+{{- toYaml .Values.securityContext }}
+{{- end }}
+
+{{/*
+gRPC probes on one port: (dict "root" $ "port" 50061). startupProbe holds liveness and readiness back
+until the model is loaded; that is how Kubernetes runs startupProbe, so liveness can never kill a loading
+pod (the usual failure of LLM charts that put a short liveness delay on a model that loads for minutes).
+*/}}
+{{- define "minedraft.probes" -}}
+{{- $p := .root.Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+    service: ""
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: {{ $p.startup.timeoutSeconds }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+    service: ""
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+    service: ""
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+{{- end }}
+
+{{/*
+Container resources with the GPU count set from values: (dict "root" $ "resources" ... "gpuName" ... "gpus" N).
+No GPU key at all with engine.device=cpu.
+*/}}
+{{- define "minedraft.resources" -}}
+{{- $res := deepCopy (default dict .resources) }}
+{{- if include "minedraft.gpu" .root }}
+{{- $limits := deepCopy (default dict (get $res "limits")) }}
+{{- $_ := set $limits .gpuName (int .gpus) }}
+{{- $_ := set $res "limits" $limits }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* Environment every service container gets on top of the ConfigMap. */}}
+{{- define "minedraft.commonEnv" -}}
+# The root filesystem is read-only: caches (torch, triton, Hugging Face) go to the /tmp emptyDir.
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+{{- end }}
+
+{{/* The model volume, when one is configured: (dict "root" $ "readOnly" bool "own" bool).
+     own = this pod gets its own emptyDir (the scheduler fetching only tokenizer files). */}}
+{{- define "minedraft.modelVolume" -}}
+{{- $v := .root.Values.models.volume }}
+{{- if or .own (eq $v.type "emptyDir") }}
+- name: models
+  emptyDir:
+    sizeLimit: {{ ternary "1Gi" $v.emptyDirSizeLimit .own }}
+{{- else if ne $v.type "none" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ include "minedraft.claimName" .root }}
+    readOnly: {{ .readOnly }}
+{{- end }}
+{{- end }}
+
+{{/* Writable scratch space (the root filesystem is read-only) and, for workers, /dev/shm. */}}
+{{- define "minedraft.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if and .shm (not .root.Values.distributed.hostIPC) }}
+# Memory-backed /dev/shm: the runtime's 64 MiB default is too small for NCCL and the
+# tensor-parallel ranks (the "Bus error" / NCCL "unhandled system error" of LLM pods).
+# With hostIPC the pod uses the node's /dev/shm instead, so nothing is mounted over it.
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shm }}
+{{- end }}
+{{- end }}
+
+{{- define "minedraft.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if and .shm (not .root.Values.distributed.hostIPC) }}
+- name: shm
+  mountPath: /dev/shm
+{{- end }}
+{{- end }}
+
+{{/*
+One init container fetching a Hub repository: (dict "root" $ "name" .. "image" .. "repo" .. "dir" .. "patterns" ..).
+The token comes only from a secretKeyRef, never from values or the ConfigMap.
+*/}}
+{{- define "minedraft.downloadContainer" -}}
+{{- $root := .root }}
+- name: {{ .name }}
+  image: {{ .image }}
+  imagePullPolicy: {{ .pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import sys
+      from huggingface_hub import snapshot_download
+      repo, local_dir, revision, patterns = sys.argv[1:5]
+      snapshot_download(repo_id=repo, local_dir=local_dir, revision=revision or None,
+                        allow_patterns=patterns.split(",") if patterns else None)
+      print(f"downloaded {repo} to {local_dir}", flush=True)
+    - {{ .repo | quote }}
+    - {{ printf "%s/%s" $root.Values.models.mountPath .dir | quote }}
+    - {{ $root.Values.models.download.revision | quote }}
+    - {{ .patterns | default "" | quote }}
+  env:
+    {{- include "minedraft.commonEnv" $root | nindent 4 }}
+    - name: HF_HOME
+      value: /tmp/huggingface
+    {{- with $root.Values.hfToken.existingSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $root.Values.hfToken.key }}
+    {{- end }}
+  securityContext:
+    {{- include "minedraft.containerSecurityContext" $root | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: models
+      mountPath: {{ $root.Values.models.mountPath }}
+{{- end }}

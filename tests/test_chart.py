@@ -1,0 +1,524 @@
+"""The Helm chart (charts/minedraft): rendered with the Helm v4 library, linted, every object validated
+against the Kubernetes schemas, and the invariants a GPU deployment depends on checked per combination."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from minedraft.cli import _dist_config, _engine_config, build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBE_VERSION = "1.35.0"  # validated strictly (unknown fields are errors) against this release's schemas
+TOKEN = "hf_MineDraftChartTestToken0123456789"  # recognisable: must never appear in rendered text
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location("render_manifests", ROOT / "scripts" / "render_manifests.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["render_manifests"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+renderer = _load_renderer()
+CPU = renderer.profile_values("cpu")
+CLAIM_MODELS = {"target": "llama-3-8b", "draft": "llama-3-draft"}
+COMBINATIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "cpu": CPU,
+    "tp1": {"verifier": {"tensorParallelSize": 1}},
+    "tp2": {"verifier": {"tensorParallelSize": 2}},
+    "tp8": {"verifier": {"tensorParallelSize": 8}},
+    "host-ipc": {"distributed": {"hostIPC": True}},
+    "existing-claim": {"models": {**CLAIM_MODELS, "volume": {"type": "existingClaim", "existingClaim": "llm-models"}}},
+    "created-claim-download": {
+        "models": {
+            **CLAIM_MODELS,
+            "volume": {"type": "createClaim", "size": "500Gi", "storageClassName": "fast"},
+            "download": {"enabled": True, "target": "org/target", "draft": "org/draft", "revision": "v1"},
+        },
+        "hfToken": {"existingSecret": "hf-token", "key": "token"},
+    },
+    "empty-dir-download": {
+        "models": {
+            **CLAIM_MODELS,
+            "volume": {"type": "emptyDir"},
+            "download": {"enabled": True, "target": "org/target", "draft": "org/draft"},
+        },
+        "hfToken": {"existingSecret": "hf-token"},
+    },
+    "extras": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "podDisruptionBudget": {"enabled": True},
+        "networkPolicy": {
+            "enabled": True,
+            "clientFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+        },
+    },
+    "extras-autoregressive": {
+        "speculativeConfig": None,
+        "serviceMonitor": {"enabled": True},
+        "podDisruptionBudget": {"enabled": True},
+        "networkPolicy": {"enabled": True},
+    },
+    "tetris": {"speculativeConfig": {"tetris": True, "tetris_capacity": 48, "num_speculative_tokens": 3}},
+    "per-component-scheduling": {
+        "scheduler": {"nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "cpu-only", "operator": "Exists"}]},
+        "verifier": {
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "big-gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "runtimeClassName": "nvidia",
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+            ]}}},
+        },
+        "drafter": {
+            "nodeSelector": {"gpu": "h100", "drafter": "ok"},
+            "tolerations": [{"key": "small-gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "runtimeClassName": "nvidia-mig",
+            "gpuResourceName": "nvidia.com/mig-3g.40gb",
+            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 10, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                   "labelSelector": {"matchLabels": {"noisy": "true"}}}}
+            ]}},
+        },
+    },
+}  # fmt: skip
+
+
+@functools.cache
+def _render(name: str) -> tuple[dict[str, Any], ...]:
+    return tuple(m.obj for m in renderer.render(COMBINATIONS[name]))
+
+
+def render(name: str) -> list[dict[str, Any]]:
+    return json.loads(json.dumps(_render(name)))  # a private copy: tests may not mutate the cache
+
+
+def find(objs: list[dict], kind: str, suffix: str = "") -> list[dict]:
+    return [o for o in objs if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+
+
+def one(objs: list[dict], kind: str, suffix: str = "") -> dict:
+    found = find(objs, kind, suffix)
+    assert len(found) == 1, f"expected one {kind} *{suffix}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def pod(objs: list[dict], component: str) -> dict:
+    return one(objs, "Deployment", f"-{component}")["spec"]["template"]["spec"]
+
+
+def configmap(objs: list[dict]) -> dict[str, str]:
+    return one(objs, "ConfigMap")["data"]
+
+
+# --- rendering, lint, Kubernetes schemas -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [{}, CPU], ids=["default", "cpu"])
+def test_lint_is_clean(values) -> None:
+    report = helm.lint(renderer.CHART_DIR, values=values or None, strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_every_object_validates(name: str) -> None:
+    for obj in render(name):
+        if obj["kind"] == "ServiceMonitor":  # a CRD: no schema in kubernetes-validate
+            _check_service_monitor(obj, render(name))
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message}")
+
+
+def _check_service_monitor(monitor: dict, objs: list[dict]) -> None:
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = one(objs, "Service", "-scheduler")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    assert all(e["port"] in port_names for e in monitor["spec"]["endpoints"])
+
+
+def test_templates_never_read_the_environment(monkeypatch) -> None:
+    """A token exported in the shell that renders the chart cannot leak into the manifests."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    for name in ("default", "created-claim-download"):
+        text = renderer.to_yaml(renderer.render(COMBINATIONS[name]), name)
+        assert TOKEN not in text
+
+
+# --- GPUs and scheduling -----------------------------------------------------------------------------------
+
+
+def _gpus(pod_spec: dict, resource: str = "nvidia.com/gpu") -> Any:
+    return pod_spec["containers"][0]["resources"].get("limits", {}).get(resource)
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tp1", 1), ("tp2", 2), ("default", 4), ("tp8", 8)])
+def test_gpu_counts(name: str, tp: int) -> None:
+    objs = render(name)
+    assert _gpus(pod(objs, "verifier")) == tp
+    assert _gpus(pod(objs, "drafter")) == 1
+    assert _gpus(pod(objs, "scheduler")) is None
+    assert configmap(objs)["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == str(tp)
+
+
+def test_cpu_profile_requests_no_gpu_and_avoids_gpu_nodes() -> None:
+    objs = render("cpu")
+    text = json.dumps(objs)
+    assert "nvidia" not in text and "gpu" not in text.lower().replace("minedraft/pool", "")
+    for component in ("scheduler", "verifier", "drafter"):
+        spec = pod(objs, component)
+        assert spec["nodeSelector"] == {"minedraft/pool": "cpu"}
+        assert not spec.get("tolerations")
+        assert "limits" not in spec["containers"][0]["resources"] or all(
+            "gpu" not in key for key in spec["containers"][0]["resources"]["limits"]
+        )
+    data = configmap(objs)
+    assert (data["MINEDRAFT_DEVICE"], data["MINEDRAFT_DIST_BACKEND"]) == ("cpu", "gloo")
+    assert "MINEDRAFT_MODEL" not in data and "model" not in json.loads(data["MINEDRAFT_SPECULATIVE_CONFIG"])
+
+
+def test_default_gpu_placement() -> None:
+    objs = render("default")
+    for component in ("verifier", "drafter"):
+        spec = pod(objs, component)
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert "nodeSelector" not in pod(objs, "scheduler") and "tolerations" not in pod(objs, "scheduler")
+
+
+def test_scheduling_values_land_on_their_own_component() -> None:
+    objs = render("per-component-scheduling")
+    values = COMBINATIONS["per-component-scheduling"]
+    for component in ("scheduler", "verifier", "drafter"):
+        spec = pod(objs, component)
+        expected_selector = dict(values[component]["nodeSelector"])
+        if component != "scheduler":  # user keys are merged with the default GPU label
+            expected_selector["nvidia.com/gpu.present"] = "true"
+        assert spec["nodeSelector"] == expected_selector
+        assert spec["tolerations"] == values[component]["tolerations"]
+        assert spec.get("runtimeClassName") == values[component].get("runtimeClassName")
+    assert _gpus(pod(objs, "drafter"), "nvidia.com/mig-3g.40gb") == 1
+    assert _gpus(pod(objs, "verifier")) == 4
+    verifier = pod(objs, "verifier")
+    assert verifier["affinity"] == values["verifier"]["affinity"]
+
+
+@pytest.mark.parametrize("name", ["default", "cpu", "per-component-scheduling"])
+def test_drafter_is_pinned_to_the_verifier_node(name: str) -> None:
+    objs = render(name)
+    verifier_labels = one(objs, "Deployment", "-verifier")["spec"]["template"]["metadata"]["labels"]
+    affinity = pod(objs, "drafter")["affinity"]
+    terms = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    pinned = [
+        t
+        for t in terms
+        if t["topologyKey"] == "kubernetes.io/hostname"
+        and t["labelSelector"]["matchLabels"].items() <= verifier_labels.items()
+    ]
+    assert len(pinned) == 1
+    assert pinned[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "verifier"
+    if name == "per-component-scheduling":  # the user's own affinity survives next to the pin
+        assert affinity["podAntiAffinity"] == COMBINATIONS[name]["drafter"]["affinity"]["podAntiAffinity"]
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_gpu_workloads_are_recreated_not_rolled(name: str) -> None:
+    for deployment in find(render(name), "Deployment"):
+        assert deployment["spec"]["strategy"] == {"type": "Recreate"}, deployment["metadata"]["name"]
+        assert deployment["spec"]["replicas"] == 1
+
+
+# --- probes, shared memory, security -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "cpu"])
+def test_probes_are_grpc_with_a_long_startup_budget(name: str) -> None:
+    objs = render(name)
+    for deployment in find(objs, "Deployment"):
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        ports = {p["containerPort"] for p in container["ports"]}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            assert set(probe) & {"httpGet", "exec", "tcpSocket"} == set()
+            assert probe["grpc"]["service"] == "" and probe["grpc"]["port"] in ports
+        startup = container["startupProbe"]
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        assert budget >= (3600 if name == "default" else 600)
+        # Liveness could only kill a pod that already started; its own window stays short of the budget.
+        liveness = container["livenessProbe"]
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] < budget
+    assert configmap(objs)["MINEDRAFT_STARTUP_TIMEOUT"] == str(budget)  # the scheduler waits as long
+
+
+def test_startup_budget_is_configurable() -> None:
+    objs = [m.obj for m in renderer.render({"probes": {"startup": {"periodSeconds": 30, "failureThreshold": 240}}})]
+    probe = pod(objs, "verifier")["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 7200
+    assert configmap(objs)["MINEDRAFT_STARTUP_TIMEOUT"] == "7200"
+
+
+@pytest.mark.parametrize("name", ["default", "cpu", "tp8"])
+def test_dev_shm_is_memory_backed(name: str) -> None:
+    objs = render(name)
+    for component in ("verifier", "drafter"):
+        spec = pod(objs, component)
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        volume = next(v for v in spec["volumes"] if v["name"] == mounts["/dev/shm"])
+        assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"]
+        assert not spec.get("hostIPC")
+
+
+def test_host_ipc_uses_the_node_dev_shm() -> None:
+    objs = render("host-ipc")
+    for component in ("verifier", "drafter"):
+        spec = pod(objs, component)
+        assert spec["hostIPC"] is True
+        # Mounting an emptyDir over /dev/shm would hide the node's, which hostIPC is there to share.
+        assert "/dev/shm" not in {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert not pod(objs, "scheduler").get("hostIPC")
+
+
+@pytest.mark.parametrize("name", ["default", "cpu", "created-claim-download"])
+def test_security_context(name: str) -> None:
+    for deployment in find(render(name), "Deployment"):
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["enableServiceLinks"] is False  # no MINEDRAFT_<SERVICE>_PORT=tcp://... in the env
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+# --- configuration the services read -----------------------------------------------------------------------
+
+
+def _container_env(objs: list[dict], component: str) -> dict[str, str]:
+    """What the container's process sees: the ConfigMap (envFrom), then literal env entries on top."""
+    container = pod(objs, component)["containers"][0]
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(one(objs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+@pytest.mark.parametrize("name", ["default", "cpu", "existing-claim", "tetris", "tp8"])
+def test_services_accept_the_rendered_configuration(name: str, monkeypatch) -> None:
+    """Each container's args and env, parsed by the real CLI, give a valid engine and distributed config."""
+    objs = render(name)
+    for component in ("verifier", "drafter", "scheduler"):
+        for key in [k for k in os.environ if k.startswith("MINEDRAFT_")]:
+            monkeypatch.delenv(key)
+        for key, value in _container_env(objs, component).items():
+            monkeypatch.setenv(key, value)
+        args = build_parser().parse_args(pod(objs, component)["containers"][0]["args"])
+        config = _engine_config(args)
+        assert config.tensor_parallel_size == COMBINATIONS[name].get("verifier", {}).get(
+            "tensorParallelSize", 4 if name != "cpu" else 1
+        )
+        assert config.speculative_config is not None
+        if component != "scheduler":
+            dist = _dist_config(args)
+            expected = "127.0.0.1" if component == "verifier" else "minedraft-verifier.default.svc"
+            assert (dist.master_addr, dist.master_port) == (expected, 29500)
+    if name == "existing-claim":
+        assert config.model == "/models/llama-3-8b"
+        assert config.speculative_config.model == "/models/llama-3-draft"
+    if name == "tetris":
+        assert (config.speculative_config.tetris, config.speculative_config.tetris_capacity) == (True, 48)
+
+
+def test_workers_are_reachable_while_loading() -> None:
+    objs = render("default")
+    data = configmap(objs)
+    for component in ("verifier", "drafter"):
+        service = one(objs, "Service", f"-{component}")
+        # Headless and publishing not-ready pods: the drafter must rendezvous with a verifier that is
+        # not ready yet (it becomes ready only after the drafter joined).
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        host = f"{service['metadata']['name']}.default.svc"
+        assert data[f"MINEDRAFT_{component.upper()}"] == f"{host}:{service['spec']['ports'][0]['port']}"
+    verifier = one(objs, "Service", "-verifier")
+    assert {p["name"]: p["port"] for p in verifier["spec"]["ports"]} == {"grpc": 50061, "dist": 29500}
+    assert data["MINEDRAFT_DIST_ADDR"] == "minedraft-verifier.default.svc"
+
+
+def test_autoregressive_deploys_no_drafter() -> None:
+    objs = render("extras-autoregressive")
+    assert not find(objs, "Deployment", "-drafter") and not find(objs, "Service", "-drafter")
+    assert not find(objs, "PodDisruptionBudget", "-drafter")
+    assert "MINEDRAFT_SPECULATIVE_CONFIG" not in configmap(objs)
+    verifier_policy = one(objs, "NetworkPolicy", "-verifier")
+    assert len(verifier_policy["spec"]["ingress"]) == 1  # the scheduler only
+
+
+# --- models and the HF token -------------------------------------------------------------------------------
+
+
+def _mounts(spec: dict) -> dict[str, dict]:
+    return {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+
+
+def test_existing_claim_is_mounted_and_pointed_at() -> None:
+    objs = render("existing-claim")
+    data = configmap(objs)
+    assert data["MINEDRAFT_MODEL"] == "/models/llama-3-8b"
+    assert json.loads(data["MINEDRAFT_SPECULATIVE_CONFIG"])["model"] == "/models/llama-3-draft"
+    assert not find(objs, "PersistentVolumeClaim")
+    for component in ("verifier", "drafter", "scheduler"):
+        spec = pod(objs, component)
+        volume = next(v for v in spec["volumes"] if v["name"] == "models")
+        assert volume["persistentVolumeClaim"]["claimName"] == "llm-models"
+        assert _mounts(spec)["models"]["mountPath"] == "/models"
+        assert _mounts(spec)["models"]["readOnly"] is True  # nothing downloads into it
+        assert "initContainers" not in spec
+
+
+def test_created_claim_with_download() -> None:
+    objs = render("created-claim-download")
+    claim = one(objs, "PersistentVolumeClaim")
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    inits = {
+        c: [i["name"] for i in pod(objs, c).get("initContainers", [])] for c in ("verifier", "drafter", "scheduler")
+    }
+    assert inits == {
+        "verifier": ["download-target"],
+        "drafter": ["download-draft", "download-target-config"],
+        "scheduler": ["download-tokenizer"],
+    }
+    verifier_init = pod(objs, "verifier")["initContainers"][0]
+    assert verifier_init["command"][-4:] == ["org/target", "/models/llama-3-8b", "v1", ""]
+    # The scheduler fetches the tokenizer into its own emptyDir: no Multi-Attach of the claim on its node.
+    scheduler_volume = next(v for v in pod(objs, "scheduler")["volumes"] if v["name"] == "models")
+    assert "emptyDir" in scheduler_volume
+    assert pod(objs, "scheduler")["initContainers"][0]["command"][-1] == "*.json"
+
+
+@pytest.mark.parametrize("name", ["created-claim-download", "empty-dir-download"])
+def test_hf_token_only_as_secret_ref_in_download_containers(name: str) -> None:
+    objs = render(name)
+    secret = COMBINATIONS[name]["hfToken"]
+    for component in ("verifier", "drafter", "scheduler"):
+        spec = pod(objs, component)
+        for container in spec["initContainers"]:
+            token = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+            assert token == {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret["existingSecret"], "key": secret.get("key", "HF_TOKEN")}},
+            }
+        # The serving containers load local files only and never get the token.
+        assert "HF_TOKEN" not in {e["name"] for e in spec["containers"][0].get("env", [])}
+    for obj in find(objs, "ConfigMap"):
+        assert not any("TOKEN" in key or "hf_" in value for key, value in obj["data"].items())
+    literal_env = [
+        e for d in find(objs, "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])
+        for e in c.get("env", []) if "value" in e
+    ]  # fmt: skip
+    assert not [e for e in literal_env if any(word in e["name"] for word in ("TOKEN", "SECRET", "PASSWORD"))]
+
+
+# --- NetworkPolicy, PDB, ServiceMonitor ----------------------------------------------------------------------
+
+
+def _selects(peer: dict, component: str) -> bool:
+    return peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == component
+
+
+def test_network_policies() -> None:
+    objs = render("extras")
+    scheduler = one(objs, "NetworkPolicy", "-scheduler")["spec"]["ingress"]
+    assert scheduler[0]["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert scheduler[0]["from"] == COMBINATIONS["extras"]["networkPolicy"]["clientFrom"]
+    assert scheduler[1] == {"ports": [{"port": 9090, "protocol": "TCP"}]}  # metrics: from anywhere by default
+    for component, peer, port in (("verifier", "drafter", 50061), ("drafter", "verifier", 50062)):
+        control, distributed = one(objs, "NetworkPolicy", f"-{component}")["spec"]["ingress"]
+        assert [_selects(p, "scheduler") for p in control["from"]] == [True]
+        assert control["ports"] == [{"port": port, "protocol": "TCP"}]
+        # NCCL/gloo pick ephemeral ports: the peer worker gets every port, nobody else any.
+        assert [_selects(p, peer) for p in distributed["from"]] == [True] and "ports" not in distributed
+
+
+def test_pod_disruption_budgets_and_service_monitor() -> None:
+    objs = render("extras")
+    budgets = find(objs, "PodDisruptionBudget")
+    assert sorted(b["metadata"]["name"] for b in budgets) == [
+        "minedraft-drafter", "minedraft-scheduler", "minedraft-verifier",
+    ]  # fmt: skip
+    for budget in budgets:
+        assert budget["spec"]["maxUnavailable"] == 0
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # never blocks a drain when broken
+    monitor = one(objs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert not find(render("default"), "ServiceMonitor") and not find(render("default"), "NetworkPolicy")
+
+
+def test_notes_print_the_port_forward_and_bench_commands() -> None:
+    with helm.Chart.load(renderer.CHART_DIR) as chart:
+        notes = chart.render(name="minedraft", namespace="default")["minedraft/templates/NOTES.txt"]
+    assert "kubectl --namespace default port-forward svc/minedraft-scheduler 50051:50051" in notes
+    assert "minedraft bench --target 127.0.0.1:50051" in notes
+
+
+# --- bad values fail the install with a message --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"verifier": {"tensorParallelSize": 0}}, "at '/verifier/tensorParallelSize': minimum: got 0, want 1"),
+        ({"verifier": {"tensorParallelSize": "4"}}, "at '/verifier/tensorParallelSize': got string, want integer"),
+        ({"speculativeConfig": {"num_speculative_token": 4}}, "'num_speculative_token' not allowed"),
+        ({"speculativeConfig": {"num_speculative_tokens": "four"}}, "got string, want integer"),
+        ({"speculativeConfig": {"draft_tensor_parallel_size": 2}}, "/speculativeConfig/draft_tensor_parallel_size"),
+        ({"scheduler": {"replicas": 2}}, "at '/scheduler/replicas': maximum: got 2, want 1"),
+        ({"engine": {"device": "tpu"}}, "/engine/device"),
+        ({"models": {"volume": {"type": "nfs"}}}, "/models/volume/type"),
+        ({"hfToken": {"token": TOKEN}}, "'token' not allowed"),
+        ({"verifierr": {}}, "'verifierr' not allowed"),
+    ],
+)
+def test_schema_rejects_bad_values(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as error:
+        renderer.render(values)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"models": {"target": "llama"}}, "set models.volume.type to existingClaim, createClaim or emptyDir"),
+        ({"models": {"target": "x", "volume": {"type": "existingClaim"}}}, "needs models.volume.existingClaim"),
+        ({"models": {"target": "x", "volume": {"type": "emptyDir"}}}, "emptyDir starts empty"),
+        ({"speculativeConfig": {"force_pearl": True, "is_parallel": False}}, "force_pearl requires"),
+        ({"models": {"draft": "d", "volume": {"type": "existingClaim", "existingClaim": "c"}},
+          "speculativeConfig": {"model": "/elsewhere"}}, "not both"),
+        ({"models": {"draft": "d", "volume": {"type": "existingClaim", "existingClaim": "c"}},
+          "speculativeConfig": None}, "without speculation there is no drafter"),
+    ],
+)  # fmt: skip
+def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        renderer.render(values)
