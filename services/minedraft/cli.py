@@ -175,8 +175,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
         (args.k >= 1, f"--k must be >= 1, got {args.k}"),
         (args.target is None or ":" in args.target, f"--target must be host:port, got {args.target!r}"),
-        (args.metrics_url is None or args.target is not None, "--metrics-url goes with --target (--launch "
-         "scrapes each stack it starts)"),
+        (args.metrics_url is None or args.target is not None or args.k8s, "--metrics-url goes with --target or "
+         "--k8s (--launch scrapes each stack it starts)"),
         (args.json is None or not args.offline, "--json is available with --target and --launch"),
         (args.draft_model is None or args.launch, "--draft-model goes with --launch"),
     ]  # fmt: skip
@@ -303,9 +303,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     config = _engine_config(args)  # validate before starting anything
     with LocalStack(
-        config, host=args.host, port=args.port, max_waiting=args.max_waiting_requests, log_level=args.log_level
+        config,
+        host=args.host,
+        port=args.port,
+        max_waiting=args.max_waiting_requests,
+        log_level=args.log_level,
+        metrics_port=args.metrics_port,
     ) as stack:
         print(f"MineDraft ({config.mode.value}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
+        if args.metrics_port:
+            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
         stack.wait()
     return 0
 
@@ -396,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(up, speculative_default=UP_SPECULATIVE_DEFAULT)
     _add_listen_args(up, port=50051, host="127.0.0.1")
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
+    _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
     up.set_defaults(func=cmd_up)
 
     verifier = sub.add_parser("verifier", help="run the verifier service (all tensor-parallel ranks), as a pod does")

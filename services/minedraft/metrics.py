@@ -25,7 +25,9 @@ class Metrics:
             ["position"],
             registry=r,
         )
-        self.generation_tokens = Counter("minedraft:generation_tokens", "Tokens generated", registry=r)
+        self.generation_tokens = Counter(
+            "minedraft:generation_tokens", "Tokens delivered to clients (after stop conditions)", registry=r
+        )
         self.requests = Counter("minedraft:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.ttft = Histogram(
             "minedraft:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
@@ -69,7 +71,6 @@ class Metrics:
         if result.draft_seconds and result.verify_seconds and result.step_seconds:
             self.overlap.observe(max(result.draft_seconds, result.verify_seconds) / result.step_seconds)
         for verified in result.verified:
-            self.generation_tokens.inc(len(verified.token_ids))
             if verified.num_draft_tokens:
                 self.num_drafts.inc()
                 self.num_draft_tokens.inc(verified.num_draft_tokens)

@@ -118,6 +118,7 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that got new tokens or finished in it."""
+        self.last_step = None
         self._release_finished()
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:

@@ -136,6 +136,8 @@ class EngineLoop:
                 continue
             new_ids = request.output_ids[sink.sent_tokens :]
             sink.sent_tokens = len(request.output_ids)
+            if self.metrics:
+                self.metrics.generation_tokens.inc(len(new_ids))
             text = request.take_stream_delta()
             if request.finished:
                 del self._sinks[request.request_id]
