@@ -17,7 +17,8 @@ Python version:
 
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
-short by the clock still ends with a full LR decay.
+short by the clock still ends with a full LR decay.  Pass ``--*-minutes 0`` to drop
+the caps: the run then depends only on the seed (and the stdlib it reads).
 
 Example: ``python models/train.py --out models`` (about 30 min on 2 idle cores).
 """
@@ -213,15 +214,15 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 
 @dataclass
 class Budget:
-    """Stop at `steps` or after `minutes`, whichever comes first."""
+    """Stop at `steps` or after `minutes`, whichever comes first (minutes <= 0: no clock)."""
 
     steps: int
-    minutes: float | None
+    minutes: float
     start: float = field(default_factory=time.monotonic)
 
     def progress(self, step: int) -> float:
         by_steps = step / self.steps
-        if self.minutes is None:
+        if self.minutes <= 0:  # bit-reproducible mode: the schedule depends on steps only
             return by_steps
         return max(by_steps, (time.monotonic() - self.start) / (60 * self.minutes))
 
@@ -329,7 +330,7 @@ def generate_distill_set(
     length = args.seq_len + 1
     rows: list[torch.Tensor] = []
     start = time.monotonic()
-    deadline = start + 60 * args.gen_minutes
+    deadline = start + 60 * args.gen_minutes if args.gen_minutes > 0 else math.inf
     while len(rows) * args.gen_batch < args.gen_seqs and time.monotonic() < deadline:
         plen = int(torch.randint(16, args.max_prompt_tokens + 1, (1,), generator=gen))
         prompts = random_windows(stream, args.gen_batch, plen, gen)
@@ -457,14 +458,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--target-steps", type=int, default=1100)
-    p.add_argument("--target-minutes", type=float, default=14.0, help="wall-clock cap for the target")
+    p.add_argument("--target-minutes", type=float, default=14.0, help="wall-clock cap for the target (<= 0: none)")
     p.add_argument("--target-lr", type=float, default=2e-3)
     p.add_argument("--gen-seqs", type=int, default=1280, help="target-generated distillation rows")
     p.add_argument("--gen-batch", type=int, default=64)
-    p.add_argument("--gen-minutes", type=float, default=4.0, help="wall-clock cap for generation")
+    p.add_argument("--gen-minutes", type=float, default=4.0, help="wall-clock cap for generation (<= 0: none)")
     p.add_argument("--gen-mix", type=float, default=0.5, help="share of generated rows per draft batch")
     p.add_argument("--draft-steps", type=int, default=1000)
-    p.add_argument("--draft-minutes", type=float, default=8.0, help="wall-clock cap for the draft")
+    p.add_argument("--draft-minutes", type=float, default=8.0, help="wall-clock cap for the draft (<= 0: none)")
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--hard-weight", type=float, default=0.5, help="weight of CE on target argmax")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
