@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 
 # Must be set before torch loads OpenMP.  With the default (spinning) wait policy a
-# 2-thread run on a 2-core machine that anything else also uses slows down ~10x
+# 2-thread run on a 2-core machine that anything else also uses slows down ~15x
 # (measured: 4200 -> 270 tokens/s); PASSIVE degrades gracefully to 1-core speed.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
