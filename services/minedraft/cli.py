@@ -174,6 +174,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         (args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}"),
         (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
         (args.k >= 1, f"--k must be >= 1, got {args.k}"),
+        (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
         (args.target is None or ":" in args.target, f"--target must be host:port, got {args.target!r}"),
         (args.metrics_url is None or args.target is not None or args.k8s, "--metrics-url goes with --target or "
          "--k8s (--launch scrapes each stack it starts)"),
@@ -191,7 +192,7 @@ def _bench_offline(args: argparse.Namespace, prompts: list[str]) -> int:
     engine = _engine_kwargs(args)
     engine.pop("speculative_config")
     modes = (args.modes or OFFLINE_MODES).split(",")
-    results = run_offline_bench(prompts, modes, args.k, _sampling_params(args), **engine)
+    results = run_offline_bench(prompts, modes, args.k, _sampling_params(args), repeats=args.repeats, **engine)
     print(format_table(results))
     return 0
 
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"with --offline, {LAUNCH_MODES} with --launch",
     )
     bench.add_argument("--k", type=int, default=4, help="num_speculative_tokens for the speculative modes")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="--offline: interleaved rounds over all modes; medians are reported"
+    )
     bench.add_argument(
         "--dataset", default=None, help="prompts: .jsonl of {prompt} or ShareGPT .json; default: bundled held-out"
     )

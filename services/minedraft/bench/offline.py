@@ -1,11 +1,18 @@
-"""Offline benchmark: every decoding mode over the same prompts in one process, side by side."""
+"""Offline benchmark: every decoding mode over the same prompts in one process, side by side.
+
+All modes are loaded first, then timed round-robin for `repeats` rounds (ar, sd, ..., ar, sd, ...), and
+each mode's median is reported. Interleaving spreads the machine's noise over all modes alike; the
+ratios between modes are the numbers to read, not the absolute throughput.
+"""
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minedraft.config import SpeculativeConfig
+from minedraft.engine.engine import StepStats
 from minedraft.engine.request import SpecDecodeStats
 from minedraft.llm import LLM
 from minedraft.sampling.params import SamplingParams
@@ -14,16 +21,15 @@ from minedraft.sampling.params import SamplingParams
 @dataclass
 class ModeResult:
     name: str
-    seconds: float
     output_tokens: int
     spec: SpecDecodeStats
-    draft_seconds: float
-    verify_seconds: float
-    step_seconds: float
+    seconds: list[float] = field(default_factory=list)  # one per round
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
-        return self.output_tokens / self.seconds
+        return self.output_tokens / statistics.median(self.seconds)
 
 
 def mode_configs(k: int) -> dict[str, dict | None]:
@@ -37,63 +43,58 @@ def mode_configs(k: int) -> dict[str, dict | None]:
     }
 
 
-def run_mode(
-    name: str, spec: dict | None, prompts: list[str], params: SamplingParams, **engine_kwargs
-) -> tuple[ModeResult, list[list[int]]]:
-    llm = LLM(speculative_config=SpeculativeConfig.parse(spec), **engine_kwargs)
-    try:
-        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up: first-call allocations, thread start
-        llm.engine.step_stats = type(llm.engine.step_stats)()
-        llm.engine.spec_stats = SpecDecodeStats()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
-        seconds = time.perf_counter() - start
-        steps = llm.engine.step_stats
-        tokens = [o.outputs[0].token_ids for o in outputs]
-        result = ModeResult(
-            name,
-            seconds,
-            sum(len(t) for t in tokens),
-            llm.engine.spec_stats,
-            steps.draft_seconds,
-            steps.verify_seconds,
-            steps.step_seconds,
-        )
-        return result, tokens
-    finally:
-        llm.close()
+def _timed_run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]], StepStats]:
+    llm.engine.step_stats = StepStats()
+    llm.engine.spec_stats = SpecDecodeStats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, [o.outputs[0].token_ids for o in outputs], llm.engine.step_stats
 
 
 def format_table(results: list[ModeResult]) -> str:
     by_name = {r.name: r for r in results}
-    rows = [
-        f"{'mode':<18}{'tokens/s':>10}{'vs ar':>8}{'vs sd':>8}{'mean acc len':>14}{'draft s':>9}{'verify s':>10}"
-    ]
+    header = f"{'mode':<18}{'tokens/s':>10}{'vs ar':>8}{'vs sd':>8}{'mean acc len':>14}{'draft s':>9}{'verify s':>10}"
+    rows = [header]
     for r in results:
         vs_ar = r.tokens_per_second / by_name["ar"].tokens_per_second if "ar" in by_name else float("nan")
         vs_sd = r.tokens_per_second / by_name["sd"].tokens_per_second if "sd" in by_name else float("nan")
         acc = f"{r.spec.mean_accepted_length:.2f}" if r.spec.num_drafts else "-"
         rows.append(
             f"{r.name:<18}{r.tokens_per_second:>10.1f}{vs_ar:>8.2f}{vs_sd:>8.2f}{acc:>14}"
-            f"{r.draft_seconds:>9.1f}{r.verify_seconds:>10.1f}"
+            f"{statistics.median(r.draft_seconds):>9.2f}{statistics.median(r.verify_seconds):>10.2f}"
         )
+    rounds = len(results[0].seconds) if results else 0
+    rows.append(f"(medians over {rounds} interleaved rounds; draft/verify s: time inside each stage per round)")
     return "\n".join(rows)
 
 
 def run_offline_bench(
-    prompts: list[str], modes: list[str], k: int, params: SamplingParams, **engine_kwargs
+    prompts: list[str], modes: list[str], k: int, params: SamplingParams, repeats: int = 3, **engine_kwargs
 ) -> list[ModeResult]:
-    """Run each mode over the same prompts; greedy outputs must agree token for token with ar."""
+    """Time each mode over the same prompts; in greedy mode every output must equal the first mode's."""
     configs = mode_configs(k)
     unknown = [m for m in modes if m not in configs]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")
-    results, reference = [], None
-    for name in modes:
-        print(f"== {name}", flush=True)
-        result, tokens = run_mode(name, configs[name], prompts, params, **engine_kwargs)
-        results.append(result)
-        if params.greedy and reference is not None and tokens != reference:
-            print(f"warning: {name} greedy output differs from the first mode's", flush=True)
-        reference = reference if reference is not None else tokens
-    return results
+    llms = {name: LLM(speculative_config=SpeculativeConfig.parse(configs[name]), **engine_kwargs) for name in modes}
+    try:
+        for llm in llms.values():  # warm-up: first-call allocations, thread start
+            llm.generate(prompts[:2], params, use_tqdm=False)
+        results: dict[str, ModeResult] = {}
+        reference = None
+        for round_ in range(repeats):
+            for name, llm in llms.items():
+                print(f"round {round_ + 1}/{repeats}: {name}", flush=True)
+                seconds, tokens, steps = _timed_run(llm, prompts, params)
+                result = results.setdefault(name, ModeResult(name, sum(len(t) for t in tokens), llm.engine.spec_stats))
+                result.seconds.append(seconds)
+                result.draft_seconds.append(steps.draft_seconds)
+                result.verify_seconds.append(steps.verify_seconds)
+                if params.greedy and reference is not None and tokens != reference:
+                    print(f"warning: {name} greedy output differs from {modes[0]}'s", flush=True)
+                reference = reference if reference is not None else tokens
+        return [results[name] for name in modes]
+    finally:
+        for llm in llms.values():
+            llm.close()

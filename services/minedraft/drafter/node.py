@@ -6,8 +6,8 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.executor import draft_runner
 from minedraft.engine.workers import DraftWorker
-from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
 from minedraft.verifier.node import join_world, max_model_len_of, topology_of
 from minedraft.wire import plan_from_proto
@@ -22,13 +22,7 @@ class DrafterNode:
         if device == "cuda":
             device = f"cuda:{device_index or 0}"
         self.groups = join_world(config, dist, topology_of(config).drafter_rank, device)
-        self.runner = ModelRunner(
-            config.draft_path,
-            num_slots=num_slots(config),
-            max_seq_len=max_model_len_of(config),
-            device=device,
-            dtype=config.resolved_dtype(device),
-        )
+        self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), device)
         self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
 

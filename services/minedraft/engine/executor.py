@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
+
+import torch
 
 from minedraft.config import EngineConfig
 from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
@@ -23,13 +26,21 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 class LocalExecutor:
-    """Runs the draft and verify parts of a step concurrently (torch releases the GIL in its kernels),
-    then performs the step-end exchange by handing objects over directly."""
+    """Runs the draft and verify parts of a step concurrently on two threads (torch releases the GIL in
+    its kernels), then performs the step-end exchange by handing objects over directly.
 
-    def __init__(self, verifier: VerifyWorker, drafter: DraftWorker | None = None) -> None:
+    `stage_threads`: intra-op threads of each stage. On a CPU the two stages share the cores; giving each
+    all of them makes their thread pools fight (spinning OpenMP workers), so the engine gives each half.
+    """
+
+    def __init__(
+        self, verifier: VerifyWorker, drafter: DraftWorker | None = None, stage_threads: int | None = None
+    ) -> None:
         self.verifier = verifier
         self.drafter = drafter
-        self._draft_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter") if drafter else None
+        # Without a drafter nothing overlaps: verify on the caller's thread.
+        self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
+        self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
 
     def admit(self, seqs: list[SequenceSpec]) -> None:
         self.verifier.admit(seqs)
@@ -48,9 +59,13 @@ class LocalExecutor:
         if draft is not None:
             if self.drafter is None or self._draft_thread is None:
                 raise RuntimeError("a draft plan was given but this executor has no drafter")
-            pending_draft = self._draft_thread.submit(_timed, lambda: self.drafter.draft(draft))
+            pending_draft = self._draft_thread.submit(_timed, partial(self.drafter.draft, draft))
         if verify is not None:
-            result.verified, result.verify_seconds = _timed(lambda: self.verifier.verify(verify))
+            run_verify = partial(self.verifier.verify, verify)
+            if self._verify_thread is None:
+                result.verified, result.verify_seconds = _timed(run_verify)
+            else:
+                result.verified, result.verify_seconds = self._verify_thread.submit(_timed, run_verify).result()
         if pending_draft is not None:
             _, result.draft_seconds = pending_draft.result()
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
@@ -65,8 +80,15 @@ class LocalExecutor:
         """Nothing to do: admissions and releases take effect at once in one process."""
 
     def close(self) -> None:
-        if self._draft_thread is not None:
-            self._draft_thread.shutdown(wait=True)
+        for thread in (self._verify_thread, self._draft_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)
+
+
+def _stage_thread(name: str, threads: int | None) -> ThreadPoolExecutor:
+    """One long-lived thread per stage (torch's intra-op thread count is a per-thread setting)."""
+    init = (lambda: torch.set_num_threads(threads)) if threads else None
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
 
 def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExecutor, ModelRunner]:
@@ -79,10 +101,25 @@ def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExe
     target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype)
     drafter = None
     if config.speculative_config is not None:
-        draft = ModelRunner(config.draft_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype)
+        draft = draft_runner(config, num_slots, max_len, device)
         check_compatible(target.config, draft.config)
         drafter = DraftWorker(draft, support_size=config.draft_support_size)
-    return LocalExecutor(VerifyWorker(target), drafter), target
+    overlapped = drafter is not None and device == "cpu"
+    stage_threads = max(1, torch.get_num_threads() // 2) if overlapped else None
+    return LocalExecutor(VerifyWorker(target), drafter, stage_threads), target
+
+
+def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
+    """The draft model. Its logits need not be batch-shape invariant (whatever it proposes, the output is
+    exactly the target's), so it always uses the fast kernels."""
+    return ModelRunner(
+        config.draft_path,
+        num_slots=num_slots,
+        max_seq_len=max_len,
+        device=device,
+        dtype=config.resolved_dtype(device),
+        batch_invariant=False,
+    )
 
 
 def check_compatible(target: ModelConfig, draft: ModelConfig) -> None:

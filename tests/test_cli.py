@@ -1,0 +1,68 @@
+"""The command line as a user runs it: real subprocesses, the bundled models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minedraft import LLM, SamplingParams
+from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
+
+pytestmark = pytest.mark.skipif(
+    not all((p / "model.safetensors").is_file() for p in (BUNDLED_TARGET, BUNDLED_DRAFT)),
+    reason="bundled models not trained yet (python models/train.py)",
+)
+
+
+def _minedraft(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minedraft", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_equals_the_offline_api() -> None:
+    result = _minedraft(
+        "generate", "--prompt", "def read_config(path):", "--temperature", "0", "--max-tokens", "12", "--json",
+        "--speculative-config", '{"num_speculative_tokens": 3, "is_parallel": true}', "--device", "cpu",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    with LLM(device="cpu") as llm:
+        expected = llm.generate("def read_config(path):", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert record["token_ids"] == expected[0].outputs[0].token_ids
+    assert record["text"] == expected[0].outputs[0].text
+    assert record["spec_decode_stats"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "--prompt", "x", "--speculative-config", '{"bogus": 1}'], "bogus"),
+        (
+            ["generate", "--prompt", "x", "--speculative-config", '{"num_speculative_tokens": 0}'],
+            "num_speculative_tokens",
+        ),
+        (["generate", "--prompt", "x", "--model", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["bench", "--offline", "--repeats", "0"], "--repeats"),
+    ],
+)
+def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
+    result = _minedraft(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_offline_bench_prints_every_mode() -> None:
+    result = _minedraft(
+        "bench", "--offline", "--num-prompts", "2", "--max-tokens", "4", "--repeats", "1", "--modes", "ar,sd,minedraft",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.splitlines()
+    assert [line.split()[0] for line in table if line.split() and line.split()[0] in ("ar", "sd", "minedraft")] == [
+        "ar", "sd", "minedraft"
+    ]  # fmt: skip
+    assert "differs" not in result.stdout
