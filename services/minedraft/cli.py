@@ -247,7 +247,7 @@ def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
     try:
         results = run_launch_bench(
             modes, args.k, engine, prompts, log_dir=log_dir, log_level=args.log_level,
-            draft_model=args.draft_model, **_online_kwargs(args),
+            draft_model=args.draft_model, repeats=args.repeats, **_online_kwargs(args),
         )  # fmt: skip
     except (RuntimeError, TimeoutError, ConnectionError) as exc:
         raise RuntimeError(f"{exc} (service logs: {log_dir})") from exc
@@ -363,7 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--k", type=int, default=4, help="num_speculative_tokens for the speculative modes")
     bench.add_argument(
-        "--repeats", type=int, default=3, help="--offline: interleaved rounds over all modes; medians are reported"
+        "--repeats",
+        type=int,
+        default=3,
+        help="--offline / --launch: interleaved rounds over all modes; each mode's median is reported",
     )
     bench.add_argument(
         "--dataset", default=None, help="prompts: .jsonl of {prompt} or ShareGPT .json; default: bundled held-out"

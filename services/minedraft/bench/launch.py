@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,13 @@ def run_launch_bench(
     log_dir: Path,
     log_level: str = "INFO",
     draft_model: str | None = None,
+    repeats: int = 1,
     **bench_kwargs: Any,
 ) -> dict[str, BenchResult]:
-    """For each mode: start a LocalStack (own ports, Prometheus on a free port), run `run_online_bench`
-    with `bench_kwargs` over `prompts`, stop the stack. Service logs go to `log_dir/<mode>/`.
+    """Start one LocalStack per mode (own ports, Prometheus on a free port), all at once, then run
+    `run_online_bench` over `prompts` for every mode in turn, `repeats` rounds, and keep each mode's
+    median-throughput round. Interleaving spreads the machine's noise over the modes alike (an idle
+    stack costs no CPU). Service logs go to `log_dir/<mode>/`.
     `draft_model`: the speculative modes' draft checkpoint (None: the bundled draft)."""
     configs = mode_configs(k)
     if draft_model:
@@ -35,18 +39,29 @@ def run_launch_bench(
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")
     # Validate every mode's config before starting anything, so a typo fails in a second, not a stack later.
     engines = {m: EngineConfig(**engine_kwargs, speculative_config=configs[m]) for m in modes}
-    results: dict[str, BenchResult] = {}
-    for mode, config in engines.items():
-        print(f"== {mode}: starting the stack (logs in {log_dir / mode})", flush=True)
-        (log_dir / mode).mkdir(parents=True, exist_ok=True)
-        metrics_port = free_port()
-        stack = LocalStack(config, metrics_port=metrics_port, log_dir=log_dir / mode, log_level=log_level)
-        with stack:
-            url = f"http://127.0.0.1:{metrics_port}/metrics"
-            results[mode] = run_online_bench(stack.address, prompts, metrics_url=url, label=mode, **bench_kwargs)
-        result = results[mode]
-        print(f"   {len(result.ok)} ok, {result.failed} failed, {result.output_throughput:.1f} tok/s", flush=True)
-    return results
+    rounds: dict[str, list[BenchResult]] = {m: [] for m in modes}
+    with ExitStack() as running:
+        stacks = {}
+        for mode, config in engines.items():
+            print(f"== {mode}: starting the stack (logs in {log_dir / mode})", flush=True)
+            (log_dir / mode).mkdir(parents=True, exist_ok=True)
+            metrics_port = free_port()
+            stack = LocalStack(config, metrics_port=metrics_port, log_dir=log_dir / mode, log_level=log_level)
+            stacks[mode] = (running.enter_context(stack), f"http://127.0.0.1:{metrics_port}/metrics")
+        for round_ in range(repeats):
+            for mode, (stack, url) in stacks.items():
+                result = run_online_bench(stack.address, prompts, metrics_url=url, label=mode, **bench_kwargs)
+                rounds[mode].append(result)
+                print(
+                    f"   round {round_ + 1}/{repeats} {mode}: {len(result.ok)} ok, {result.failed} failed, "
+                    f"{result.output_throughput:.1f} tok/s",
+                    flush=True,
+                )
+    return {mode: _median_round(results) for mode, results in rounds.items()}
+
+
+def _median_round(results: list[BenchResult]) -> BenchResult:
+    return sorted(results, key=lambda r: r.output_throughput)[len(results) // 2]
 
 
 def greedy_mismatches(results: dict[str, BenchResult]) -> dict[str, int]:
