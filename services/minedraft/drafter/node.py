@@ -14,13 +14,11 @@ from minedraft.wire import plan_from_proto
 
 
 class DrafterNode:
-    def __init__(self, config: EngineConfig, dist: DistributedConfig, device_index: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, dist: DistributedConfig) -> None:
         if config.speculative_config is None:
             raise ValueError("the drafter needs a speculative config (plain autoregressive decoding has no drafter)")
         self.config = config
-        device = config.resolved_device()
-        if device == "cuda":
-            device = f"cuda:{device_index or 0}"
+        device = _drafter_device(config)
         self.groups = join_world(config, dist, topology_of(config).drafter_rank, device)
         self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), device)
         self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
@@ -61,3 +59,16 @@ class DrafterNode:
 
     def close(self) -> None:
         self.groups.close()
+
+
+def _drafter_device(config: EngineConfig) -> str:
+    """The GPU after the verifier's when this machine has one (one host running everything); in its own
+    pod the drafter sees one GPU, cuda:0. An explicit cuda:N is used as given."""
+    device = config.resolved_device()
+    if device != "cuda":
+        return device
+    import torch
+
+    return (
+        f"cuda:{config.tensor_parallel_size}" if torch.cuda.device_count() > config.tensor_parallel_size else "cuda:0"
+    )
