@@ -136,7 +136,8 @@ def test_cancelled_and_expired_streams_free_their_kv(stack) -> None:
 
         def expire() -> None:
             try:
-                client.generate([4, 5, 6], max_tokens=100, temperature=0, ignore_eos=True, timeout=0.3)
+                # 100 tokens take dozens of steps: far more than 0.1 s on any machine.
+                client.generate([4, 5, 6], max_tokens=100, temperature=0, ignore_eos=True, timeout=0.1)
             except grpc.RpcError as exc:
                 errors.append(exc.code())
 
@@ -177,7 +178,7 @@ def test_overload_is_resource_exhausted(stack) -> None:
 
         def one(_: int) -> str:
             try:
-                client.generate([9, 9], max_tokens=40, temperature=0, ignore_eos=True)
+                client.generate([9, 9], max_tokens=100, temperature=0, ignore_eos=True)
                 return "ok"
             except grpc.RpcError as exc:
                 return exc.code().name
