@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -299,10 +300,18 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from minedraft.launcher import LocalStack
 
     config = _engine_config(args)  # validate before starting anything
+    # SIGTERM (and SIGINT, even when a non-interactive shell started us with it ignored) stop the stack
+    # through the context manager, so no service process is left behind.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     with LocalStack(
         config,
         host=args.host,
