@@ -6,12 +6,15 @@ TP=2, under concurrency, with requests arriving while others run.
 
 from __future__ import annotations
 
+import json
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -253,3 +256,35 @@ def test_offline_api_with_tensor_parallelism(pair, expected) -> None:
         params = [SamplingParams(temperature=0, max_tokens=m) for _, m in work]
         outputs = llm.generate([p for p, _ in work], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_stops_every_service_on_a_signal(pair, sig) -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(port), "--metrics-port", "0",
+         "--speculative-config", json.dumps({**MODES["minedraft"], "model": pair[1]}), "--device", "cpu"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_health(f"127.0.0.1:{port}", "SERVING")
+        assert "is serving on" in up.stdout.readline()
+        up.send_signal(sig)
+        assert up.wait(timeout=60) == 0
+        # Every service was started with the target's folder on its command line: none may outlive `up`.
+        assert _processes_mentioning(pair[0]) == [], "service processes outlived minedraft up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (read from /proc, like pgrep -f)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return pids
