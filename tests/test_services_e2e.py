@@ -129,6 +129,20 @@ def test_stream_deltas_add_up_to_the_final_text(stack) -> None:
             assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 24
 
 
+def test_stop_strings_over_the_wire(stack) -> None:
+    with Client(stack.address, timeout=60) as client:
+        full = client.generate([11, 12, 13], max_tokens=40, temperature=0, ignore_eos=True)
+        stop = full.text[10:13]
+        assert len(stop) == 3
+        cut = client.generate([11, 12, 13], max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        streamed = "".join(
+            d.text for d in client.stream([11, 12, 13], max_tokens=40, temperature=0, ignore_eos=True, stop=stop)
+        )
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)] == streamed
+    assert full.token_ids[: len(cut.token_ids)] == cut.token_ids
+
+
 def test_cancelled_and_expired_streams_free_their_kv(stack) -> None:
     with Client(stack.address, retries=0) as client:
         for _ in range(6):  # cancel after the first delta
