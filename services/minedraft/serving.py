@@ -109,11 +109,6 @@ class NodeServicer:
         set_status(self._health, WORKER_SERVICE, serving=True)
         log.info("worker ready")
 
-    def wait_loaded(self, timeout: float | None = None) -> bool:
-        if self._loader is not None:
-            self._loader.join(timeout)
-        return self.node is not None
-
     def _ready_node(self, context: grpc.ServicerContext):
         if self.node is None:
             detail = f"worker failed to start: {self.load_error}" if self.load_error else "worker is still loading"

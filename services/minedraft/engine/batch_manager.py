@@ -22,10 +22,6 @@ class BatchManager:
     def num_running(self) -> int:
         return sum(len(b) for b in self.batches)
 
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and self.num_running == 0
-
     def admit_into(self, index: int) -> list[Request]:
         """Move waiting requests into batch `index` while it has room."""
         batch = self.batches[index]

@@ -22,15 +22,12 @@ class StepStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0
-    overlapped_seconds: float = 0.0  # sum of max(draft, verify) over steps that ran both
 
     def add(self, result: StepResult) -> None:
         self.num_steps += 1
         self.draft_seconds += result.draft_seconds
         self.verify_seconds += result.verify_seconds
         self.step_seconds += result.step_seconds
-        if result.draft_seconds and result.verify_seconds:
-            self.overlapped_seconds += max(result.draft_seconds, result.verify_seconds)
 
 
 class LLMEngine:

@@ -110,14 +110,6 @@ class Request:
         )
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
     def remaining_tokens(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
 

@@ -61,9 +61,6 @@ class RemoteExecutor:
     def verifier_info(self) -> worker_pb2.WorkerInfo:
         return self.verifier.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
 
-    def worker_infos(self) -> dict[str, worker_pb2.WorkerInfo]:
-        return {w.role: w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers}
-
     def admit(self, seqs: list[SequenceSpec]) -> None:
         self._admit.extend(seqs)
 
