@@ -206,6 +206,24 @@ def test_overload_is_resource_exhausted(stack) -> None:
     assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
 
 
+def test_a_dead_worker_fails_requests_fast_and_the_scheduler_stops_serving(pair) -> None:
+    """A worker that dies leaves its peer blocked in the step-end exchange: the scheduler must not hang
+    on it, but fail the requests (UNAVAILABLE) and turn NOT_SERVING so that traffic goes elsewhere."""
+    with LocalStack(_config(pair, MODES["minedraft"])) as stack, Client(stack.address, retries=0, timeout=60) as client:
+        assert client.generate([1, 2], max_tokens=4, temperature=0).finish_reason == "length"
+        drafter = stack.process("drafter")
+        drafter.kill()
+        drafter.wait()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "drafter" in info.value.details()
+        _wait_health(stack.address, "NOT_SERVING", timeout_s=10)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([4, 5], max_tokens=5, temperature=0)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
+
+
 def _health(address: str) -> str:
     with grpc.insecure_channel(address) as channel:
         try:

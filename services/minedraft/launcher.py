@@ -137,6 +137,10 @@ class LocalStack:
         except grpc.RpcError:
             return False
 
+    def process(self, name: str) -> subprocess.Popen:
+        """The running process of one service: verifier, drafter or scheduler."""
+        return dict(self._processes)[name]
+
     def wait(self) -> None:
         """Block until a service exits or Ctrl-C."""
         try:

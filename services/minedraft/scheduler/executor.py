@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -76,7 +76,15 @@ class RemoteExecutor:
         self._step_id += 1
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
         self._admit, self._release = [], []
-        calls = [self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s) for w in self.workers]
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.workers}
+        # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
+        done, _ = wait(calls, return_when=FIRST_EXCEPTION)
+        for call in done:
+            if call.exception() is not None:
+                worker = calls[call]
+                raise RuntimeError(
+                    f"the {worker.role} at {worker.address} failed step {self._step_id}: {_describe(call.exception())}"
+                ) from call.exception()
         result = result_from_replies([c.result() for c in calls])
         result.step_seconds = time.perf_counter() - start
         return result
@@ -85,3 +93,9 @@ class RemoteExecutor:
         self._calls.shutdown(wait=False)
         for worker in self.workers:
             worker.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

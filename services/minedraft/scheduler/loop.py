@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minedraft.engine.engine import LLMEngine
@@ -54,10 +55,21 @@ class _Abort:
     request_id: str
 
 
+class EngineFailed(RuntimeError):
+    """The engine group is broken; requests fail with UNAVAILABLE until it is restarted."""
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: Metrics | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.failed: str | None = None
+        self._on_failure = on_failure
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -111,6 +123,9 @@ class EngineLoop:
         return False
 
     def _add(self, command: _Submit) -> None:
+        if self.failed is not None:
+            command.sink.put(EngineFailed(self.failed))
+            return
         try:
             self.engine.add_request(
                 command.prompt_ids, command.params, request_id=command.request_id, prompt=command.prompt
@@ -147,12 +162,19 @@ class EngineLoop:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
 
     def _safe(self, fn) -> None:
-        """A failed step fails the requests in flight, not the loop: the server keeps serving."""
+        """A failed step is fatal for the engine group: a worker died or the drafter and the verifier fell
+        out of lockstep, so no later step could be trusted. Fail the requests in flight and every later
+        one, and report it (the service turns NOT_SERVING), instead of hanging on a dead peer."""
+        if self.failed is not None:
+            return
         try:
             fn()
         except Exception as exc:
-            log.exception("engine step failed; failing the requests in flight")
+            log.exception("engine step failed; the engine group must be restarted")
+            self.failed = f"the engine failed and must be restarted: {exc}"
             for request_id, sink in list(self._sinks.items()):
-                sink.put(exc)
+                sink.put(EngineFailed(self.failed))
                 self.engine.abort_request(request_id)
             self._sinks.clear()
+            if self._on_failure is not None:
+                self._on_failure(self.failed)

@@ -21,7 +21,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.executor import RemoteExecutor
-from minedraft.scheduler.loop import EngineLoop, Sink, StreamItem
+from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 from minedraft.wire import sampling_from_proto, stats_to_proto
 
@@ -48,6 +48,8 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting: the workers are not ready yet")
+        if self.loop.failed is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.loop.failed)
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -71,6 +73,8 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
                 item = await sink.queue.get()
                 if isinstance(item, ValueError):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                if isinstance(item, EngineFailed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
                 if isinstance(item, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {item}")
                 finished = item.finished is not None
@@ -157,7 +161,13 @@ async def serve_scheduler(
     if metrics_port:
         metrics.serve(metrics_port)
     engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
-    loop = EngineLoop(engine, metrics)
+    event_loop = asyncio.get_running_loop()
+
+    def not_serving(reason: str) -> None:  # called from the step-loop thread
+        for name in ("", PUBLIC_SERVICE):
+            asyncio.run_coroutine_threadsafe(health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), event_loop)
+
+    loop = EngineLoop(engine, metrics, on_failure=not_serving)
     loop.start()
     servicer.loop = loop
     for name in ("", PUBLIC_SERVICE):
