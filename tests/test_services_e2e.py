@@ -301,22 +301,24 @@ def test_up_stops_every_service_on_a_signal(pair, sig) -> None:
     try:
         _wait_health(f"127.0.0.1:{port}", "SERVING")
         assert "is serving on" in up.stdout.readline()
+        services = _children(up.pid)
+        assert len(services) == 3  # verifier, drafter, scheduler
         up.send_signal(sig)
         assert up.wait(timeout=60) == 0
-        # Every service was started with the target's folder on its command line: none may outlive `up`.
-        assert _processes_mentioning(pair[0]) == [], "service processes outlived minedraft up"
+        assert [pid for pid in services if Path(f"/proc/{pid}").exists()] == [], "services outlived minedraft up"
     finally:
         if up.poll() is None:
             up.kill()
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains `text` (read from /proc, like pgrep -f)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc/<pid>/stat: the field after the command's closing paren)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                pids.append(int(cmdline.parent.name))
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # the process ended while we looked
             continue
-    return pids
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
