@@ -9,8 +9,8 @@ from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.executor import draft_runner
 from minedraft.engine.workers import DraftWorker
 from minedraft.transport.channel import StepChannel
-from minedraft.verifier.node import join_world, max_model_len_of, topology_of
 from minedraft.wire import plan_from_proto
+from minedraft.worker_node import join_world, max_model_len_of, topology_of, worker_info
 
 
 class DrafterNode:
@@ -44,18 +44,7 @@ class DrafterNode:
         return reply
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(
-            role="drafter",
-            model=str(self.config.draft_path),
-            num_slots=self.runner.kv_cache.num_slots,
-            num_free_slots=self.runner.num_free_slots,
-            num_active_sequences=self.worker.num_active,
-            vocab_size=self.runner.config.vocab_size,
-            max_model_len=self.runner.max_seq_len,
-            eos_token_ids=self.runner.config.eos_token_ids,
-            world_rank=self.groups.rank,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-        )
+        return worker_info("drafter", str(self.config.draft_path), self.worker, self.groups.rank, self.config)
 
     def close(self) -> None:
         self.groups.close()

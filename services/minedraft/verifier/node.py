@@ -12,34 +12,12 @@ import time
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.workers import VerifyWorker
-from minedraft.model.config import load_model_config
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
-from minedraft.transport.groups import Topology, WorldGroups, init_world
 from minedraft.wire import plan_from_proto, verified_to_proto
+from minedraft.worker_node import join_world, max_model_len_of, worker_info
 
 log = logging.getLogger("minedraft.verifier")
-
-
-def topology_of(config: EngineConfig) -> Topology:
-    return Topology(tp_size=config.tensor_parallel_size, has_drafter=config.speculative_config is not None)
-
-
-def max_model_len_of(config: EngineConfig) -> int:
-    return config.max_model_len or load_model_config(config.target_path).max_position_embeddings
-
-
-def join_world(config: EngineConfig, dist: DistributedConfig, rank: int, device: str) -> WorldGroups:
-    """Form the world group with the other verifier ranks and the drafter (blocks until all have joined)."""
-    return init_world(
-        rank=rank,
-        topology=topology_of(config),
-        master_addr=dist.master_addr,
-        master_port=dist.master_port,
-        device=device,
-        backend=None if dist.backend == "auto" else dist.backend,
-        timeout_s=dist.timeout_s,
-    )
 
 
 class VerifierNode:
@@ -108,18 +86,7 @@ class VerifierNode:
         return self.groups.topology.has_drafter or self.config.tensor_parallel_size > 1
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(
-            role="verifier",
-            model=str(self.config.target_path),
-            num_slots=self.runner.kv_cache.num_slots,
-            num_free_slots=self.runner.num_free_slots,
-            num_active_sequences=self.worker.num_active,
-            vocab_size=self.runner.config.vocab_size,
-            max_model_len=self.runner.max_seq_len,
-            eos_token_ids=self.runner.config.eos_token_ids,
-            world_rank=self.rank,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-        )
+        return worker_info("verifier", str(self.config.target_path), self.worker, self.rank, self.config)
 
     def close(self) -> None:
         self.groups.close()
