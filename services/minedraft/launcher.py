@@ -91,17 +91,21 @@ class LocalStack:
         )
 
     def __enter__(self) -> LocalStack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def start(self) -> None:
+        """Start every service and wait until it is SERVING; on any failure stop what was started."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         env = dict(os.environ)
         # Model processes share the machine's cores: one intra-op thread pool each would oversubscribe it.
         processes = self.config.tensor_parallel_size + (self.config.speculative_config is not None)

@@ -61,11 +61,16 @@ class LLM:
         from minedraft.model.tokenizer import load_tokenizer
         from minedraft.scheduler.executor import RemoteExecutor
 
-        self._workers = LocalStack(self.config, workers_only=True).__enter__()
-        executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
-        info = executor.verifier_info()
-        tokenizer = load_tokenizer(self.config.target_path)
-        return LLMEngine(self.config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
+        self._workers = LocalStack(self.config, workers_only=True)
+        self._workers.start()
+        try:
+            executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
+            info = executor.verifier_info()
+            tokenizer = load_tokenizer(self.config.target_path)
+            return LLMEngine(self.config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
+        except BaseException:
+            self._workers.stop()
+            raise
 
     def generate(
         self,
