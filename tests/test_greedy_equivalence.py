@@ -1,7 +1,8 @@
 """Every speculative mode must produce, in greedy mode, token for token what the target alone produces.
 
-Verification runs k+1 positions in one forward where autoregressive decoding runs one at a time; on CPU
-in float32 our per-position logits do not depend on the batch shape, so any difference is a bug. The one
+Verification runs k+1 positions in one forward where autoregressive decoding runs one at a time. These
+tests run the strict kernels (`batch_invariant=True`), whose per-position logits do not depend on the
+batch shape, so any difference is a bug. The one
 excuse accepted is a genuine near-tie of the target's top two logits, and then the test reports the gap
 it found (as a warning) instead of hiding it.
 """
@@ -22,6 +23,7 @@ from minedraft.sampling.params import SamplingParams
 
 from tiny_models import make_tiny_checkpoint
 
+STRICT = {"device": "cpu", "batch_invariant": True}
 # A mismatch is excused only where the target's two best logits are closer than this.
 NEAR_TIE = 1e-4
 
@@ -82,7 +84,7 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]
 
 
 def _top2_gap(target: Path, prefix: list[int]) -> float:
-    runner = ModelRunner(target, num_slots=1, max_seq_len=len(prefix) + 1)
+    runner = ModelRunner(target, num_slots=1, max_seq_len=len(prefix) + 1, batch_invariant=True)
     logits = runner.forward([SeqInput(runner.allocate_slot(), prefix, 0)])[0]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
@@ -104,7 +106,7 @@ def test_random_pair_matches_autoregressive(random_pair, mode: str, max_num_seqs
     target, draft = random_pair
     vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=10, seed=max_num_seqs)
-    base = {"model": str(target), "max_num_seqs": max_num_seqs, "max_model_len": 96, "device": "cpu"}
+    base = {"model": str(target), "max_num_seqs": max_num_seqs, "max_model_len": 96, **STRICT}
     expected = _run(EngineConfig(**base), work)
     got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(draft)}), work)
     _assert_same(target, work, expected, got, mode)
@@ -117,7 +119,7 @@ def test_draft_equal_to_target_accepts_everything(random_pair, mode: str) -> Non
     target, _ = random_pair
     vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=8, seed=7)
-    base = {"model": str(target), "max_num_seqs": 3, "max_model_len": 96, "device": "cpu"}
+    base = {"model": str(target), "max_num_seqs": 3, "max_model_len": 96, **STRICT}
     expected = _run(EngineConfig(**base), work)
     config = EngineConfig(**base, speculative_config={**MODES[mode], "model": str(target)})
     engine_got = _run(config, work)
@@ -139,7 +141,7 @@ def test_bundled_pair_matches_autoregressive(mode: str) -> None:
     work = [
         (p, SamplingParams(temperature=0, max_tokens=rng.choice([5, 24, 48])), rng.choice([0, 2, 6])) for p in prompts
     ]
-    base = {"max_num_seqs": 4, "device": "cpu"}
+    base = {"max_num_seqs": 4, **STRICT}
     expected = _run(EngineConfig(**base), work)
     got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(BUNDLED_DRAFT)}), work)
     _assert_same(BUNDLED_TARGET, work, expected, got, mode)

@@ -101,6 +101,22 @@ def test_decode_after_rollback_matches_hf(checkpoints, hf_models, arch, kernel):
     assert_close(torch.cat(out), hf_logits(hf, seq)[len(prompt) + 1 :])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_attention_over_scattered_slots_matches_hf(checkpoints, hf_models, arch):
+    """The fast kernel reads a range of cache slots in place: slots in the range that are not in the batch
+    (here 1 and 3) are computed and dropped, slots out of order are put back in batch order."""
+    r, hf = runner(checkpoints[arch], "sdpa", num_slots=5), hf_models[arch]
+    seqs = {slot: tokens(n, seed=20 + slot) for slot, n in zip(range(5), (17, 3, 40, 9, 26))}
+    for slot in range(5):
+        assert r.allocate_slot() == slot
+        r.forward([SeqInput(slot, seqs[slot][:-2], 0)])
+    out = r.forward([SeqInput(4, seqs[4][-2:], len(seqs[4]) - 2, num_logits=2), SeqInput(0, seqs[0][-2:-1], 15),
+                     SeqInput(2, seqs[2][-2:], 38, num_logits=2)])  # fmt: skip
+    assert_close(out[0:2], hf_logits(hf, seqs[4])[-2:])
+    assert_close(out[2:3], hf_logits(hf, seqs[0][:-1])[-1:])
+    assert_close(out[3:5], hf_logits(hf, seqs[2])[-2:])
+
+
 def test_sharded_checkpoint_matches_hf(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "sharded", "qwen2", num_heads=4, num_kv_heads=4, max_shard_size="20KB")
     assert len(list(path.glob("model-*.safetensors"))) > 3 and (path / "model.safetensors.index.json").is_file()

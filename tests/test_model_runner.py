@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minedraft.model.kv_cache import KVCache
 from minedraft.model.runner import ForwardBatch, ModelRunner, SeqInput
 
 from tiny_models import make_tiny_checkpoint, torch_threads
@@ -42,6 +43,17 @@ def test_slots(runner):
     runner.free_slot(b)
     with pytest.raises(ValueError, match="slot 1 is not allocated"):
         runner.free_slot(b)
+
+
+def test_slot_regions_keep_each_batch_together():
+    """Each batch takes its slots from a region of its own; a full region lends from another."""
+    cache = KVCache(num_layers=1, num_slots=4, num_kv_heads=1, max_seq_len=8, head_dim=2, dtype=torch.float32,
+                    device="cpu", num_regions=2)  # fmt: skip
+    assert [cache.allocate(1), cache.allocate(0), cache.allocate(1)] == [2, 0, 3]
+    assert cache.allocate(1) == 1 and cache.num_free_slots == 0
+    cache.free(3)
+    cache.free(0)
+    assert cache.allocate(1) == 3 and cache.allocate(0) == 0
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,9 @@ def pair(tmp_path_factory):
 
 def _config(pair, spec, **overrides) -> EngineConfig:
     target, draft = pair
-    kwargs = {"model": target, "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, "device": "cpu", **overrides}
+    # Strict kernels: every mode must equal the offline ar output token for token.
+    kwargs = {"model": target, "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, "device": "cpu",
+              "batch_invariant": True, **overrides}
     return EngineConfig(**kwargs, speculative_config={**spec, "model": draft} if spec else None)
 
 
@@ -284,7 +286,8 @@ def test_offline_api_with_tensor_parallelism(pair, expected) -> None:
     work = _workload()
     target, draft = pair
     spec = {**MODES["minedraft"], "model": draft}
-    with LLM(target, spec, tensor_parallel_size=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, device="cpu") as llm:
+    with LLM(target, spec, tensor_parallel_size=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, device="cpu",
+             batch_invariant=True) as llm:
         params = [SamplingParams(temperature=0, max_tokens=m) for _, m in work]
         outputs = llm.generate([p for p, _ in work], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -51,6 +51,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, speculative_default: str |
     _add(group, "--dtype", "auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     _add(group, "--device", "auto", help="auto, cpu, cuda, cuda:N")
     _add(group, "--seed", 0, type=int, help="seed of requests that bring none")
+    group.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=_env("--batch-invariant", "false").lower() in ("1", "true", "yes"),
+        help="strict kernels: every mode token-for-token equal to ar, slower [env MINEDRAFT_BATCH_INVARIANT]",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,6 +69,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "device": args.device,
         "seed": args.seed,
+        "batch_invariant": args.batch_invariant,
     }
 
 

@@ -100,10 +100,16 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Most tokens (prompt + output) per request; default from the checkpoint."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = float32 on CPU (batch-shape independent logits), bfloat16 on CUDA."
+        "auto", description="auto = float32 on CPU, bfloat16 on CUDA."
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
     seed: int = Field(0, description="Seeds requests that bring no seed of their own.")
+    batch_invariant: bool = Field(
+        False,
+        description="Strict kernels: the target's logits at a position never depend on the batch around it, so "
+        "every mode is token-for-token plain autoregressive decoding (slower). The default fast kernels can "
+        "differ from ar where the target's top-2 logits nearly tie; benchmarks count such differences.",
+    )
     draft_support_size: int = Field(
         64, ge=1, description="Draft tokens are sampled from the top-N of the draft distribution; N is this."
     )

@@ -35,6 +35,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--device", config.device,
         "--seed", str(config.seed),
     ]  # fmt: skip
+    if config.batch_invariant:
+        flags.append("--batch-invariant")
     if config.model:
         flags += ["--model", config.model]
     if config.max_model_len:

@@ -59,7 +59,11 @@ def plan_to_proto(
         step_id=step_id,
         admit=[
             worker_pb2.SequenceSpec(
-                request_id=s.request_id, token_ids=s.token_ids, sampling=sampling_to_proto(s.params), seed=s.seed
+                request_id=s.request_id,
+                token_ids=s.token_ids,
+                sampling=sampling_to_proto(s.params),
+                seed=s.seed,
+                batch=s.batch,
             )
             for s in admit
         ],
@@ -81,7 +85,10 @@ def plan_to_proto(
 def plan_from_proto(
     msg: worker_pb2.StepPlan,
 ) -> tuple[list[SequenceSpec], list[str], DraftPlan | None, VerifyPlan | None]:
-    admit = [SequenceSpec(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed) for s in msg.admit]
+    admit = [
+        SequenceSpec(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
+        for s in msg.admit
+    ]
     draft = None
     if msg.has_draft:
         tasks = [DraftTask(t.request_id, t.num_tokens, t.continue_window) for t in msg.draft]

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParameters
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    batch: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
     __slots__ = ("request_id", "num_tokens", "continue_window")

@@ -27,17 +27,17 @@ class BatchManager:
         batch = self.batches[index]
         admitted = []
         while self.waiting and len(batch) < self.max_num_seqs:
-            admitted.append(self._start(self.waiting.popleft(), batch))
+            admitted.append(self._start(self.waiting.popleft(), index))
         return admitted
 
     def admit_balanced(self) -> list[Request]:
         """Before decoding starts: each waiting request goes to the smaller batch."""
         admitted = []
         while self.waiting:
-            batch = min(self.batches, key=len)
-            if len(batch) >= self.max_num_seqs:
+            index = min(range(len(self.batches)), key=lambda i: len(self.batches[i]))
+            if len(self.batches[index]) >= self.max_num_seqs:
                 break
-            admitted.append(self._start(self.waiting.popleft(), batch))
+            admitted.append(self._start(self.waiting.popleft(), index))
         return admitted
 
     def remove_finished(self) -> list[Request]:
@@ -56,8 +56,8 @@ class BatchManager:
                 return request
         return None
 
-    @staticmethod
-    def _start(request: Request, batch: list[Request]) -> Request:
+    def _start(self, request: Request, index: int) -> Request:
         request.status = RequestStatus.RUNNING
-        batch.append(request)
+        request.batch = index
+        self.batches[index].append(request)
         return request

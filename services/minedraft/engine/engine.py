@@ -119,7 +119,9 @@ class LLMEngine:
         self._release_finished()
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
-            self.executor.admit([SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed) for r in admitted])
+            self.executor.admit(
+                [SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
+            )
         if draft is None and verify is None:
             return []
         result = self.executor.step(draft, verify)

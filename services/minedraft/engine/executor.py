@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, num_batches
 from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import ModelConfig, load_model_config
@@ -27,10 +27,12 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 class LocalExecutor:
     """Runs the draft and verify parts of a step concurrently on two threads (torch releases the GIL in
-    its kernels), then performs the step-end exchange by handing objects over directly.
+    its kernels), then performs the step-end exchange by handing objects over directly. A step with one
+    part runs it on the caller's thread.
 
-    `stage_threads`: intra-op threads of each stage. On a CPU the two stages share the cores; giving each
-    all of them makes their thread pools fight (spinning OpenMP workers), so the engine gives each half.
+    `stage_threads`: intra-op threads of each stage when both run at once. On a CPU the two stages share
+    the cores; giving each all of them makes their thread pools fight (spinning OpenMP workers), so the
+    engine gives each half.
     """
 
     def __init__(
@@ -55,19 +57,19 @@ class LocalExecutor:
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
         start = time.perf_counter()
         result = StepResult()
-        pending_draft = None
-        if draft is not None:
-            if self.drafter is None or self._draft_thread is None:
-                raise RuntimeError("a draft plan was given but this executor has no drafter")
-            pending_draft = self._draft_thread.submit(_timed, partial(self.drafter.draft, draft))
-        if verify is not None:
-            run_verify = partial(self.verifier.verify, verify)
-            if self._verify_thread is None:
-                result.verified, result.verify_seconds = _timed(run_verify)
-            else:
-                result.verified, result.verify_seconds = self._verify_thread.submit(_timed, run_verify).result()
-        if pending_draft is not None:
+        if draft is not None and (self.drafter is None or self._draft_thread is None):
+            raise RuntimeError("a draft plan was given but this executor has no drafter")
+        run_draft = partial(self.drafter.draft, draft) if self.drafter and draft else None
+        run_verify = partial(self.verifier.verify, verify) if verify else None
+        if run_draft and run_verify and self._draft_thread and self._verify_thread:
+            # Both stages at once, each on its own thread with its share of the cores.
+            pending_draft = self._draft_thread.submit(_timed, run_draft)
+            result.verified, result.verify_seconds = self._verify_thread.submit(_timed, run_verify).result()
             _, result.draft_seconds = pending_draft.result()
+        elif run_draft:  # one stage alone runs here, with every core
+            _, result.draft_seconds = _timed(run_draft)
+        elif run_verify:
+            result.verified, result.verify_seconds = _timed(run_verify)
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
             self.drafter.apply_results(result.verified)
             handed_over = self.drafter.take_drafts()
@@ -98,7 +100,8 @@ def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExe
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
-    target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype)
+    target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype,
+                         batch_invariant=config.batch_invariant, slot_regions=num_batches(config))
     drafter = None
     if config.speculative_config is not None:
         draft = draft_runner(config, num_slots, max_len, device)
@@ -119,6 +122,7 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         device=device,
         dtype=config.resolved_dtype(device),
         batch_invariant=False,
+        slot_regions=num_batches(config),
     )
 
 

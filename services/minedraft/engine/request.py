@@ -77,6 +77,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
+    batch: int = 0  # which of the engine's batches it runs in
     _streamed: int = 0  # characters of text already handed to a stream
 
     @classmethod

@@ -2,7 +2,10 @@
 
 Query i of a sequence sits at position start + i and sees keys 0 .. start + i. Two kernels:
 
-* ``sdpa``: torch scaled_dot_product_attention, one call per sequence (fast; the default on CUDA).
+* ``sdpa`` (the default): torch scaled_dot_product_attention. Sequences with short queries (decode
+  steps, k + 1 verification tokens, draft steps) share one call per layer that reads their cache
+  slots in place, queries padded to the longest, a mask hiding what each query may not see. Long
+  queries (prefill) get a call each, so one long prompt never pads the whole batch.
 * ``batch-invariant``: the same math with every GEMM and reduction at a fixed shape (Q_BLOCK query rows
   x KV_BLOCK keys, key blocks combined strictly left to right), so a token's output is bit-identical
   whether it is decoded alone, verified among k drafts or batched with other sequences. Blocks a row
@@ -12,6 +15,7 @@ Query i of a sequence sits at position start + i and sees keys 0 .. start + i. T
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from minedraft.model.kv_cache import KV_BLOCK
 
 Q_BLOCK = 8  # query rows per fixed-shape block
+PADDED_MAX_QUERY = 32  # sdpa: queries up to this length share the padded batched call
 _MAX_SCORES = 1 << 22  # score elements per group, to bound memory on long prefills
 
 
@@ -31,7 +36,26 @@ class SeqAttention:
     start: int  # tokens already in the cache before this pass
     offset: int  # index of the sequence's first token in the flattened batch
     length: int  # new tokens of this sequence
-    mask: torch.Tensor | None  # [length, start + length]; None when it is a single token (sees all)
+    mask: torch.Tensor | None  # [length, start + length]; None: a single token (sees all) or a fresh prompt (causal)
+
+
+@dataclass
+class PaddedGroup:
+    """Sequences with short queries, for one batched sdpa call over a range of cache slots.
+
+    The call reads the cache slots [first_slot, first_slot + span) in place (a view, nothing gathered);
+    slots in that range that are not in the batch are computed and dropped, which costs at most what a
+    full batch costs. Queries are padded to the longest (padding rows repeat a real token).
+    """
+
+    first_slot: int
+    span: int
+    index: torch.Tensor | None  # [seqs] each sequence's place in the span; None when it is the span itself
+    rows: torch.Tensor  # [seqs, max_query] token index of each query row in the flattened batch
+    mask: torch.Tensor | None  # [span, 1, group * max_query, keys] key visibility; None: all visible
+    keys: int  # cache positions read per slot: the longest sequence's
+    src: torch.Tensor | None  # indices of real rows in the flattened [seqs * max_query] output;
+    dst: torch.Tensor | None  # their token indices in the batch (both None: output is the batch as is)
 
 
 @dataclass
@@ -47,18 +71,23 @@ class BlockGroup:
 
 @dataclass
 class AttentionPlan:
-    seqs: list[SeqAttention]
-    groups: list[BlockGroup]
+    seqs: list[SeqAttention]  # sdpa, one call each
+    groups: list[BlockGroup]  # batch-invariant
+    padded: PaddedGroup | None = None  # sdpa, one call for all
 
 
-def plan_attention(starts: list[int], lengths: list[int], slots: list[int], num_heads: int,
+def plan_attention(starts: list[int], lengths: list[int], slots: list[int], num_heads: int, num_kv_heads: int,
                    device: torch.device, batch_invariant: bool) -> AttentionPlan:
     """Host-side bookkeeping shared by all layers of one forward pass."""
-    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    offsets = [0, *itertools.accumulate(lengths)][:-1]
     if not batch_invariant:
-        seqs = [SeqAttention(slot, start, off, n, _sdpa_mask(start, n, device))
-                for slot, start, off, n in zip(slots, starts, offsets, lengths, strict=True)]
-        return AttentionPlan(seqs, [])
+        short = [i for i, n in enumerate(lengths) if n <= PADDED_MAX_QUERY]
+        seqs = [SeqAttention(slots[i], starts[i], offsets[i], lengths[i], _sdpa_mask(starts[i], lengths[i], device))
+                for i in range(len(lengths)) if lengths[i] > PADDED_MAX_QUERY]
+        padded = _padded_group([slots[i] for i in short], [starts[i] for i in short], [offsets[i] for i in short],
+                               [lengths[i] for i in short], sum(lengths), num_heads // num_kv_heads,
+                               device) if short else None
+        return AttentionPlan(seqs, [], padded)
     pieces = [p for s in zip(slots, starts, offsets, lengths, strict=True) for p in _pieces(*s, num_heads)]
     by_blocks: dict[int, list[_Piece]] = {}
     for piece in pieces:
@@ -67,8 +96,36 @@ def plan_attention(starts: list[int], lengths: list[int], slots: list[int], num_
     return AttentionPlan([], groups)
 
 
+def _padded_group(slots: list[int], starts: list[int], offsets: list[int], lengths: list[int], tokens: int,
+                  group_size: int, device: torch.device) -> PaddedGroup:
+    lens = torch.tensor(lengths)[:, None]
+    query = torch.arange(max(lengths))
+    index = torch.minimum(query, lens - 1)  # padding rows act as the sequence's last token
+    rows = torch.tensor(offsets)[:, None] + index
+    positions = torch.tensor(starts)[:, None] + index
+    keys = int(positions.max()) + 1
+    first_slot, span = min(slots), max(slots) - min(slots) + 1
+    place = torch.tensor(slots) - first_slot
+    in_order = span == len(slots) and bool((place == torch.arange(span)).all())
+    mask = torch.ones(span, len(query), keys, dtype=torch.bool)  # slots outside the batch: see everything
+    mask[place] = torch.arange(keys) <= positions[:, :, None]
+    mask = mask.repeat(1, group_size, 1)  # query rows are (head in the kv group, query), see _padded_sdpa
+    real = query < lens
+    as_is = bool(real.all()) and rows.numel() == tokens  # no padding and every token in order
+    return PaddedGroup(
+        first_slot=first_slot,
+        span=span,
+        index=None if in_order else place.to(device),
+        rows=rows.to(device),
+        mask=None if bool(mask.all()) else mask[:, None].to(device),
+        keys=keys,
+        src=None if as_is else real.flatten().nonzero().squeeze(1).to(device),
+        dst=None if as_is else rows[real].to(device),
+    )
+
+
 def _sdpa_mask(start: int, length: int, device: torch.device) -> torch.Tensor | None:
-    if length == 1:
+    if length == 1 or start == 0:  # sdpa's own causal mask (is_causal) skips the blocks no query sees
         return None
     return torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)
 
@@ -132,9 +189,14 @@ def _build_group(pieces: list[_Piece], device: torch.device) -> BlockGroup:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
            scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] of the whole batch; caches: [slots, kv_heads, max_len, head_dim]."""
-    if not plan.groups:
-        return torch.cat([_sdpa(q[s.offset : s.offset + s.length], k_cache, v_cache, s, scale) for s in plan.seqs])
+    if plan.padded is not None and plan.padded.src is None:
+        return _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)  # the whole batch in one call
     out = torch.empty_like(q)
+    if plan.padded is not None:
+        out[plan.padded.dst] = _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)[plan.padded.src]
+    for seq in plan.seqs:
+        out[seq.offset : seq.offset + seq.length] = _sdpa(q[seq.offset : seq.offset + seq.length], k_cache,
+                                                          v_cache, seq, scale)
     for group in plan.groups:
         out[group.dst] = _block_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)[group.src]
     return out
@@ -144,8 +206,31 @@ def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: Se
           scale: float) -> torch.Tensor:
     end = seq.start + seq.length
     k, v = k_cache[seq.slot, :, :end], v_cache[seq.slot, :, :end]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask, scale=scale, enable_gqa=True)
+    causal = seq.start == 0 and seq.length > 1
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask, is_causal=causal, scale=scale,
+                                         enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def _padded_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PaddedGroup,
+                 scale: float) -> torch.Tensor:
+    """[seqs * max_query, heads, head_dim] attention output of the padded group."""
+    seqs, max_query = group.rows.shape
+    heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    qb = q if group.src is None else q[group.rows.flatten()]
+    # The heads that share a kv head become extra query rows of it: each key is read once per kv head.
+    qb = qb.view(seqs, max_query, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
+    qb = qb.reshape(seqs, kv_heads, heads // kv_heads * max_query, dim)
+    if group.index is not None:
+        qb = qb.new_zeros(group.span, *qb.shape[1:]).index_copy_(0, group.index, qb)
+    slots = slice(group.first_slot, group.first_slot + group.span)
+    k, v = k_cache[slots, :, : group.keys], v_cache[slots, :, : group.keys]
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=group.mask, scale=scale)
+    if group.index is not None:
+        out = out.index_select(0, group.index)
+    out = out.view(seqs, kv_heads, heads // kv_heads, max_query, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(seqs * max_query, heads, dim)
 
 
 def _block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: BlockGroup,

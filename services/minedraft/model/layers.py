@@ -73,33 +73,39 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), replicated_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as Hugging Face, in fp32 whatever the model dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, before the weight: Hugging Face's op order, in fp32 whatever the dtype."""
+    dtype = x.dtype
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with cos/sin tables precomputed for every position."""
+    """Neox-style rotary embedding with cos/sin tables precomputed for every position.
+
+    Hugging Face computes x * cos + cat(-x2, x1) * sin; we compute x * cos + cat(x2, x1) * cat(-sin, sin)
+    (one roll instead of chunk, neg and cat), which is the same product bit for bit.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x of shape [tokens, heads, head_dim] by its token's position."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return tuple(x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype) for x in xs)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of each token's position, [tokens, 1, head_dim], computed once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    @staticmethod
+    def rotate(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [tokens, heads, head_dim] by its tokens' positions."""
+        cos, signed_sin = table
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

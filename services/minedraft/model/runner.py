@@ -70,20 +70,21 @@ class ForwardBatch:
 class ModelRunner:
     def __init__(self, path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
                  dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
-                 batch_invariant: bool | None = None) -> None:
-        """batch_invariant: fixed-shape kernels so logits never depend on the batch (default: on CPU)."""
+                 batch_invariant: bool = False, slot_regions: int = 1) -> None:
+        """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
+        slot_regions: the batches the engine keeps; each gets its own range of KV-cache slots."""
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
         self.tokenizer: Tokenizer = load_tokenizer(self.path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.tp = TensorParallel.from_group(tp_group)
-        self.batch_invariant = self.device.type == "cpu" if batch_invariant is None else batch_invariant
+        self.batch_invariant = batch_invariant
         self.max_seq_len = max_seq_len
         self.kv_cache = KVCache(
             num_layers=self.config.num_hidden_layers, num_slots=num_slots,
             num_kv_heads=max(1, self.config.num_key_value_heads // self.tp.size), max_seq_len=max_seq_len,
-            head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
+            head_dim=self.config.head_dim, dtype=self.dtype, device=self.device, num_regions=slot_regions,
         )
         self.model = self._load_model()
 
@@ -99,8 +100,8 @@ class ModelRunner:
 
     # Slots -------------------------------------------------------------------------------------------
 
-    def allocate_slot(self) -> int:
-        return self.kv_cache.allocate()
+    def allocate_slot(self, region: int = 0) -> int:
+        return self.kv_cache.allocate(region)
 
     def free_slot(self, slot: int) -> None:
         self.kv_cache.free(slot)
@@ -165,7 +166,8 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.slots.tolist(),
-                              self.config.num_attention_heads // self.tp.size, self.device, self.batch_invariant)
+                              self.config.num_attention_heads // self.tp.size, self.kv_cache.k[0].shape[1],
+                              self.device, self.batch_invariant)
         batch = batch.to(self.device)
         ctx = ForwardContext(
             positions=batch.positions, token_slots=torch.repeat_interleave(batch.slots, batch.query_lens),
@@ -175,7 +177,7 @@ class ModelRunner:
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """'auto' = float32 on CPU (exact, batch-invariant), the checkpoint's half type elsewhere."""
+    """'auto' = float32 on CPU, the checkpoint's half type elsewhere."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":

@@ -6,7 +6,7 @@ which PACKED_MODULES maps back to their checkpoint tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from minedraft.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    rms_normalize,
 )
 from minedraft.model.parallel import TensorParallel
 
@@ -41,13 +42,13 @@ class ForwardContext:
     token_slots: torch.Tensor  # [tokens] cache slot of each token
     attention: AttentionPlan
     kv_cache: KVCache
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and signed sin per token (RotaryEmbedding.table)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel,
-                 batch_invariant: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
-        self.layer, self.rotary = layer, rotary
+        self.layer = layer
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -60,11 +61,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes(), dim=-1)
-        q, k, v = (t.reshape(tokens, -1, self.head_dim) for t in (q, k, v))
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        # q and k heads side by side: their norms and rotation run as one op each.
+        qk, v = self.qkv_proj(x).view(tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(ctx.positions, q, k)
+            weight = torch.cat((self.q_norm.weight.expand(heads, -1), self.k_norm.weight.expand(kv_heads, -1)))
+            qk = weight * rms_normalize(qk, self.q_norm.eps)
+        assert ctx.rope is not None
+        q, k = RotaryEmbedding.rotate(qk, ctx.rope).split([heads, kv_heads], dim=1)
         ctx.kv_cache.write(self.layer, ctx.token_slots, ctx.positions, k, v)
         k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
         out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
@@ -85,11 +89,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel,
-                 batch_invariant: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rotary, tp, batch_invariant)
+        self.self_attn = Attention(config, layer, tp, batch_invariant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp, batch_invariant)
 
@@ -102,14 +105,15 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, batch_invariant)
-        rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, tp, batch_invariant) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp, batch_invariant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        ctx = replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
         for layer in self.layers:
             x = layer(x, ctx)
         return x  # the final norm is applied by CausalLM to the rows that need logits only

@@ -10,7 +10,7 @@ import logging
 import time
 
 from minedraft.api import worker_pb2
-from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.config import DistributedConfig, EngineConfig, num_batches, num_slots
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
@@ -32,6 +32,8 @@ class VerifierNode:
             device=device,
             dtype=config.resolved_dtype(device),
             tp_group=self.groups.tp_group if config.tensor_parallel_size > 1 else None,
+            batch_invariant=config.batch_invariant,
+            slot_regions=num_batches(config),
         )
         self.worker = VerifyWorker(self.runner)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
