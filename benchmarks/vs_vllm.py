@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> list[Engine]:
             engine.ask("ready")
         for round_ in range(args.rounds):
             for engine in engines:
+                time.sleep(args.settle)  # the previous engine's spinning OpenMP threads go quiet first
                 result = engine.ask("run")
                 engine.rounds.append(result)
                 speed = result["output_tokens"] / result["seconds"]
@@ -190,6 +191,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds; medians are reported")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds over all prompts per engine")
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds idle before each timed run (OpenMP threads of the last engine spin a while)")
     parser.add_argument("--device", default="cpu", help="our engines' device (vLLM's CPU build runs on the CPU)")
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
     parser.add_argument("--log-dir", type=Path, default=REPO / ".bench-logs", help="each engine's log")

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, Mode
 
 
 def free_port() -> int:
@@ -44,6 +44,17 @@ def engine_flags(config: EngineConfig) -> list[str]:
     if config.speculative_config is not None:
         flags += ["--speculative-config", config.speculative_config.model_dump_json(exclude_none=True)]
     return flags
+
+
+def threads_per_worker(config: EngineConfig, cores: int) -> int:
+    """Intra-op threads of each model process when all of them share one machine's cores.
+
+    The verifier ranks always compute at the same time, and so does the drafter in the overlapped modes
+    (pearl, minedraft): they split the cores, since thread pools that oversubscribe them spin against
+    each other. In ar and sd the drafter and the verifier take turns, so each may use every core.
+    """
+    overlapped = config.mode in (Mode.PEARL, Mode.MINEDRAFT)
+    return max(1, cores // (config.tensor_parallel_size + overlapped))
 
 
 class LocalStack:
@@ -109,9 +120,7 @@ class LocalStack:
 
     def _start(self) -> None:
         env = dict(os.environ)
-        # Model processes share the machine's cores: one intra-op thread pool each would oversubscribe it.
-        processes = self.config.tensor_parallel_size + (self.config.speculative_config is not None)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
         for name, args in self._commands:
             out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
             process = subprocess.Popen(
