@@ -18,6 +18,7 @@ import torch
 
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET, EngineConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 
@@ -64,7 +65,8 @@ def _workload(vocab_size: int, n: int, seed: int) -> list[tuple[list[int], Sampl
     return work
 
 
-def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]) -> list[list[int]]:
+def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]],
+         stats: dict | None = None) -> list[list[int]]:
     """Run the workload, adding each request at its arrival step, and return every output's tokens."""
     engine = LLMEngine.local(config)
     try:
@@ -77,7 +79,13 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]
             engine.step()
             step += 1
             assert step < 10_000, "engine made no progress"
-        assert engine.executor.verifier.num_active == 0, "finished requests must free their KV slots"
+        workers = [w for w in (engine.executor.verifier, engine.executor.drafter) if w is not None]
+        for worker in workers:
+            cache = worker.runner.kv_cache
+            assert worker.num_active == 0 and cache.num_sequences == 0, "finished requests must leave the workers"
+            assert cache.num_free_blocks == cache.num_blocks, "finished requests must free all their KV blocks"
+        if stats is not None:
+            stats["preemptions"] = engine.pipeline.batches.num_preemptions
         return [r.output_ids for r in requests]
     finally:
         engine.executor.close()
@@ -110,6 +118,38 @@ def test_random_pair_matches_autoregressive(random_pair, mode: str, max_num_seqs
     expected = _run(EngineConfig(**base), work)
     got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(draft)}), work)
     _assert_same(target, work, expected, got, mode)
+
+
+def _kv_budget(target: Path, blocks: int, block_size: int) -> int:
+    """Bytes of `blocks` target KV blocks (the drafter's blocks are smaller: the target's pool is the limit)."""
+    config = ModelRunner(target, max_seq_len=8).config
+    return blocks * bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                    block_size, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["ar", *MODES])
+def test_small_kv_budget_preempts_and_matches_autoregressive(random_pair, mode: str) -> None:
+    """24 requests through a KV pool with room for about two of them: admission waits for blocks, running
+    requests are preempted and prefilled again later, and every output is still exactly ar's."""
+    target, draft = random_pair
+    vocab = ModelRunner(target, max_seq_len=8).config.vocab_size
+    work = _workload(vocab, n=24, seed=11)
+    base = {"model": str(target), "max_num_seqs": 4, "max_model_len": 96, **STRICT}
+    expected = _run(EngineConfig(**base), work)
+    small = {**base, "block_size": 8, "kv_cache_memory_bytes": _kv_budget(target, 14, 8)}
+    spec = {"speculative_config": {**MODES[mode], "model": str(draft)}} if mode != "ar" else {}
+    stats: dict = {}
+    got = _run(EngineConfig(**small, **spec), work, stats)
+    assert stats["preemptions"] > 0, "the budget is meant to force preemption"
+    _assert_same(target, work, expected, got, mode)
+
+
+def test_kv_budget_below_one_request_is_refused(random_pair) -> None:
+    target, _ = random_pair
+    budget = _kv_budget(target, 5, 16)
+    with pytest.raises(ValueError, match=rf"KV cache budget \(kv_cache_memory_bytes={budget}\) holds 5 "
+                                         r"blocks of 16 tokens .* max_model_len 96 needs 6 blocks"):
+        LLMEngine.local(EngineConfig(model=str(target), max_model_len=96, kv_cache_memory_bytes=budget))
 
 
 @pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft"])

@@ -103,8 +103,8 @@ def test_decode_after_rollback_matches_hf(checkpoints, hf_models, arch, kernel):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_batched_attention_over_scattered_slots_matches_hf(checkpoints, hf_models, arch):
-    """The fast kernel reads a range of cache slots in place: slots in the range that are not in the batch
-    (here 1 and 3) are computed and dropped, slots out of order are put back in batch order."""
+    """The fast kernel gathers each sequence's blocks from the pool: sequences whose blocks interleave with
+    others that are not in the batch (here 1 and 3), and a batch out of allocation order."""
     r, hf = runner(checkpoints[arch], "sdpa", num_slots=5), hf_models[arch]
     seqs = {slot: tokens(n, seed=20 + slot) for slot, n in zip(range(5), (17, 3, 40, 9, 26))}
     for slot in range(5):

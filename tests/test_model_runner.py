@@ -1,4 +1,4 @@
-"""ModelRunner API: slots, input validation, ForwardBatch round trip."""
+"""ModelRunner API: paged KV blocks, input validation, ForwardBatch round trip."""
 
 from __future__ import annotations
 
@@ -32,40 +32,59 @@ def test_public_attributes(runner):
     assert runner.tokenizer.vocab_size == 320
 
 
-def test_slots(runner):
-    assert runner.num_free_slots == 2
+def test_sequences_take_blocks_as_they_grow_and_give_them_back(runner):
+    """2 sequences of 32 tokens in blocks of 16: a pool of 4 blocks; rollback frees whole trailing blocks."""
+    cache = runner.kv_cache
+    assert (cache.num_blocks, cache.block_size, runner.num_free_blocks) == (4, 16, 4)
     a, b = runner.allocate_slot(), runner.allocate_slot()
-    assert {a, b} == {0, 1} and runner.num_free_slots == 0
-    with pytest.raises(RuntimeError, match="no free KV-cache slot: all 2 slots are in use"):
-        runner.allocate_slot()
+    runner.forward([SeqInput(a, list(range(1, 21)), 0), SeqInput(b, [1], 0)])
+    assert len(cache.block_tables[a]) == 2 and len(cache.block_tables[b]) == 1 and runner.num_free_blocks == 1
+    runner.forward([SeqInput(a, [7], 10)])  # rolled back to 10 tokens, then one written: 11 fit in one block
+    assert len(cache.block_tables[a]) == 1 and cache.lengths[a] == 11 and runner.num_free_blocks == 2
     runner.free_slot(a)
-    assert runner.num_free_slots == 1 and runner.allocate_slot() == a
     runner.free_slot(b)
-    with pytest.raises(ValueError, match="slot 1 is not allocated"):
+    assert runner.num_free_blocks == 4 and cache.num_sequences == 0
+    with pytest.raises(ValueError, match="sequence 1 is not allocated"):
         runner.free_slot(b)
 
 
-def test_slot_regions_keep_each_batch_together():
-    """Each batch takes its slots from a region of its own; a full region lends from another."""
-    cache = KVCache(num_layers=1, num_slots=4, num_kv_heads=1, max_seq_len=8, head_dim=2, dtype=torch.float32,
-                    device="cpu", num_regions=2)  # fmt: skip
-    assert [cache.allocate(1), cache.allocate(0), cache.allocate(1)] == [2, 0, 3]
-    assert cache.allocate(1) == 1 and cache.num_free_slots == 0
-    cache.free(3)
-    cache.free(0)
-    assert cache.allocate(1) == 3 and cache.allocate(0) == 0
+def test_out_of_blocks_is_a_clear_error(runner):
+    a, b, c = runner.allocate_slot(), runner.allocate_slot(), runner.allocate_slot()
+    runner.forward([SeqInput(a, [1] * 32, 0), SeqInput(b, [1] * 17, 0)])
+    with pytest.raises(RuntimeError, match=r"KV cache is out of blocks: sequence 2 needs 1 more block\(s\) of 16 "
+                                           r"tokens, 0 of 4 are free"):
+        runner.forward([SeqInput(c, [1], 0)])
+
+
+def test_blocks_are_handed_out_lowest_first():
+    cache = KVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    device="cpu")  # fmt: skip
+    a, b = cache.allocate(), cache.allocate()
+    cache.fit(a, 3)
+    cache.fit(b, 2)
+    assert cache.block_tables == {a: [1, 2], b: [3]}
+    cache.fit(a, 2)  # rollback: block 2 goes back and is the next one handed out
+    cache.fit(b, 4)
+    assert cache.block_tables == {a: [1], b: [3, 2]} and cache.token_index(b, 1, 4) == [7, 4, 5]
+
+
+def test_a_budget_below_one_request_is_refused_with_the_numbers(path):
+    # 1 layer x 2 (k, v) x 4 kv heads x 16 tokens x 32 dims x 4 bytes = 8192 bytes per block; 32 tokens need 2
+    with pytest.raises(ValueError, match=r"KV cache budget \(kv_cache_memory_bytes=10000\) holds 1 blocks of 16 "
+                                         r"tokens .* max_model_len 32 needs 2 blocks \(16384 bytes\)"):
+        ModelRunner(path, num_slots=2, max_seq_len=32, kv_cache_memory_bytes=10000)
+    assert ModelRunner(path, num_slots=8, max_seq_len=32, kv_cache_memory_bytes=16384).kv_cache.num_blocks == 2
 
 
 @pytest.mark.parametrize(
     ("seq", "message"),
     [
-        (SeqInput(5, [1], 0), r"slot 5 is out of range \[0, 2\)"),
-        (SeqInput(1, [1], 0), "slot 1 is not allocated"),
+        (SeqInput(5, [1], 0), "sequence 5 is not allocated"),
         (SeqInput(0, [], 0), "token_ids is empty"),
         (SeqInput(0, [1], 4), r"start_pos 4 must be in \[0, 3\]"),
         (SeqInput(0, [1], -1), r"start_pos -1 must be in \[0, 3\]"),
         (SeqInput(0, [1] * 30, 3), "start_pos 3 \\+ 30 tokens exceeds max_seq_len 32"),
-        (SeqInput(0, [1, 2], 3, num_logits=3), r"num_logits 3 must be in \[1, 2\]"),
+        (SeqInput(0, [1, 2], 3, num_logits=3), r"num_logits 3 must be in \[0, 2\]"),
         (SeqInput(0, [1, 320], 3), r"token id 320 is outside the vocabulary \[0, 320\)"),
         (SeqInput(0, [-1], 3), "token id -1 is outside the vocabulary"),
     ],
@@ -79,7 +98,7 @@ def test_invalid_inputs(runner, seq, message):
 
 def test_duplicate_slot_in_batch(runner):
     slot = runner.allocate_slot()
-    with pytest.raises(ValueError, match="slot 0 appears twice in one batch"):
+    with pytest.raises(ValueError, match="sequence 0 appears twice in one batch"):
         runner.forward([SeqInput(slot, [1], 0), SeqInput(slot, [2], 0)])
 
 
@@ -105,7 +124,7 @@ def test_forward_batch_flatten_round_trip_and_execute(path):
     batch = a.prepare(seqs)
     assert batch.positions.tolist() == [0, 1, 2, 3, 0] and batch.logits_indices.tolist() == [2, 3, 4]
     copy = ForwardBatch.unflatten(batch.flatten())
-    for name in ("input_ids", "positions", "slots", "start_pos", "query_lens", "logits_indices"):
+    for name in ("input_ids", "positions", "token_index", "start_pos", "query_lens", "logits_indices", "block_tables"):
         assert torch.equal(getattr(copy, name), getattr(batch, name))
     # a second runner (like a TP rank > 0) executes the broadcast batch without any slot bookkeeping
     assert torch.equal(a.forward(seqs), b.execute(copy))

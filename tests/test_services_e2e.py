@@ -91,14 +91,14 @@ def _worker_info(address: str) -> worker_pb2.WorkerInfo:
 
 
 def _assert_idle(stack: LocalStack, timeout_s: float = 10.0) -> None:
-    """Every KV slot on every worker is free again."""
+    """Every KV block on every worker is free again."""
     addresses = [a for a in (stack.verifier_address, stack.drafter_address) if a]
     deadline = time.monotonic() + timeout_s
     while True:
         infos = [_worker_info(a) for a in addresses]
-        if all(i.num_active_sequences == 0 and i.num_free_slots == i.num_slots for i in infos):
+        if all(i.num_active_sequences == 0 and i.num_free_blocks == i.num_blocks for i in infos):
             return
-        assert time.monotonic() < deadline, f"KV slots still held: {infos}"
+        assert time.monotonic() < deadline, f"KV blocks still held: {infos}"
         time.sleep(0.2)
 
 

@@ -113,6 +113,27 @@ class EngineConfig(BaseModel):
     draft_support_size: int = Field(
         64, ge=1, description="Draft tokens are sampled from the top-N of the draft distribution; N is this."
     )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Bytes of KV cache per worker (each tensor-parallel rank, and the drafter). Default: on CUDA "
+        "what gpu_memory_utilization leaves after the weights, on CPU 4 GiB; never more than max_num_seqs "
+        "requests of max_model_len need. Start-up fails when it cannot hold one request of max_model_len.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="CUDA: fraction of the device's memory this process may use, weights included (vLLM's "
+        "meaning); the KV cache gets what the weights leave. Ignored when kv_cache_memory_bytes is set.",
+    )
+    block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV-cache block.")
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=64,
+        description="Token budget of a step: a prompt longer than this is prefilled in chunks over several steps "
+        "while the other requests keep decoding.",
+    )
 
     @field_validator("speculative_config", mode="before")
     @classmethod

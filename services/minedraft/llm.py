@@ -34,6 +34,10 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
         **engine_kwargs: Any,
     ) -> None:
         self.config = EngineConfig(
@@ -45,6 +49,10 @@ class LLM:
             dtype=dtype,
             device=device,
             seed=seed,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
             **engine_kwargs,
         )
         self._workers = None
@@ -65,9 +73,7 @@ class LLM:
         self._workers.start()
         try:
             executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
-            info = executor.verifier_info()
-            tokenizer = load_tokenizer(self.config.target_path)
-            return LLMEngine(self.config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
+            return executor.make_engine(self.config, load_tokenizer(self.config.target_path))
         except BaseException:
             self._workers.stop()
             raise

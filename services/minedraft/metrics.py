@@ -43,6 +43,13 @@ class Metrics:
         )
         self.waiting = Gauge("minedraft:num_requests_waiting", "Requests waiting for a batch", registry=r)
         self.running = Gauge("minedraft:num_requests_running", "Requests in a batch", registry=r)
+        self.kv_usage = Gauge(
+            "minedraft:kv_cache_usage_perc", "Share of the KV blocks charged to running requests (1 = full)", registry=r
+        )
+        self.preemptions = Counter(
+            "minedraft:num_preemptions", "Requests preempted (KV dropped, prefilled again) for lack of KV blocks",
+            registry=r,
+        )
         self.step_seconds = Histogram("minedraft:step_seconds", "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             "minedraft:draft_step_seconds", "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r

@@ -38,8 +38,9 @@ def worker_info(
     return worker_pb2.WorkerInfo(
         role=role,
         model=model,
-        num_slots=runner.kv_cache.num_slots,
-        num_free_slots=runner.num_free_slots,
+        num_blocks=runner.kv_cache.num_blocks,
+        num_free_blocks=runner.num_free_blocks,
+        block_size=runner.kv_cache.block_size,
         num_active_sequences=worker.num_active,
         vocab_size=runner.config.vocab_size,
         max_model_len=runner.max_seq_len,

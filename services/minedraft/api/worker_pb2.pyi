@@ -98,25 +98,27 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_slots", "num_free_slots", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "num_blocks", "num_free_blocks", "block_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORLD_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
-    num_slots: int
-    num_free_slots: int
     num_active_sequences: int
     vocab_size: int
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     world_rank: int
     tensor_parallel_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

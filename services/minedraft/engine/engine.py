@@ -7,11 +7,21 @@ import random
 from dataclasses import dataclass
 
 from minedraft.config import EngineConfig, num_slots
+from minedraft.engine.batch_manager import BlockBudget
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import make_pipeline
 from minedraft.engine.plans import Executor, SequenceSpec, StepResult
 from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
+
+
+def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the workers' KV cache holds {num_blocks} blocks of {block_size} tokens, but one request of "
+            f"max_model_len {max_model_len} needs {needed}: raise kv_cache_memory_bytes or lower max_model_len"
+        )
 
 
 @dataclass
@@ -41,13 +51,19 @@ class LLMEngine:
         tokenizer: Decoder,
         eos_token_ids: list[int],
         max_model_len: int,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
     ) -> None:
+        """num_blocks, block_size: the KV pool every worker can hold (None: admit by max_num_seqs only)."""
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.pipeline = make_pipeline(config)
+        if num_blocks is not None and block_size is not None:
+            check_pool_holds_one_request(num_blocks, block_size, max_model_len)
+            self.pipeline.batches.budget = BlockBudget(num_blocks, block_size, self.pipeline.lookahead, max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
         self.last_step: StepResult | None = None
@@ -117,10 +133,13 @@ class LLMEngine:
         """Run one step; return the requests that got new tokens or finished in it."""
         self.last_step = None
         self._release_finished()
+        preempted = self.pipeline.batches.preempt_to_fit()
+        if preempted:
+            self.executor.release([r.request_id for r in preempted])
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
             self.executor.admit(
-                [SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
+                [SequenceSpec(r.request_id, r.token_ids, r.params, r.seed, r.batch) for r in admitted]
             )
         if draft is None and verify is None:
             return []
@@ -150,12 +169,15 @@ class LLMEngine:
         from minedraft.engine.executor import build_local_executor
 
         executor, runner = build_local_executor(config, num_slots=num_slots(config))
+        caches = [w.runner.kv_cache for w in (executor.verifier, executor.drafter) if w is not None]
         return cls(
             config,
             executor,
             runner.tokenizer,
             runner.config.eos_token_ids,
             runner.max_seq_len,
+            num_blocks=min(c.num_blocks for c in caches),
+            block_size=caches[0].block_size,
         )
 
     def _release_finished(self) -> list[Request]:

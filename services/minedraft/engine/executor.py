@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from minedraft.config import EngineConfig, num_batches
+from minedraft.config import EngineConfig
 from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import ModelConfig, load_model_config
@@ -101,7 +101,7 @@ def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExe
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
     target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype,
-                         batch_invariant=config.batch_invariant, slot_regions=num_batches(config))
+                         batch_invariant=config.batch_invariant, **kv_cache_options(config))
     drafter = None
     if config.speculative_config is not None:
         draft = draft_runner(config, num_slots, max_len, device)
@@ -122,8 +122,18 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         device=device,
         dtype=config.resolved_dtype(device),
         batch_invariant=False,
-        slot_regions=num_batches(config),
+        **kv_cache_options(config),
     )
+
+
+def kv_cache_options(config: EngineConfig) -> dict[str, Any]:
+    """How a worker sizes its paged KV cache (drafter and verifier alike, so the engine can admit by the
+    smaller of the two pools)."""
+    return {
+        "block_size": config.block_size,
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+    }
 
 
 def check_compatible(target: ModelConfig, draft: ModelConfig) -> None:

@@ -24,6 +24,11 @@ class Pipeline(ABC):
         self.max_num_seqs = config.max_num_seqs
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
 
+    @property
+    def lookahead(self) -> int:
+        """Tokens a request can put in the KV cache past its window in one step: the most drafts + 1."""
+        return (self.spec.max_draft_len if self.spec else 0) + 1
+
     @abstractmethod
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""

@@ -78,6 +78,7 @@ class Request:
     finish_time: float | None = None
     window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
     batch: int = 0  # which of the engine's batches it runs in
+    num_prefilled: int = 0  # tokens both workers hold from chunked prefill (0: none yet, or not chunked)
     _streamed: int = 0  # characters of text already handed to a stream
 
     @classmethod
@@ -166,6 +167,17 @@ class Request:
                 self._finish("stop")
                 return
         self.text += delta
+
+    @property
+    def token_ids(self) -> list[int]:
+        """What a worker holds for the request when it is (re-)admitted: prompt and output so far."""
+        return self.prompt_ids + self.output_ids
+
+    def preempt(self) -> None:
+        """Back to waiting; the workers drop its KV and drafts, and prefill it again when it is re-admitted."""
+        self.status = RequestStatus.WAITING
+        self.window = None
+        self.num_prefilled = 0
 
     def abort(self) -> None:
         self._finish("abort")

@@ -85,7 +85,7 @@ class _Worker:
             generator = torch.Generator(device=self.device)
             generator.manual_seed((spec.seed ^ self._seed_salt) & 0x7FFF_FFFF_FFFF_FFFF)
             self.sequences[spec.request_id] = _Sequence(
-                slot=self.runner.allocate_slot(spec.batch),
+                slot=self.runner.allocate_slot(),
                 tokens=list(spec.token_ids),
                 params=spec.params,
                 generator=generator,

@@ -1,11 +1,13 @@
-"""Causal attention of each sequence's new tokens over its cache slot, bottom-right aligned.
+"""Causal attention of each sequence's new tokens over its paged KV cache, bottom-right aligned.
 
-Query i of a sequence sits at position start + i and sees keys 0 .. start + i. Two kernels:
+Query i of a sequence sits at position start + i and sees keys 0 .. start + i. A sequence's keys are
+gathered from the pool through its block table (one index_select per layer and kernel call; padding
+entries point at the zero block). Two kernels:
 
 * ``sdpa`` (the default): torch scaled_dot_product_attention. Sequences with short queries (decode
-  steps, k + 1 verification tokens, draft steps) share one call per layer that reads their cache
-  slots in place, queries padded to the longest, a mask hiding what each query may not see. Long
-  queries (prefill) get a call each, so one long prompt never pads the whole batch.
+  steps, k + 1 verification tokens, draft steps) share one call per layer over their gathered keys,
+  queries padded to the longest, a mask hiding what each query may not see. Long queries (prefill) get
+  a call each, so one long prompt never pads the whole batch.
 * ``batch-invariant``: the same math with every GEMM and reduction at a fixed shape (Q_BLOCK query rows
   x KV_BLOCK keys, key blocks combined strictly left to right), so a token's output is bit-identical
   whether it is decoded alone, verified among k drafts or batched with other sequences. Blocks a row
@@ -21,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minedraft.model.kv_cache import KV_BLOCK
+from minedraft.model.kv_cache import NULL_BLOCK
 
 Q_BLOCK = 8  # query rows per fixed-shape block
+KV_BLOCK = 64  # keys per fixed-shape block (independent of the cache's block size)
 PADDED_MAX_QUERY = 32  # sdpa: queries up to this length share the padded batched call
 _MAX_SCORES = 1 << 22  # score elements per group, to bound memory on long prefills
 
@@ -32,7 +35,7 @@ _MAX_SCORES = 1 << 22  # score elements per group, to bound memory on long prefi
 class SeqAttention:
     """One sequence, for the sdpa kernel."""
 
-    slot: int
+    blocks: torch.Tensor  # [blocks] the cache blocks holding its keys, in order
     start: int  # tokens already in the cache before this pass
     offset: int  # index of the sequence's first token in the flattened batch
     length: int  # new tokens of this sequence
@@ -41,19 +44,16 @@ class SeqAttention:
 
 @dataclass
 class PaddedGroup:
-    """Sequences with short queries, for one batched sdpa call over a range of cache slots.
+    """Sequences with short queries, for one batched sdpa call over their gathered keys.
 
-    The call reads the cache slots [first_slot, first_slot + span) in place (a view, nothing gathered);
-    slots in that range that are not in the batch are computed and dropped, which costs at most what a
-    full batch costs. Queries are padded to the longest (padding rows repeat a real token).
+    Queries are padded to the longest (padding rows repeat a real token); key rows past a sequence's end
+    come from the zero block and are masked.
     """
 
-    first_slot: int
-    span: int
-    index: torch.Tensor | None  # [seqs] each sequence's place in the span; None when it is the span itself
+    tables: torch.Tensor  # [seqs, blocks] block table of each sequence, padded with the zero block
     rows: torch.Tensor  # [seqs, max_query] token index of each query row in the flattened batch
-    mask: torch.Tensor | None  # [span, 1, group * max_query, keys] key visibility; None: all visible
-    keys: int  # cache positions read per slot: the longest sequence's
+    mask: torch.Tensor | None  # [seqs, 1, group * max_query, keys] key visibility; None: all visible
+    keys: int  # cache positions read per sequence: the longest sequence's
     src: torch.Tensor | None  # indices of real rows in the flattened [seqs * max_query] output;
     dst: torch.Tensor | None  # their token indices in the batch (both None: output is the batch as is)
 
@@ -62,7 +62,7 @@ class PaddedGroup:
 class BlockGroup:
     """Pieces of sequences with the same number of query blocks, for the batch-invariant kernel."""
 
-    slots: torch.Tensor  # [pieces]
+    tables: torch.Tensor  # [pieces, blocks] block table of each piece's sequence, padded with the zero block
     rows: torch.Tensor  # [pieces, q_blocks * Q_BLOCK] token index of each query row (padding repeats one)
     mask: torch.Tensor  # [pieces, q_blocks, kv_blocks, Q_BLOCK, KV_BLOCK] key visibility
     src: torch.Tensor  # indices of real (non-padding) rows in the flattened output
@@ -76,46 +76,57 @@ class AttentionPlan:
     padded: PaddedGroup | None = None  # sdpa, one call for all
 
 
-def plan_attention(starts: list[int], lengths: list[int], slots: list[int], num_heads: int, num_kv_heads: int,
-                   device: torch.device, batch_invariant: bool) -> AttentionPlan:
+def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]], block_size: int,
+                   num_heads: int, num_kv_heads: int, device: torch.device, batch_invariant: bool) -> AttentionPlan:
     """Host-side bookkeeping shared by all layers of one forward pass."""
     offsets = [0, *itertools.accumulate(lengths)][:-1]
     if not batch_invariant:
         short = [i for i, n in enumerate(lengths) if n <= PADDED_MAX_QUERY]
-        seqs = [SeqAttention(slots[i], starts[i], offsets[i], lengths[i], _sdpa_mask(starts[i], lengths[i], device))
+        seqs = [SeqAttention(_table_tensor([tables[i]], starts[i] + lengths[i], block_size, device)[0], starts[i],
+                             offsets[i], lengths[i], _sdpa_mask(starts[i], lengths[i], device))
                 for i in range(len(lengths)) if lengths[i] > PADDED_MAX_QUERY]
-        padded = _padded_group([slots[i] for i in short], [starts[i] for i in short], [offsets[i] for i in short],
-                               [lengths[i] for i in short], sum(lengths), num_heads // num_kv_heads,
-                               device) if short else None
+        padded = _padded_group([tables[i] for i in short], block_size, [starts[i] for i in short],
+                               [offsets[i] for i in short], [lengths[i] for i in short], sum(lengths),
+                               num_heads // num_kv_heads, device) if short else None
         return AttentionPlan(seqs, [], padded)
-    pieces = [p for s in zip(slots, starts, offsets, lengths, strict=True) for p in _pieces(*s, num_heads)]
+    pieces = [p for s in zip(tables, starts, offsets, lengths, strict=True) for p in _pieces(*s, num_heads)]
     by_blocks: dict[int, list[_Piece]] = {}
     for piece in pieces:
         by_blocks.setdefault(piece.q_blocks, []).append(piece)
-    groups = [_build_group(chunk, device) for same in by_blocks.values() for chunk in _chunks(same, num_heads)]
+    groups = [_build_group(chunk, block_size, device) for same in by_blocks.values()
+              for chunk in _chunks(same, num_heads)]
     return AttentionPlan([], groups)
 
 
-def _padded_group(slots: list[int], starts: list[int], offsets: list[int], lengths: list[int], tokens: int,
-                  group_size: int, device: torch.device) -> PaddedGroup:
+def _table_tensor(tables: list[list[int]], keys: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[seqs, ceil(keys / block_size)] block tables cut or padded (with the zero block) to cover `keys`."""
+    width = -(-keys // block_size)
+    rows = [table[:width] + [NULL_BLOCK] * (width - len(table)) for table in tables]
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+def gather_keys(cache: torch.Tensor, tables: torch.Tensor, keys: int) -> torch.Tensor:
+    """[seqs, kv_heads, keys, head_dim] of a [kv_heads, blocks, block_size, head_dim] pool."""
+    kv_heads, _, block_size, dim = cache.shape
+    seqs, width = tables.shape
+    gathered = cache.index_select(1, tables.flatten()).view(kv_heads, seqs, width * block_size, dim)
+    return gathered.transpose(0, 1)[:, :, :keys]
+
+
+def _padded_group(tables: list[list[int]], block_size: int, starts: list[int], offsets: list[int],
+                  lengths: list[int], tokens: int, group_size: int, device: torch.device) -> PaddedGroup:
     lens = torch.tensor(lengths)[:, None]
     query = torch.arange(max(lengths))
     index = torch.minimum(query, lens - 1)  # padding rows act as the sequence's last token
     rows = torch.tensor(offsets)[:, None] + index
     positions = torch.tensor(starts)[:, None] + index
     keys = int(positions.max()) + 1
-    first_slot, span = min(slots), max(slots) - min(slots) + 1
-    place = torch.tensor(slots) - first_slot
-    in_order = span == len(slots) and bool((place == torch.arange(span)).all())
-    mask = torch.ones(span, len(query), keys, dtype=torch.bool)  # slots outside the batch: see everything
-    mask[place] = torch.arange(keys) <= positions[:, :, None]
+    mask = torch.arange(keys) <= positions[:, :, None]
     mask = mask.repeat(1, group_size, 1)  # query rows are (head in the kv group, query), see _padded_sdpa
     real = query < lens
     as_is = bool(real.all()) and rows.numel() == tokens  # no padding and every token in order
     return PaddedGroup(
-        first_slot=first_slot,
-        span=span,
-        index=None if in_order else place.to(device),
+        tables=_table_tensor(tables, keys, block_size, device),
         rows=rows.to(device),
         mask=None if bool(mask.all()) else mask[:, None].to(device),
         keys=keys,
@@ -132,7 +143,7 @@ def _sdpa_mask(start: int, length: int, device: torch.device) -> torch.Tensor | 
 
 @dataclass
 class _Piece:
-    slot: int
+    table: list[int]
     start: int  # cache position of the sequence's first new token
     offset: int  # its token index in the batch
     length: int  # new tokens of the sequence
@@ -145,12 +156,12 @@ class _Piece:
         return -(-(self.start + last_row + 1) // KV_BLOCK)
 
 
-def _pieces(slot: int, start: int, offset: int, length: int, num_heads: int) -> list[_Piece]:
+def _pieces(table: list[int], start: int, offset: int, length: int, num_heads: int) -> list[_Piece]:
     """Split a long sequence into runs of query blocks whose scores fit in _MAX_SCORES."""
     total = -(-length // Q_BLOCK)
     kv_blocks = -(-(start + length) // KV_BLOCK)
     step = max(1, _MAX_SCORES // (num_heads * Q_BLOCK * kv_blocks * KV_BLOCK))
-    return [_Piece(slot, start, offset, length, b, min(step, total - b)) for b in range(0, total, step)]
+    return [_Piece(table, start, offset, length, b, min(step, total - b)) for b in range(0, total, step)]
 
 
 def _chunks(pieces: list[_Piece], num_heads: int) -> list[list[_Piece]]:
@@ -167,7 +178,7 @@ def _chunks(pieces: list[_Piece], num_heads: int) -> list[list[_Piece]]:
     return chunks + [current]
 
 
-def _build_group(pieces: list[_Piece], device: torch.device) -> BlockGroup:
+def _build_group(pieces: list[_Piece], block_size: int, device: torch.device) -> BlockGroup:
     q_blocks, kv_blocks = pieces[0].q_blocks, max(p.kv_blocks for p in pieces)
     index = torch.tensor([p.first_block * Q_BLOCK for p in pieces])[:, None] + torch.arange(q_blocks * Q_BLOCK)
     lengths = torch.tensor([p.length for p in pieces])[:, None]
@@ -178,7 +189,7 @@ def _build_group(pieces: list[_Piece], device: torch.device) -> BlockGroup:
     mask = (keys[None, None, :] <= positions[:, :, None]).view(len(pieces), q_blocks, Q_BLOCK, kv_blocks, KV_BLOCK)
     rows = torch.tensor([p.offset for p in pieces])[:, None] + index
     return BlockGroup(
-        slots=torch.tensor([p.slot for p in pieces], device=device),
+        tables=_table_tensor([p.table for p in pieces], kv_blocks * KV_BLOCK, block_size, device),
         rows=rows.to(device),
         mask=mask.permute(0, 1, 3, 2, 4).contiguous().to(device),
         src=real.flatten().nonzero().squeeze(1).to(device),
@@ -188,7 +199,7 @@ def _build_group(pieces: list[_Piece], device: torch.device) -> BlockGroup:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
            scale: float) -> torch.Tensor:
-    """q: [tokens, heads, head_dim] of the whole batch; caches: [slots, kv_heads, max_len, head_dim]."""
+    """q: [tokens, heads, head_dim] of the whole batch; caches: [kv_heads, blocks, block_size, head_dim]."""
     if plan.padded is not None and plan.padded.src is None:
         return _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)  # the whole batch in one call
     out = torch.empty_like(q)
@@ -205,7 +216,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
 def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqAttention,
           scale: float) -> torch.Tensor:
     end = seq.start + seq.length
-    k, v = k_cache[seq.slot, :, :end], v_cache[seq.slot, :, :end]
+    k, v = (gather_keys(cache, seq.blocks[None], end)[0] for cache in (k_cache, v_cache))
     causal = seq.start == 0 and seq.length > 1
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask, is_causal=causal, scale=scale,
                                          enable_gqa=True)
@@ -217,18 +228,13 @@ def _padded_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """[seqs * max_query, heads, head_dim] attention output of the padded group."""
     seqs, max_query = group.rows.shape
     heads, dim = q.shape[1:]
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[0]
     qb = q if group.src is None else q[group.rows.flatten()]
     # The heads that share a kv head become extra query rows of it: each key is read once per kv head.
     qb = qb.view(seqs, max_query, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
     qb = qb.reshape(seqs, kv_heads, heads // kv_heads * max_query, dim)
-    if group.index is not None:
-        qb = qb.new_zeros(group.span, *qb.shape[1:]).index_copy_(0, group.index, qb)
-    slots = slice(group.first_slot, group.first_slot + group.span)
-    k, v = k_cache[slots, :, : group.keys], v_cache[slots, :, : group.keys]
+    k, v = (gather_keys(cache, group.tables, group.keys) for cache in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=group.mask, scale=scale)
-    if group.index is not None:
-        out = out.index_select(0, group.index)
     out = out.view(seqs, kv_heads, heads // kv_heads, max_query, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(seqs * max_query, heads, dim)
 
@@ -238,15 +244,14 @@ def _block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """[pieces, q_blocks * Q_BLOCK, heads, head_dim] attention output of one group."""
     pieces, q_blocks, kv_blocks = group.mask.shape[:3]
     heads, dim = q.shape[1:]
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[0]
     group_size, rows = heads // kv_heads, heads // kv_heads * Q_BLOCK
     # [pieces, kv_heads, q_blocks, 1, group * Q_BLOCK, dim]: GQA heads of one kv head share a GEMM.
     qb = q[group.rows].view(pieces, q_blocks, Q_BLOCK, kv_heads, group_size, dim)
     qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(pieces, kv_heads, q_blocks, 1, rows, dim)
     keys = kv_blocks * KV_BLOCK
-    # index_select on the sliced view copies only the keys in use (and is far faster than [slots, :, :keys]).
-    kb = k_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
-    vb = v_cache[:, :, :keys].index_select(0, group.slots).view(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
+    kb = gather_keys(k_cache, group.tables, keys).reshape(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
+    vb = gather_keys(v_cache, group.tables, keys).reshape(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
     # Softmax in fp32 whatever the model dtype (no-op casts for fp32 models).
     scores = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale  # [p, kv_heads, q, kv, rows, KV_BLOCK]
     scores = scores.view(pieces, kv_heads, q_blocks, kv_blocks, group_size, Q_BLOCK, KV_BLOCK)

@@ -11,20 +11,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
-from minedraft.model.kv_cache import KVCache
+from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.model.transformer import CausalLM, ForwardContext
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -32,14 +29,27 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _HALF = (torch.bfloat16, torch.float16)
+DEFAULT_BLOCK_SIZE = 16
+
+
+def check_fits_one_request(num_blocks: int, block_size: int, per_block: int, max_seq_len: int, source: str) -> None:
+    """Refuse a KV budget that cannot hold one request of max_model_len: it could never finish one."""
+    needed = blocks_for(max_seq_len, block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget ({source}) holds {num_blocks} blocks of {block_size} tokens "
+            f"({num_blocks * block_size} tokens, {per_block} bytes per block), but one request of max_model_len "
+            f"{max_seq_len} needs {needed} blocks ({needed * per_block} bytes): raise kv_cache_memory_bytes "
+            "(or gpu_memory_utilization on CUDA) or lower max_model_len"
+        )
 
 
 @dataclass
 class SeqInput:
-    slot: int  # KV-cache slot of this sequence
+    slot: int  # the sequence's id in the KV cache (allocate_slot)
     token_ids: list[int]  # tokens to write into the cache starting at start_pos
-    start_pos: int  # tokens already valid in the slot; later ones are overwritten (rollback = smaller start_pos)
-    num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts)
+    start_pos: int  # tokens already valid in the cache; later ones are overwritten (rollback = smaller start_pos)
+    num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts; 0: none)
 
 
 @dataclass
@@ -48,31 +58,36 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
-    slots: torch.Tensor  # [seqs]
+    token_index: torch.Tensor  # [tokens] flat KV-cache index of each token
     start_pos: torch.Tensor  # [seqs]
     query_lens: torch.Tensor  # [seqs]
     logits_indices: torch.Tensor  # [rows] indices into the flattened tokens
+    block_tables: torch.Tensor  # [seqs, width] each sequence's blocks, padded with the zero block
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         return ForwardBatch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
     def flatten(self) -> torch.Tensor:
-        """One int64 tensor ([tokens, seqs, rows] then the fields), e.g. for a single broadcast."""
-        sizes = torch.tensor([len(self.input_ids), len(self.slots), len(self.logits_indices)])
-        return torch.cat([sizes.to(self.input_ids.device)] + [getattr(self, f.name) for f in fields(self)])
+        """One int64 tensor ([tokens, seqs, rows, width] then the fields), e.g. for a single broadcast."""
+        sizes = torch.tensor([len(self.input_ids), len(self.start_pos), len(self.logits_indices),
+                              self.block_tables.shape[1]])
+        return torch.cat([sizes.to(self.input_ids.device)] + [getattr(self, f.name).flatten() for f in fields(self)])
 
     @classmethod
     def unflatten(cls, flat: torch.Tensor) -> ForwardBatch:
-        tokens, seqs, rows = flat[:3].tolist()
-        return cls(*flat[3:].split([tokens, tokens, seqs, seqs, seqs, rows]))
+        tokens, seqs, rows, width = flat[:4].tolist()
+        *parts, tables = flat[4:].split([tokens, tokens, tokens, seqs, seqs, rows, seqs * width])
+        return cls(*parts, tables.view(seqs, width))
 
 
 class ModelRunner:
-    def __init__(self, path: str | Path, *, num_slots: int, max_seq_len: int, device: str = "cpu",
+    def __init__(self, path: str | Path, *, max_seq_len: int, num_slots: int = 1, device: str = "cpu",
                  dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
-                 batch_invariant: bool = False, slot_regions: int = 1) -> None:
+                 batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None) -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
-        slot_regions: the batches the engine keeps; each gets its own range of KV-cache slots."""
+        num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
+        kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes)."""
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
         self.tokenizer: Tokenizer = load_tokenizer(self.path)
@@ -81,12 +96,17 @@ class ModelRunner:
         self.tp = TensorParallel.from_group(tp_group)
         self.batch_invariant = batch_invariant
         self.max_seq_len = max_seq_len
+        self.model = self._load_model()  # first: on CUDA the KV budget is what the weights leave
+        kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
+        per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
+                                    self.dtype)
+        budget, source = kv_budget_bytes(self.device, kv_cache_memory_bytes, gpu_memory_utilization)
+        num_blocks = self._agree(min(budget // per_block, num_slots * blocks_for(max_seq_len, block_size)))
+        check_fits_one_request(num_blocks, block_size, per_block, max_seq_len, source)
         self.kv_cache = KVCache(
-            num_layers=self.config.num_hidden_layers, num_slots=num_slots,
-            num_kv_heads=max(1, self.config.num_key_value_heads // self.tp.size), max_seq_len=max_seq_len,
-            head_dim=self.config.head_dim, dtype=self.dtype, device=self.device, num_regions=slot_regions,
+            num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
+            num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
         )
-        self.model = self._load_model()
 
     def _load_model(self) -> CausalLM:
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -98,17 +118,26 @@ class ModelRunner:
             reader.close()
         return model.eval()
 
-    # Slots -------------------------------------------------------------------------------------------
+    def _agree(self, num_blocks: int) -> int:
+        """Tensor-parallel ranks take the same decisions on blocks: all take the smallest rank's pool."""
+        if self.tp.size == 1:
+            return num_blocks
+        value = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(value.item())
 
-    def allocate_slot(self, region: int = 0) -> int:
-        return self.kv_cache.allocate(region)
+    # Sequences ---------------------------------------------------------------------------------------
+
+    def allocate_slot(self) -> int:
+        """A new sequence in the KV cache (it takes blocks as it is written)."""
+        return self.kv_cache.allocate()
 
     def free_slot(self, slot: int) -> None:
         self.kv_cache.free(slot)
 
     @property
-    def num_free_slots(self) -> int:
-        return self.kv_cache.num_free_slots
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
 
     # Forward -----------------------------------------------------------------------------------------
 
@@ -121,58 +150,72 @@ class ModelRunner:
         return logits
 
     def prepare(self, seqs: list[SeqInput]) -> ForwardBatch:
-        """Validate the batch and flatten it into host tensors."""
+        """Validate the batch, fit each sequence's blocks to what it will hold, flatten into host tensors."""
         seen: set[int] = set()
         for seq in seqs:
             self._validate(seq, seen)
+        self._fit_blocks(seqs)
         ids = [t for seq in seqs for t in seq.token_ids]
         positions = [seq.start_pos + i for seq in seqs for i in range(len(seq.token_ids))]
+        index = [i for seq in seqs for i in self.kv_cache.token_index(seq.slot, seq.start_pos,
+                                                                     seq.start_pos + len(seq.token_ids))]
         lens = [len(seq.token_ids) for seq in seqs]
         logits_indices, end = [], 0
         for seq, n in zip(seqs, lens, strict=True):
             end += n
             logits_indices.extend(range(end - seq.num_logits, end))
+        tables = [self.kv_cache.block_tables[seq.slot] for seq in seqs]
+        width = max((len(t) for t in tables), default=0)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-        return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor([s.slot for s in seqs]),
-                            as_tensor([s.start_pos for s in seqs]), as_tensor(lens), as_tensor(logits_indices))
+        return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(index),
+                            as_tensor([s.start_pos for s in seqs]), as_tensor(lens), as_tensor(logits_indices),
+                            as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width))
+
+    def _fit_blocks(self, seqs: list[SeqInput]) -> None:
+        """Rolled-back sequences give their trailing blocks back before growing ones take theirs."""
+        ends = {seq.slot: seq.start_pos + len(seq.token_ids) for seq in seqs}
+        held = lambda slot: len(self.kv_cache.block_tables[slot])  # noqa: E731
+        for slot in sorted(ends, key=lambda s: blocks_for(ends[s], self.kv_cache.block_size) - held(s)):
+            self.kv_cache.fit(slot, ends[slot])
 
     def _validate(self, seq: SeqInput, seen: set[int]) -> None:
         self.kv_cache.check_allocated(seq.slot)
         if seq.slot in seen:
-            raise ValueError(f"slot {seq.slot} appears twice in one batch")
+            raise ValueError(f"sequence {seq.slot} appears twice in one batch")
         seen.add(seq.slot)
         n, written = len(seq.token_ids), self.kv_cache.lengths[seq.slot]
         if n == 0:
-            raise ValueError(f"slot {seq.slot}: token_ids is empty")
+            raise ValueError(f"sequence {seq.slot}: token_ids is empty")
         if not 0 <= seq.start_pos <= written:
             raise ValueError(
-                f"slot {seq.slot}: start_pos {seq.start_pos} must be in [0, {written}] (tokens already in the cache)"
+                f"sequence {seq.slot}: start_pos {seq.start_pos} must be in [0, {written}] (tokens already in the "
+                "cache)"
             )
         if seq.start_pos + n > self.max_seq_len:
             raise ValueError(
-                f"slot {seq.slot}: start_pos {seq.start_pos} + {n} tokens exceeds max_seq_len {self.max_seq_len}"
+                f"sequence {seq.slot}: start_pos {seq.start_pos} + {n} tokens exceeds max_seq_len {self.max_seq_len}"
             )
-        if not 1 <= seq.num_logits <= n:
-            raise ValueError(f"slot {seq.slot}: num_logits {seq.num_logits} must be in [1, {n}]")
+        if not 0 <= seq.num_logits <= n:
+            raise ValueError(f"sequence {seq.slot}: num_logits {seq.num_logits} must be in [0, {n}]")
         low, high = min(seq.token_ids), max(seq.token_ids)
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
-            raise ValueError(f"slot {seq.slot}: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(
+                f"sequence {seq.slot}: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on a prepared batch (every TP rank calls this with the same batch)."""
-        if len(batch.logits_indices) == 0:
+        if len(batch.input_ids) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
-        plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.slots.tolist(),
-                              self.config.num_attention_heads // self.tp.size, self.kv_cache.k[0].shape[1],
-                              self.device, self.batch_invariant)
+        plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
+                              self.kv_cache.block_size, self.config.num_attention_heads // self.tp.size,
+                              self.kv_cache.k[0].shape[0], self.device, self.batch_invariant)
         batch = batch.to(self.device)
-        ctx = ForwardContext(
-            positions=batch.positions, token_slots=torch.repeat_interleave(batch.slots, batch.query_lens),
-            attention=plan, kv_cache=self.kv_cache,
-        )
+        ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
+                             kv_cache=self.kv_cache)
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
 
 

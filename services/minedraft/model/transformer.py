@@ -39,7 +39,7 @@ class ForwardContext:
     """What every layer needs besides hidden states: where tokens go in the cache, who attends to what."""
 
     positions: torch.Tensor  # [tokens]
-    token_slots: torch.Tensor  # [tokens] cache slot of each token
+    token_index: torch.Tensor  # [tokens] flat cache index (block * block_size + offset) of each token
     attention: AttentionPlan
     kv_cache: KVCache
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and signed sin per token (RotaryEmbedding.table)
@@ -69,7 +69,7 @@ class Attention(nn.Module):
             qk = weight * rms_normalize(qk, self.q_norm.eps)
         assert ctx.rope is not None
         q, k = RotaryEmbedding.rotate(qk, ctx.rope).split([heads, kv_heads], dim=1)
-        ctx.kv_cache.write(self.layer, ctx.token_slots, ctx.positions, k, v)
+        ctx.kv_cache.write(self.layer, ctx.token_index, k, v)
         k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
         out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
         return self.o_proj(out.reshape(tokens, -1))

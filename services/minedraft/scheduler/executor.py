@@ -9,6 +9,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.config import EngineConfig
+from minedraft.engine.detokenizer import Decoder
+from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
 from minedraft.serving import grpc_options
 from minedraft.wire import plan_to_proto, result_from_replies
@@ -58,8 +61,16 @@ class RemoteExecutor:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def verifier_info(self) -> worker_pb2.WorkerInfo:
-        return self.verifier.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+    def worker_infos(self) -> list[worker_pb2.WorkerInfo]:
+        """The verifier's, then the drafter's (when there is one)."""
+        return [w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers]
+
+    def make_engine(self, config: EngineConfig, tokenizer: Decoder) -> LLMEngine:
+        """The engine over these workers: limits from the verifier, KV blocks from the smaller pool."""
+        infos = self.worker_infos()
+        verifier = infos[0]
+        return LLMEngine(config, self, tokenizer, list(verifier.eos_token_ids), verifier.max_model_len,
+                         num_blocks=min(i.num_blocks for i in infos), block_size=verifier.block_size)
 
     def admit(self, seqs: list[SequenceSpec]) -> None:
         self._admit.extend(seqs)

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.request import Request
 from minedraft.metrics import Metrics
@@ -74,6 +75,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopped = False
+        self._preemptions_seen = 0
         self.num_waiting = 0  # read by handlers for admission control (an int: safe to read across threads)
 
     def start(self) -> None:
@@ -145,6 +147,7 @@ class EngineLoop:
         self.num_waiting = len(batches.waiting)
         if self.metrics and self.engine.last_step is not None:
             self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
+            self._record_kv(batches)
         for request in touched:
             sink = self._sinks.get(request.request_id)
             if sink is None:
@@ -160,6 +163,14 @@ class EngineLoop:
                     self.metrics.record_finished(request)
             if text or new_ids or request.finished:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
+
+    def _record_kv(self, batches: BatchManager) -> None:
+        budget = batches.budget
+        if self.metrics is None or budget is None:
+            return
+        self.metrics.kv_usage.set(batches.used_blocks / budget.num_blocks)
+        self.metrics.preemptions.inc(batches.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = batches.num_preemptions
 
     def _safe(self, fn) -> None:
         """A failed step is fatal for the engine group: a worker died or the drafter and the verifier fell

@@ -105,6 +105,7 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting: the workers are not ready yet")
         spec = self.config.speculative_config
+        budget = self.loop.engine.pipeline.batches.budget
         return generate_pb2.ServerInfo(
             version=minedraft.__version__,
             target_model=str(self.config.target_path),
@@ -116,6 +117,9 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
             max_model_len=self.loop.engine.max_model_len,
             max_waiting_requests=self.max_waiting,
             vocab_size=self.tokenizer.vocab_size,
+            num_kv_blocks=budget.num_blocks if budget else 0,
+            kv_block_size=budget.block_size if budget else 0,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
 
@@ -125,8 +129,7 @@ def build_engine(
     """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
     executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
     executor.wait_until_serving(startup_timeout_s)
-    info = executor.verifier_info()
-    return LLMEngine(config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
+    return executor.make_engine(config, tokenizer)
 
 
 async def serve_scheduler(

@@ -10,7 +10,8 @@ import logging
 import time
 
 from minedraft.api import worker_pb2
-from minedraft.config import DistributedConfig, EngineConfig, num_batches, num_slots
+from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.executor import kv_cache_options
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
@@ -33,7 +34,7 @@ class VerifierNode:
             dtype=config.resolved_dtype(device),
             tp_group=self.groups.tp_group if config.tensor_parallel_size > 1 else None,
             batch_invariant=config.batch_invariant,
-            slot_regions=num_batches(config),
+            **kv_cache_options(config),
         )
         self.worker = VerifyWorker(self.runner)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
