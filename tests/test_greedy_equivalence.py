@@ -76,7 +76,10 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]
             for i, (prompt, params, arrival) in enumerate(work):
                 if requests[i] is None and arrival <= step:
                     requests[i] = engine.add_request(prompt, params)
-            engine.step()
+            touched = engine.step()
+            if stats is not None and any(r.num_prefilled is not None for r in engine.requests.values()):
+                stats["chunk_steps"] = stats.get("chunk_steps", 0) + 1
+                stats["decoded_beside_chunks"] = stats.get("decoded_beside_chunks", False) or bool(touched)
             step += 1
             assert step < 10_000, "engine made no progress"
         workers = [w for w in (engine.executor.verifier, engine.executor.drafter) if w is not None]
@@ -142,6 +145,27 @@ def test_small_kv_budget_preempts_and_matches_autoregressive(random_pair, mode: 
     got = _run(EngineConfig(**small, **spec), work, stats)
     assert stats["preemptions"] > 0, "the budget is meant to force preemption"
     _assert_same(target, work, expected, got, mode)
+
+
+@pytest.mark.parametrize("mode", ["ar", *MODES])
+def test_chunked_prefill_matches_one_shot_prefill(random_pair, mode: str) -> None:
+    """Prompts of up to 250 tokens under a 64-token step budget are prefilled over several steps while
+    the short requests keep decoding; the tokens are those of one-shot prefill (and of ar)."""
+    target, draft = random_pair
+    vocab = ModelRunner(target, max_seq_len=8).config.vocab_size
+    rng = random.Random(5)
+    work = _workload(vocab, n=8, seed=5)
+    for i in (1, 4, 6):
+        prompt, params, arrival = work[i]
+        work[i] = ([rng.randrange(vocab) for _ in range(rng.choice([120, 250]))], params, arrival)
+    base = {"model": str(target), "max_num_seqs": 3, "max_model_len": 320, **STRICT}
+    spec = {"speculative_config": {**MODES[mode], "model": str(draft)}} if mode != "ar" else {}
+    one_shot = _run(EngineConfig(**base, max_num_batched_tokens=4096, **spec), work)
+    stats: dict = {}
+    chunked = _run(EngineConfig(**base, max_num_batched_tokens=64, **spec), work, stats)
+    assert stats["chunk_steps"] >= 3 and stats["decoded_beside_chunks"]
+    assert chunked == one_shot
+    _assert_same(target, work, _run(EngineConfig(**base), work), chunked, mode)
 
 
 def test_kv_budget_below_one_request_is_refused(random_pair) -> None:

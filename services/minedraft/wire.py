@@ -6,6 +6,7 @@ from minedraft.api import generate_pb2, worker_pb2
 from minedraft.engine.plans import (
     DraftPlan,
     DraftTask,
+    PrefillTask,
     SequenceSpec,
     StepResult,
     Verified,
@@ -79,6 +80,8 @@ def plan_to_proto(
         msg.tetris_capacity = draft.tetris_capacity or 0
     if verify is not None:
         msg.verify.extend(worker_pb2.VerifyTask(request_id=t.request_id, keep_bonus=t.keep_bonus) for t in verify.tasks)
+    prefill = (draft.prefill if draft else []) or (verify.prefill if verify else [])  # the same chunks for both
+    msg.prefill.extend(worker_pb2.PrefillTask(request_id=t.request_id, num_tokens=t.num_tokens) for t in prefill)
     return msg
 
 
@@ -89,11 +92,14 @@ def plan_from_proto(
         SequenceSpec(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
         for s in msg.admit
     ]
+    prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]
     draft = None
     if msg.has_draft:
         tasks = [DraftTask(t.request_id, t.num_tokens, t.continue_window) for t in msg.draft]
-        draft = DraftPlan(tasks, tetris_capacity=msg.tetris_capacity or None)
-    verify = VerifyPlan([VerifyTask(t.request_id, t.keep_bonus) for t in msg.verify]) if msg.has_verify else None
+        draft = DraftPlan(tasks, tetris_capacity=msg.tetris_capacity or None, prefill=prefill)
+    verify = None
+    if msg.has_verify:
+        verify = VerifyPlan([VerifyTask(t.request_id, t.keep_bonus) for t in msg.verify], prefill=prefill)
     return admit, list(msg.release), draft, verify
 
 

@@ -2,18 +2,22 @@
 
 Each `schedule()` admits waiting requests, then returns what to draft and what to verify in the next
 step. A request's `window` is the number of draft tokens the verifier holds for it (None: none yet).
+A prompt longer than the step's token budget is prefilled in chunks first (both workers, the same
+chunks in the same step); until then it sits in its batch but is neither drafted nor verified.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 from minedraft.config import EngineConfig, Mode, SpeculativeConfig
 from minedraft.engine.batch_manager import BatchManager
-from minedraft.engine.plans import DraftPlan, DraftTask, VerifyPlan, VerifyTask
+from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
 from minedraft.engine.request import Request
 
 Schedule = tuple[list[Request], DraftPlan | None, VerifyPlan | None]
+_MIN_CHUNK = 16  # prefill tokens per step however busy decoding is, so a long prompt always advances
 
 
 class Pipeline(ABC):
@@ -22,6 +26,7 @@ class Pipeline(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.spec: SpeculativeConfig | None = config.speculative_config
         self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
 
     @property
@@ -29,9 +34,43 @@ class Pipeline(ABC):
         """Tokens a request can put in the KV cache past its window in one step: the most drafts + 1."""
         return (self.spec.max_draft_len if self.spec else 0) + 1
 
-    @abstractmethod
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""
+        admitted, draft, verify = self._schedule()
+        for request in admitted:
+            request.num_prefilled = 0 if len(request.token_ids) > self.max_num_batched_tokens else None
+        return admitted, *self._chunk_prefills(draft, verify)
+
+    @abstractmethod
+    def _schedule(self) -> Schedule:
+        """The mode's own schedule, before chunked prefill takes out what is still prefilling."""
+
+    def _chunk_prefills(self, draft: DraftPlan | None,
+                        verify: VerifyPlan | None) -> tuple[DraftPlan | None, VerifyPlan | None]:
+        """Plan the next chunk of every prefilling request within the step's token budget (what the
+        verification leaves), oldest first; they take no part in drafting or verifying yet."""
+        running = {r.request_id: r for batch in self.batches.batches for r in batch}
+        prefilling = sorted((r for r in running.values() if r.num_prefilled is not None), key=lambda r: r.arrival_time)
+        if not prefilling:
+            return draft, verify
+        ids = {r.request_id for r in prefilling}
+        draft_tasks = [t for t in draft.tasks if t.request_id not in ids] if draft else []
+        verify_tasks = [t for t in verify.tasks if t.request_id not in ids] if verify else []
+        decode_tokens = sum((running[t.request_id].window or 0) + 1 for t in verify_tasks)
+        left = max(_MIN_CHUNK, self.max_num_batched_tokens - decode_tokens)
+        chunks = []
+        for request in prefilling:
+            if left <= 0:
+                break
+            start, last = request.num_prefilled or 0, len(request.token_ids) - 1  # the last token folds into decoding
+            end = min(last, start + left)
+            chunks.append(PrefillTask(request.request_id, end))
+            left -= end - start
+            request.num_prefilled = None if end == last else end
+        new_draft = None
+        if self.spec is not None and (draft_tasks or chunks):
+            new_draft = replace(draft, tasks=draft_tasks, prefill=chunks) if draft else DraftPlan([], prefill=chunks)
+        return new_draft, VerifyPlan(verify_tasks, prefill=chunks) if verify_tasks or chunks else None
 
     def _draft_plan(self, requests: list[Request], continuing: frozenset[str] = frozenset()) -> DraftPlan | None:
         """Draft k tokens per request (k + e and a capacity when Tetris is on for this batch size).
@@ -61,7 +100,7 @@ class Pipeline(ABC):
 class AutoregressivePipeline(Pipeline):
     """Target only: every step verifies the whole batch with no drafts, one token each."""
 
-    def schedule(self) -> Schedule:
+    def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
         return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in batch]) if batch else None
@@ -80,7 +119,7 @@ class TwoBatchPipeline(Pipeline):
         super().__init__(config)
         self._step = 0
 
-    def schedule(self) -> Schedule:
+    def _schedule(self) -> Schedule:
         x = self._step % 2
         self._step += 1
         if self.num_batches == 1 and x == 1:  # SD's verify half-step
@@ -103,7 +142,7 @@ class PearlPipeline(Pipeline):
     """Batched PEARL: while a batch's windows are verified, draft their continuations; keep a
     continuation where its window was accepted in full, redraft from the correction elsewhere."""
 
-    def schedule(self) -> Schedule:
+    def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
         verifying = [r for r in batch if r.window is not None]

@@ -43,9 +43,19 @@ class DraftTask:
 
 
 @dataclass(frozen=True)
+class PrefillTask:
+    """Chunked prefill: write the request's tokens up to `num_tokens` into the KV cache, sample nothing.
+    Both workers get the same chunks in the same step; the last token is left to the first draft/verify."""
+
+    request_id: str
+    num_tokens: int  # the cache holds token_ids[:num_tokens] after this step
+
+
+@dataclass(frozen=True)
 class DraftPlan:
     tasks: list[DraftTask]
     tetris_capacity: int | None = None  # with Tetris: draft tokens kept over the whole batch
+    prefill: list[PrefillTask] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class VerifyTask:
 @dataclass(frozen=True)
 class VerifyPlan:
     tasks: list[VerifyTask]
+    prefill: list[PrefillTask] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class Request:
     finish_time: float | None = None
     window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
     batch: int = 0  # which of the engine's batches it runs in
-    num_prefilled: int = 0  # tokens both workers hold from chunked prefill (0: none yet, or not chunked)
+    num_prefilled: int | None = None  # chunked prefill: tokens both workers hold so far (None: not prefilling)
     _streamed: int = 0  # characters of text already handed to a stream
 
     @classmethod
@@ -177,7 +177,7 @@ class Request:
         """Back to waiting; the workers drop its KV and drafts, and prefill it again when it is re-admitted."""
         self.status = RequestStatus.WAITING
         self.window = None
-        self.num_prefilled = 0
+        self.num_prefilled = None
 
     def abort(self) -> None:
         self._finish("abort")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minedraft.engine.plans import DraftPlan, DraftTask, SequenceSpec, Verified, VerifyPlan
+from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, SequenceSpec, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
@@ -101,6 +101,21 @@ class _Worker:
     def num_active(self) -> int:
         return len(self.sequences)
 
+    def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
+        """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
+        inputs = []
+        for task in tasks:
+            seq = self.sequences[task.request_id]
+            start = len(seq.kv_tokens)
+            if task.num_tokens > start:
+                inputs.append(SeqInput(seq.slot, seq.tokens[start : task.num_tokens], start, num_logits=0))
+        return inputs
+
+    def _prefilled(self, tasks: list[PrefillTask]) -> None:
+        for task in tasks:
+            seq = self.sequences[task.request_id]
+            seq.kv_tokens = seq.tokens[: max(task.num_tokens, len(seq.kv_tokens))]
+
 
 class DraftWorker(_Worker):
     """Proposes draft windows with the small model and hands them over at the step's end."""
@@ -124,9 +139,14 @@ class DraftWorker(_Worker):
         bases = [self._base(t) for t in tasks]
         drafts = [Drafts() for _ in tasks]
         inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
-        for step in range(max((t.num_tokens for t in tasks), default=0)):
+        prefill = self._prefill_inputs(plan.prefill)  # rides along with the first draft forward
+        num_steps = max((t.num_tokens for t in tasks), default=0)
+        if prefill and not num_steps:
+            self.runner.forward(prefill)
+        for step in range(num_steps):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
-            logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live])
+            chunks = prefill if step == 0 else []
+            logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live] + chunks)
             tokens, token_probs, q = draft_sample(
                 logits, [seqs[i].params for i in live], [seqs[i].generator for i in live], self.support_size
             )
@@ -138,6 +158,7 @@ class DraftWorker(_Worker):
                 drafts[i].q_ids.append(q.token_ids[row])
                 drafts[i].q_probs.append(q.probs[row])
                 inputs[i] = (start + len(written), [tokens[row]])
+        self._prefilled(plan.prefill)
         if plan.tetris_capacity is not None and drafts:
             keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
             for d, n in zip(drafts, keep):
@@ -204,11 +225,15 @@ class VerifyWorker(_Worker):
                 SeqInput(seq.slot, written + w.tokens, start, num_logits=len(w.tokens) + 1)
                 for seq, (start, written), w in zip(seqs, inputs, windows)
             ]
+            + self._prefill_inputs(plan.prefill)  # chunks sample nothing: no logits rows
         )
+        self._prefilled(plan.prefill)
         return VerifyBatch(plan, seqs, windows, logits)
 
     def sample(self, batch: VerifyBatch) -> list[Verified]:
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
+        if not batch.seqs:  # a step of prefill chunks only
+            return []
         new_tokens = rejection_sample(
             batch.logits,
             [w.tokens for w in batch.windows],
