@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,6 +112,30 @@ def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) 
         with Client(stack.address) as client:
             info = client.server_info()
         assert (info.mode, info.tensor_parallel_size) == (mode.split("+")[0], tp)
+        _assert_idle(stack)
+    assert got == expected
+
+
+# The KV budget reaches the worker processes as engine flags once those are derived from EngineConfig.
+_KV_FLAGS = "--kv-cache-memory-bytes" in engine_flags(EngineConfig(kv_cache_memory_bytes=1 << 20))
+
+
+@pytest.mark.skipif(not _KV_FLAGS, reason="engine flags do not carry kv_cache_memory_bytes yet")
+@pytest.mark.parametrize("mode", ["ar", "minedraft"])
+def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) -> None:
+    """32 concurrent requests through a KV pool with room for two or three: admission waits for blocks,
+    requests are preempted and prefilled again, and every output is still the offline ar output."""
+    # 2 layers x (k, v) x 2 kv heads x 8 tokens x 32 dims x 4 bytes per target block; the drafter's are smaller
+    per_block = 2 * 2 * 2 * 8 * 32 * 4
+    config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=20 * per_block)
+    with LocalStack(config, metrics_port=free_port()) as stack:
+        got = _generate_concurrently(stack.address, _workload())
+        with Client(stack.address) as client:
+            info = client.server_info()
+        assert (info.num_kv_blocks, info.kv_block_size) == (20, 8)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).read().decode()
+        preemptions = float(re.search(r"^minedraft:num_preemptions_total (\S+)$", metrics, re.M).group(1))
+        assert preemptions > 0, "the budget is meant to force preemption"
         _assert_idle(stack)
     assert got == expected
 

@@ -111,6 +111,9 @@ class ServerInfo:
     max_model_len: int = 0
     max_waiting_requests: int = 0
     vocab_size: int = 0
+    num_kv_blocks: int = 0  # KV-cache blocks the server admits requests by
+    kv_block_size: int = 0  # tokens per block
+    max_num_batched_tokens: int = 0  # a step's token budget; longer prompts are prefilled in chunks
 
     @property
     def speculative_config(self) -> dict[str, Any]:
@@ -130,4 +133,7 @@ class ServerInfo:
             max_model_len=msg.max_model_len,
             max_waiting_requests=msg.max_waiting_requests,
             vocab_size=msg.vocab_size,
+            num_kv_blocks=msg.num_kv_blocks,
+            kv_block_size=msg.kv_block_size,
+            max_num_batched_tokens=msg.max_num_batched_tokens,
         )
