@@ -123,16 +123,16 @@ _KV_FLAGS = "--kv-cache-memory-bytes" in engine_flags(EngineConfig(kv_cache_memo
 @pytest.mark.skipif(not _KV_FLAGS, reason="engine flags do not carry kv_cache_memory_bytes yet")
 @pytest.mark.parametrize("mode", ["ar", "minedraft"])
 def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) -> None:
-    """32 concurrent requests through a KV pool with room for two or three: admission waits for blocks,
+    """32 concurrent requests through a KV pool with room for one of max_model_len: admission waits for blocks,
     requests are preempted and prefilled again, and every output is still the offline ar output."""
     # 2 layers x (k, v) x 2 kv heads x 8 tokens x 32 dims x 4 bytes per target block; the drafter's are smaller
     per_block = 2 * 2 * 2 * 8 * 32 * 4
-    config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=20 * per_block)
+    config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=16 * per_block)
     with LocalStack(config, metrics_port=free_port()) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
-        assert (info.num_kv_blocks, info.kv_block_size) == (20, 8)
+        assert (info.num_kv_blocks, info.kv_block_size) == (16, 8)  # one request of max_model_len
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).read().decode()
         preemptions = float(re.search(r"^minedraft:num_preemptions_total (\S+)$", metrics, re.M).group(1))
         assert preemptions > 0, "the budget is meant to force preemption"
