@@ -279,6 +279,41 @@ def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
     assert "bogus_key" in result.stderr and "Extra inputs are not permitted" in result.stderr
 
 
+def _every_field_off_default(pair) -> EngineConfig:
+    config = _config(
+        pair, {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True}, tensor_parallel_size=2,
+        max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
+    )  # fmt: skip
+    fields = EngineConfig.model_fields
+    assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"
+    return config
+
+
+def test_every_engine_setting_reaches_every_process(pair) -> None:
+    """Each worker runs exactly the launcher's config (every field off its default, so a dropped one shows);
+    the scheduler, which refuses workers that differ from it, comes up SERVING."""
+    config = _every_field_off_default(pair)
+    with LocalStack(config) as stack:
+        for address in (stack.verifier_address, stack.drafter_address):
+            assert EngineConfig.model_validate_json(_worker_info(address).engine_config_json) == config
+        assert _health(stack.address) == "SERVING"
+
+
+def test_scheduler_refuses_workers_with_other_settings(pair) -> None:
+    """Workers started with draft_support_size=8, a scheduler with the default: it exits with a message
+    naming the field, instead of running a group that disagrees."""
+    workers = _every_field_off_default(pair)
+    mine = workers.model_copy(update={"draft_support_size": 64})
+    with LocalStack(workers, workers_only=True) as stack:
+        result = subprocess.run(
+            [sys.executable, "-m", "minedraft", "scheduler", *engine_flags(mine), "--port", str(free_port()),
+             "--metrics-port", "0", "--verifier", stack.verifier_address, "--drafter", stack.drafter_address],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "draft_support_size: 64 vs 8" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_offline_api_with_tensor_parallelism(pair, expected) -> None:
     """`LLM(tensor_parallel_size=2)` runs its verifier ranks as worker processes and gives the same tokens."""
     from minedraft import LLM

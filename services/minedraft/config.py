@@ -93,8 +93,12 @@ class EngineConfig(BaseModel):
     model: str | None = Field(
         None, description="Target checkpoint folder (HF format); None = bundled target."
     )
-    speculative_config: SpeculativeConfig | None = Field(None, description="None = plain autoregressive.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\'; null = plain '
+        "autoregressive decoding.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target tensor-parallel size (verifier ranks).")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests per batch (MineDraft keeps two).")
     max_model_len: int | None = Field(
         None, ge=2, description="Most tokens (prompt + output) per request; default from the checkpoint."
@@ -161,6 +165,12 @@ class DistributedConfig(BaseModel):
     master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
     timeout_s: float = Field(1800.0, gt=0, description="How long a collective may wait for its peers.")
+
+
+def config_differences(mine: EngineConfig, theirs: EngineConfig) -> list[str]:
+    """'field: mine vs theirs' for every engine setting on which two processes of one group disagree."""
+    a, b = mine.model_dump(), theirs.model_dump()
+    return [f"{name}: {a[name]!r} vs {b[name]!r}" for name in a if a[name] != b[name]]
 
 
 def num_batches(config: EngineConfig) -> int:

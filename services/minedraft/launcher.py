@@ -27,23 +27,8 @@ def free_port() -> int:
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
-    """The engine flags that reproduce `config` on a service's command line."""
-    flags = [
-        "--tensor-parallel-size", str(config.tensor_parallel_size),
-        "--max-num-seqs", str(config.max_num_seqs),
-        "--dtype", config.dtype,
-        "--device", config.device,
-        "--seed", str(config.seed),
-    ]  # fmt: skip
-    if config.batch_invariant:
-        flags.append("--batch-invariant")
-    if config.model:
-        flags += ["--model", config.model]
-    if config.max_model_len:
-        flags += ["--max-model-len", str(config.max_model_len)]
-    if config.speculative_config is not None:
-        flags += ["--speculative-config", config.speculative_config.model_dump_json(exclude_none=True)]
-    return flags
+    """The one flag that gives a service the whole engine config: every process of a group runs the same."""
+    return ["--engine-config", config.model_dump_json()]
 
 
 def threads_per_worker(config: EngineConfig, cores: int) -> int:

@@ -3,11 +3,24 @@ themselves to the scheduler."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import load_model_config
 from minedraft.transport.groups import Topology, WorldGroups, init_world
+
+
+class WorkerNode(Protocol):
+    """What the Worker gRPC service drives: the drafter node and verifier rank 0 alike."""
+
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        """Apply the plan's releases and admissions, run its part of the step, then the step-end exchange."""
+
+    def info(self) -> worker_pb2.WorkerInfo: ...
+
+    def close(self) -> None: ...
 
 
 def topology_of(config: EngineConfig) -> Topology:
@@ -46,4 +59,5 @@ def worker_info(
         eos_token_ids=runner.config.eos_token_ids,
         world_rank=rank,
         tensor_parallel_size=config.tensor_parallel_size,
+        engine_config_json=config.model_dump_json(),
     )

@@ -6,7 +6,7 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
-from minedraft.engine.executor import draft_runner
+from minedraft.engine.local_executor import draft_runner
 from minedraft.engine.workers import DraftWorker
 from minedraft.transport.channel import StepChannel
 from minedraft.wire import plan_from_proto
@@ -24,7 +24,7 @@ class DrafterNode:
         self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
 
-    def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         """Draft, then the step-end exchange: results in first, then the still-valid drafts out."""
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import make_pipeline
-from minedraft.engine.plans import Executor, SequenceSpec, StepResult
+from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
@@ -120,7 +120,7 @@ class LLMEngine:
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
             self.executor.admit(
-                [SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
+                [Admission(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
             )
         if draft is None and verify is None:
             return []
@@ -132,7 +132,7 @@ class LLMEngine:
             request = self.requests.get(verified.request_id)
             if request is None:
                 continue
-            request.window = None
+            request.pending_drafts = None
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # aborted during the step: its tokens are dropped
@@ -140,14 +140,14 @@ class LLMEngine:
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
             if request_id in self.requests:
-                self.requests[request_id].window = num_tokens
+                self.requests[request_id].pending_drafts = num_tokens
         touched.extend(r for r in self._release_finished() if r not in touched)
         return touched
 
     @classmethod
     def local(cls, config: EngineConfig) -> LLMEngine:
         """Drafter and verifier in this process (the offline API and the tests)."""
-        from minedraft.engine.executor import build_local_executor
+        from minedraft.engine.local_executor import build_local_executor
 
         executor, runner = build_local_executor(config, num_slots=num_slots(config))
         return cls(

@@ -20,8 +20,8 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.executor import RemoteExecutor
 from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
+from minedraft.scheduler.remote_executor import RemoteExecutor
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 from minedraft.wire import sampling_from_proto, stats_to_proto
 
@@ -125,7 +125,7 @@ def build_engine(
     """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
     executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
     executor.wait_until_serving(startup_timeout_s)
-    info = executor.verifier_info()
+    info = executor.check_config(config)
     return LLMEngine(config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
 
 
@@ -160,7 +160,11 @@ async def serve_scheduler(
     metrics = Metrics()
     if metrics_port:
         metrics.serve(metrics_port)
-    engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
+    try:
+        engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
+    except BaseException:
+        await server.stop(grace=None)
+        raise
     event_loop = asyncio.get_running_loop()
 
     def not_serving(reason: str) -> None:  # called from the step-loop thread

@@ -43,11 +43,11 @@ class VerifierNode:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def lead(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        """Rank 0: forward the plan to the other ranks, then run it."""
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        """Rank 0 (the one the scheduler talks to): forward the plan to the other ranks, then run it."""
         if self.config.tensor_parallel_size > 1:
             self.channel.broadcast_plan(plan.SerializeToString())
-        return self.run(plan)
+        return self._run(plan)
 
     def follow(self) -> None:
         """Ranks 1..tp-1: run every plan rank 0 forwards, until it forwards an empty one."""
@@ -57,13 +57,13 @@ class VerifierNode:
                 return
             plan = worker_pb2.StepPlan()
             plan.ParseFromString(data)
-            self.run(plan)
+            self._run(plan)
 
     def stop_followers(self) -> None:
         if self.is_leader and self.config.tensor_parallel_size > 1:
             self.channel.broadcast_plan(b"")
 
-    def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+    def _run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
         self.worker.admit(admit)

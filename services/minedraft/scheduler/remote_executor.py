@@ -9,7 +9,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.config import EngineConfig, config_differences
+from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.serving import grpc_options
 from minedraft.wire import plan_to_proto, result_from_replies
 
@@ -41,7 +42,7 @@ class RemoteExecutor:
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.step_timeout_s = step_timeout_s
-        self._admit: list[SequenceSpec] = []
+        self._admit: list[Admission] = []
         self._release: list[str] = []
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
@@ -58,10 +59,23 @@ class RemoteExecutor:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def verifier_info(self) -> worker_pb2.WorkerInfo:
-        return self.verifier.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+    def check_config(self, config: EngineConfig) -> worker_pb2.WorkerInfo:
+        """Every worker must run exactly this engine config (a setting that differs inside a group is a wrong
+        answer or a hang, not a detail). Returns the verifier's info; raises ValueError naming the fields."""
+        infos = {}
+        for worker in self.workers:
+            info = worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+            differences = config_differences(config, EngineConfig.model_validate_json(info.engine_config_json))
+            if differences:
+                raise ValueError(
+                    f"the {worker.role} at {worker.address} runs another engine config than this process "
+                    f"(ours vs its): {'; '.join(differences)}. Start every service of the group with the same "
+                    "engine settings (one --engine-config / ConfigMap)."
+                )
+            infos[worker.role] = info
+        return infos["verifier"]
 
-    def admit(self, seqs: list[SequenceSpec]) -> None:
+    def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)
 
     def release(self, request_ids: list[str]) -> None:
