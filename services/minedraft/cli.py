@@ -121,12 +121,18 @@ def _add_dist_args(parser: argparse.ArgumentParser) -> None:
     _add(group, "--dist-addr", "127.0.0.1", help="verifier rank 0's address (rendezvous)")
     _add(group, "--dist-port", 29500, type=int, help="rendezvous port on verifier rank 0")
     _add(group, "--dist-backend", "auto", help="auto (NCCL on CUDA, gloo on CPU), nccl, gloo")
+    _add(
+        group, "--dist-timeout", 120.0, type=float,
+        help="seconds a collective waits for a peer; a hung peer is given up after this (forming a world too)",
+    )  # fmt: skip
 
 
 def _dist_config(args: argparse.Namespace):
     from minedraft.config import DistributedConfig
 
-    return DistributedConfig(master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend)
+    return DistributedConfig(
+        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend, timeout_s=args.dist_timeout
+    )
 
 
 def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0") -> None:
@@ -345,6 +351,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from minedraft.scheduler.loop import Recovery
     from minedraft.scheduler.service import serve_scheduler
     from minedraft.serving import configure_logging
 
@@ -359,6 +366,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting_requests,
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
+            recovery=Recovery(worker_wait_s=args.worker_wait, join_timeout_s=args.join_timeout),
         )
     )
     return 0
@@ -514,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(scheduler, "--max-waiting-requests", 256, type=int, help="queued requests beyond this: RESOURCE_EXHAUSTED")
     _add(scheduler, "--metrics-port", 9090, type=int, help="Prometheus port (0 = off)")
     _add(scheduler, "--startup-timeout", 1800.0, type=float, help="seconds to wait for the workers to load")
+    _add(
+        scheduler, "--worker-wait", 300.0, type=float,
+        help="seconds to hold requests while no verifier serves (it died and is restarting); then they fail with "
+        "UNAVAILABLE",
+    )  # fmt: skip
+    _add(scheduler, "--join-timeout", 180.0, type=float, help="seconds the workers may take to form a new world")
     scheduler.set_defaults(func=cmd_scheduler)
     return parser
 

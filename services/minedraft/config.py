@@ -143,6 +143,11 @@ class EngineConfig(BaseModel):
         spec = self.speculative_config
         return Path(spec.model) if spec and spec.model else BUNDLED_DRAFT
 
+    def target_only(self) -> EngineConfig:
+        """This config without speculation, for a group whose drafter is gone: the same requests run at
+        once (MineDraft's two batches become one), so the workers' caches hold them as they are."""
+        return self.model_copy(update={"speculative_config": None, "max_num_seqs": num_slots(self)})
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -164,7 +169,7 @@ class DistributedConfig(BaseModel):
     master_addr: str = Field("127.0.0.1", description="Verifier rank 0's address, as the drafter reaches it.")
     master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
-    timeout_s: float = Field(1800.0, gt=0, description="How long a collective may wait for its peers.")
+    timeout_s: float = Field(120.0, gt=0, description="How long a collective may wait for its peers.")
 
 
 def config_differences(mine: EngineConfig, theirs: EngineConfig) -> list[str]:

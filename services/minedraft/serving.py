@@ -119,11 +119,27 @@ class NodeServicer:
             context.abort(grpc.StatusCode.UNAVAILABLE, detail)
         return self.node
 
+    def Join(self, request, context):  # noqa: N802 (gRPC method name)
+        """Form a new world; waits for a step still running in the old one (a dead peer's collective fails)."""
+        node = self._ready_node(context)
+        with self._lock:
+            try:
+                node.join(request)
+            except Exception as exc:
+                log.exception("joining epoch %d failed", request.epoch)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"joining epoch {request.epoch} failed: {exc}")
+        log.info("joined epoch %d (%s)", request.epoch, "with the drafter" if request.has_drafter else "no drafter")
+        return worker_pb2.JoinReply(epoch=request.epoch)
+
     def Step(self, request, context):  # noqa: N802 (gRPC method name)
+        from minedraft.worker_node import NotInWorld
+
         node = self._ready_node(context)
         with self._lock:
             try:
                 return node.step(request)
+            except NotInWorld as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except Exception as exc:
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")

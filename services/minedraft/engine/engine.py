@@ -48,6 +48,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.pipeline = make_pipeline(config)
+        self.speculating = config.speculative_config is not None
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
         self.last_step: StepResult | None = None
@@ -120,7 +121,7 @@ class LLMEngine:
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
+                [Admission(r.request_id, r.prompt_ids + r.output_ids, r.params, r.seed, r.batch) for r in admitted]
             )
         if draft is None and verify is None:
             return []
@@ -143,6 +144,21 @@ class LLMEngine:
                 self.requests[request_id].pending_drafts = num_tokens
         touched.extend(r for r in self._release_finished() if r not in touched)
         return touched
+
+    def restart(self, speculate: bool) -> None:
+        """The workers lost every request (a worker died, a new world was formed): start each unfinished
+        request again from its prompt and the tokens it has so far, in arrival order, speculating or (without
+        a drafter) target-only. The workers re-prefill them; no token already produced changes."""
+        batches = self.pipeline.batches
+        running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
+        for request in [r for r in running if r.finished]:
+            del self.requests[request.request_id]
+        self.speculating = speculate and self.config.speculative_config is not None
+        self.pipeline = make_pipeline(self.config if self.speculating else self.config.target_only())
+        for request in running + list(batches.waiting):
+            if not request.finished:
+                request.restart()
+                self.pipeline.batches.add(request)
 
     @classmethod
     def local(cls, config: EngineConfig) -> LLMEngine:

@@ -167,6 +167,11 @@ class Request:
                 return
         self.text += delta
 
+    def restart(self) -> None:
+        """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight)."""
+        self.status = RequestStatus.WAITING
+        self.pending_drafts = None
+
     def abort(self) -> None:
         self._finish("abort")
 

@@ -85,6 +85,10 @@ class _Worker:
             if seq is not None:
                 self.runner.free_slot(seq.slot)
 
+    def reset(self) -> None:
+        """Drop every request (a new world or a new scheduler): all KV slots are free again."""
+        self.release(list(self.sequences))
+
     @property
     def num_active(self) -> int:
         return len(self.sequences)

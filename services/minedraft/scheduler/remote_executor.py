@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -36,12 +37,19 @@ class WorkerClient:
 
 class RemoteExecutor:
     """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
-    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly)."""
+    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly).
+
+    The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
+    when it is alive. Every formation is a new epoch; the workers drop all request state when they join
+    one, so a new scheduler, or one whose worker died and came back, starts from free caches.
+    """
 
     def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.step_timeout_s = step_timeout_s
+        self.members: list[WorkerClient] = []  # the workers of the current world
+        self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
         self._step_id = 0
@@ -49,7 +57,29 @@ class RemoteExecutor:
 
     @property
     def workers(self) -> list[WorkerClient]:
+        """Every worker this scheduler is configured with, in the world or not."""
         return [w for w in (self.verifier, self.drafter) if w is not None]
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter is not None and self.drafter in self.members
+
+    def form_group(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
+        """Form a new world of the verifier (and the drafter): every member drops its request state.
+        Raises if a member does not run `config` or does not join in time."""
+        members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
+        self.members = []
+        self.check_config(config, members)
+        self.epoch += 1
+        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
+        calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
+        for call, worker in calls.items():
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
+        self.members = members
+        self._admit, self._release = [], []
 
     def wait_until_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -59,11 +89,11 @@ class RemoteExecutor:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def check_config(self, config: EngineConfig) -> worker_pb2.WorkerInfo:
+    def check_config(self, config: EngineConfig, workers: list[WorkerClient] | None = None) -> worker_pb2.WorkerInfo:
         """Every worker must run exactly this engine config (a setting that differs inside a group is a wrong
         answer or a hang, not a detail). Returns the verifier's info; raises ValueError naming the fields."""
         infos = {}
-        for worker in self.workers:
+        for worker in workers or self.workers:
             info = worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
             differences = config_differences(config, EngineConfig.model_validate_json(info.engine_config_json))
             if differences:
@@ -86,11 +116,14 @@ class RemoteExecutor:
             self.step(None, None)
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        if not self.members:
+            raise RuntimeError("no engine group is formed (form_group)")
         start = time.perf_counter()
         self._step_id += 1
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        plan.epoch = self.epoch
         self._admit, self._release = [], []
-        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.workers}
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.members}
         # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
         done, _ = wait(calls, return_when=FIRST_EXCEPTION)
         for call in done:
