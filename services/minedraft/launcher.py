@@ -27,23 +27,8 @@ def free_port() -> int:
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
-    """The engine flags that reproduce `config` on a service's command line."""
-    flags = [
-        "--tensor-parallel-size", str(config.tensor_parallel_size),
-        "--max-num-seqs", str(config.max_num_seqs),
-        "--dtype", config.dtype,
-        "--device", config.device,
-        "--seed", str(config.seed),
-    ]  # fmt: skip
-    if config.batch_invariant:
-        flags.append("--batch-invariant")
-    if config.model:
-        flags += ["--model", config.model]
-    if config.max_model_len:
-        flags += ["--max-model-len", str(config.max_model_len)]
-    if config.speculative_config is not None:
-        flags += ["--speculative-config", config.speculative_config.model_dump_json(exclude_none=True)]
-    return flags
+    """The one flag that gives a service the whole engine config: every process of a group runs the same."""
+    return ["--engine-config", config.model_dump_json()]
 
 
 def threads_per_worker(config: EngineConfig, cores: int) -> int:
@@ -119,18 +104,26 @@ class LocalStack:
             raise
 
     def _start(self) -> None:
+        for name, args in self._commands:
+            self._processes.append((name, self._launch(name, args)))
+        self._wait_serving()
+
+    def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
-        for name, args in self._commands:
-            out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
-            process = subprocess.Popen(
-                [sys.executable, "-m", "minedraft", *args],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-            )
-            self._processes.append((name, process))
-        self._wait_serving()
+        out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
+        return subprocess.Popen(
+            [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start a service again with its unchanged command (as Kubernetes restarts a pod), after it died."""
+        old = self.process(name)
+        if old.poll() is None:
+            raise RuntimeError(f"the {name} is still running (pid {old.pid})")
+        process = self._launch(name, dict(self._commands)[name])
+        self._processes = [(n, process if n == name else p) for n, p in self._processes]
+        return process
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SequenceSpec(_message.Message):
+class Admission(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,9 +40,32 @@ class VerifyTask(_message.Message):
     keep_bonus: bool
     def __init__(self, request_id: _Optional[str] = ..., keep_bonus: _Optional[bool] = ...) -> None: ...
 
+class JoinRequest(_message.Message):
+    __slots__ = ("epoch", "has_drafter")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    has_drafter: bool
+    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class FollowerMessage(_message.Message):
+    __slots__ = ("plan", "join")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    plan: StepPlan
+    join: JoinRequest
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill")
+    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -52,7 +75,8 @@ class StepPlan(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    admit: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
+    epoch: int
+    admit: _containers.RepeatedCompositeFieldContainer[Admission]
     release: _containers.RepeatedScalarFieldContainer[str]
     has_draft: bool
     draft: _containers.RepeatedCompositeFieldContainer[DraftTask]
@@ -60,7 +84,7 @@ class StepPlan(_message.Message):
     has_verify: bool
     verify: _containers.RepeatedCompositeFieldContainer[VerifyTask]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillTask]
-    def __init__(self, step_id: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
     __slots__ = ("request_id", "num_tokens")
@@ -108,7 +132,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "num_blocks", "num_free_blocks", "block_size")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +141,8 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORLD_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -128,7 +154,9 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     world_rank: int
     tensor_parallel_size: int
+    engine_config_json: str
+    epoch: int
     num_blocks: int
     num_free_blocks: int
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -23,7 +23,7 @@ class BlockBudget:
     max_model_len: int
 
     def blocks(self, request: Request) -> int:
-        tokens = len(request.prompt_ids) + len(request.output_ids) + (request.window or 0) + self.lookahead
+        tokens = len(request.prompt_ids) + len(request.output_ids) + (request.pending_drafts or 0) + self.lookahead
         return -(-min(tokens, self.max_model_len) // self.block_size)
 
 
@@ -78,7 +78,7 @@ class BatchManager:
             batch, newest = max(((b, r) for b in self.batches for r in b), key=lambda pair: pair[1].arrival_time)
             used -= self.budget.blocks(newest)
             batch.remove(newest)
-            newest.preempt()
+            newest.restart()
             preempted.append(newest)
         self.waiting.extendleft(sorted(preempted, key=lambda r: r.arrival_time, reverse=True))
         self.num_preemptions += len(preempted)

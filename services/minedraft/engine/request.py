@@ -76,7 +76,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
+    pending_drafts: int | None = None  # draft tokens the verifier holds for it, to verify; None = not drafted
     batch: int = 0  # which of the engine's batches it runs in
     num_prefilled: int | None = None  # chunked prefill: tokens both workers hold so far (None: not prefilling)
     _streamed: int = 0  # characters of text already handed to a stream
@@ -159,11 +159,11 @@ class Request:
         if not delta:
             return
         if self.params.stop:
-            window_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
-            window = self.text[window_start:] + delta
-            hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+            tail_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
+            tail = self.text[tail_start:] + delta
+            hits = [i for i in (tail.find(s) for s in self.params.stop) if i >= 0]
             if hits:
-                self.text = (self.text[:window_start] + window)[: window_start + min(hits)]
+                self.text = (self.text[:tail_start] + tail)[: tail_start + min(hits)]
                 self._finish("stop")
                 return
         self.text += delta
@@ -173,10 +173,11 @@ class Request:
         """What a worker holds for the request when it is (re-)admitted: prompt and output so far."""
         return self.prompt_ids + self.output_ids
 
-    def preempt(self) -> None:
-        """Back to waiting; the workers drop its KV and drafts, and prefill it again when it is re-admitted."""
+    def restart(self) -> None:
+        """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight):
+        after a preemption, or when the workers lost every request."""
         self.status = RequestStatus.WAITING
-        self.window = None
+        self.pending_drafts = None
         self.num_prefilled = None
 
     def abort(self) -> None:

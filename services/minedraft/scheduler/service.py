@@ -20,8 +20,8 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.executor import RemoteExecutor
-from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
+from minedraft.scheduler.loop import EngineFailed, EngineLoop, Recovery, Sink, StreamItem
+from minedraft.scheduler.remote_executor import RemoteExecutor
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 from minedraft.wire import sampling_from_proto, stats_to_proto
 
@@ -124,12 +124,16 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
 
 
 def build_engine(
-    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float
+    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float,
+    recovery: Recovery,
 ) -> LLMEngine:
-    """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
+    """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
+    left), then build the engine over them (the scheduler holds no model)."""
     executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
     executor.wait_until_serving(startup_timeout_s)
-    return executor.make_engine(config, tokenizer)
+    info = executor.check_config(config)
+    executor.form_group(config, with_drafter=True, timeout_s=recovery.join_timeout_s)
+    return executor.make_engine(config, tokenizer, info)
 
 
 async def serve_scheduler(
@@ -142,6 +146,7 @@ async def serve_scheduler(
     max_waiting: int,
     metrics_port: int | None,
     startup_timeout_s: float,
+    recovery: Recovery,
 ) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
@@ -163,14 +168,21 @@ async def serve_scheduler(
     metrics = Metrics()
     if metrics_port:
         metrics.serve(metrics_port)
-    engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
+    try:
+        engine = await asyncio.to_thread(
+            build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery
+        )
+    except BaseException:
+        await server.stop(grace=None)
+        raise
     event_loop = asyncio.get_running_loop()
 
-    def not_serving(reason: str) -> None:  # called from the step-loop thread
+    def report(serving: bool, reason: str) -> None:  # called from the step-loop thread
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", PUBLIC_SERVICE):
-            asyncio.run_coroutine_threadsafe(health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), event_loop)
+            asyncio.run_coroutine_threadsafe(health.set(name, status), event_loop)
 
-    loop = EngineLoop(engine, metrics, on_failure=not_serving)
+    loop = EngineLoop(engine, metrics, on_state=report, recovery=recovery)
     loop.start()
     servicer.loop = loop
     for name in ("", PUBLIC_SERVICE):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -9,10 +10,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.serving import grpc_options
 from minedraft.wire import plan_to_proto, result_from_replies
 
@@ -38,20 +39,49 @@ class WorkerClient:
 
 class RemoteExecutor:
     """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
-    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly)."""
+    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly).
+
+    The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
+    when it is alive. Every formation is a new epoch; the workers drop all request state when they join
+    one, so a new scheduler, or one whose worker died and came back, starts from free caches.
+    """
 
     def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.step_timeout_s = step_timeout_s
-        self._admit: list[SequenceSpec] = []
+        self.members: list[WorkerClient] = []  # the workers of the current world
+        self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
+        self._admit: list[Admission] = []
         self._release: list[str] = []
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
 
     @property
     def workers(self) -> list[WorkerClient]:
+        """Every worker this scheduler is configured with, in the world or not."""
         return [w for w in (self.verifier, self.drafter) if w is not None]
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter is not None and self.drafter in self.members
+
+    def form_group(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
+        """Form a new world of the verifier (and the drafter): every member drops its request state.
+        Raises if a member does not run `config` or does not join in time."""
+        members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
+        self.members = []
+        self.check_config(config, members)
+        self.epoch += 1
+        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
+        calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
+        for call, worker in calls.items():
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
+        self.members = members
+        self._admit, self._release = [], []
 
     def wait_until_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -61,18 +91,29 @@ class RemoteExecutor:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def worker_infos(self) -> list[worker_pb2.WorkerInfo]:
-        """The verifier's, then the drafter's (when there is one)."""
-        return [w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers]
+    def check_config(self, config: EngineConfig, workers: list[WorkerClient] | None = None) -> worker_pb2.WorkerInfo:
+        """Every worker must run exactly this engine config (a setting that differs inside a group is a wrong
+        answer or a hang, not a detail). Returns the verifier's info; raises ValueError naming the fields."""
+        infos = {}
+        for worker in workers or self.workers:
+            info = worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+            differences = config_differences(config, EngineConfig.model_validate_json(info.engine_config_json))
+            if differences:
+                raise ValueError(
+                    f"the {worker.role} at {worker.address} runs another engine config than this process "
+                    f"(ours vs its): {'; '.join(differences)}. Start every service of the group with the same "
+                    "engine settings (one --engine-config / ConfigMap)."
+                )
+            infos[worker.role] = info
+        return infos["verifier"]
 
-    def make_engine(self, config: EngineConfig, tokenizer: Decoder) -> LLMEngine:
+    def make_engine(self, config: EngineConfig, tokenizer: Decoder, verifier: worker_pb2.WorkerInfo) -> LLMEngine:
         """The engine over these workers: limits from the verifier, KV blocks from the smaller pool."""
-        infos = self.worker_infos()
-        verifier = infos[0]
+        infos = [w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers]
         return LLMEngine(config, self, tokenizer, list(verifier.eos_token_ids), verifier.max_model_len,
                          num_blocks=min(i.num_blocks for i in infos), block_size=verifier.block_size)
 
-    def admit(self, seqs: list[SequenceSpec]) -> None:
+    def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)
 
     def release(self, request_ids: list[str]) -> None:
@@ -83,11 +124,14 @@ class RemoteExecutor:
             self.step(None, None)
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        if not self.members:
+            raise RuntimeError("no engine group is formed (form_group)")
         start = time.perf_counter()
         self._step_id += 1
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        plan.epoch = self.epoch
         self._admit, self._release = [], []
-        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.workers}
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.members}
         # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
         done, _ = wait(calls, return_when=FIRST_EXCEPTION)
         for call in done:
