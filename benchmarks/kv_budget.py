@@ -51,7 +51,7 @@ def capacity(args: argparse.Namespace) -> None:
         slots = (args.kv_mib << 20) // (engine.max_model_len * per_token)
         budget = engine.pipeline.batches.budget
         print(f"| {mode} | {args.kv_mib} MiB | {budget.num_blocks} x {budget.block_size} | {peak} | "
-              f"{engine.pipeline.batches.num_preemptions} | {len(prompts) * 64 / seconds:.0f} | {slots} |")
+              f"{engine.num_preemptions} | {len(prompts) * 64 / seconds:.0f} | {slots} |")
         engine.executor.close()
 
 

@@ -34,7 +34,7 @@ def test_a_request_is_charged_its_tokens_drafts_in_flight_and_the_next_step(toke
     budget = BlockBudget(num_blocks=100, block_size=16, lookahead=5, max_model_len=256)
     request = _request(tokenizer, "a", 20, 0.0)
     assert budget.blocks(request) == 2  # 20 + 5 tokens
-    request.output_ids, request.window = [1] * 10, 4
+    request.output_ids, request.pending_drafts = [1] * 10, 4
     assert budget.blocks(request) == 3  # 20 + 10 + 4 + 5 = 39
     request.output_ids = [1] * 300
     assert budget.blocks(request) == 16  # never more than max_model_len
@@ -56,12 +56,12 @@ def test_the_newest_request_is_preempted_when_blocks_run_out_and_resumes_first(t
         pipeline.batches.add(request)
     pipeline.schedule()
     new.output_ids = [7] * 8  # 40 + 8 + 1 tokens: 4 blocks, 7 in all
-    new.window = None
+    new.pending_drafts = None
     late = _request(tokenizer, "late", 4, 2.0)
     pipeline.batches.add(late)
     preempted = pipeline.batches.preempt_to_fit()
     assert preempted == [new] and new.status is RequestStatus.WAITING and new.output_ids == [7] * 8
-    assert list(pipeline.batches.waiting) == [new, late] and pipeline.batches.num_preemptions == 1
+    assert list(pipeline.batches.waiting) == [new, late]
     assert new.token_ids == [5] * 40 + [7] * 8  # what the workers prefill when it is admitted again
     assert pipeline.batches.preempt_to_fit() == []
 
@@ -80,7 +80,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_decoding(tokenizer, spec) -
         if spec is not None:
             assert draft is not None and verify is not None and draft.prefill == verify.prefill  # the same chunks
         chunks.append(plans[-1].prefill[0].num_tokens)
-        short.window = 3 if spec else None  # as after a step: drafted (the verifier holds 3 tokens) or decoded
+        short.pending_drafts = 3 if spec else None  # as after a step: drafted (the verifier holds 3 tokens) or decoded
         assert len(chunks) < 10
     assert chunks[-1] == 199 and chunks == sorted(chunks) and len(chunks) >= 4  # all but the last token, in order
     plans = [p for _ in range(2) for p in pipeline.schedule()[1:] if p is not None]  # MineDraft: both batches

@@ -88,7 +88,7 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]
             assert worker.num_active == 0 and cache.num_sequences == 0, "finished requests must leave the workers"
             assert cache.num_free_blocks == cache.num_blocks, "finished requests must free all their KV blocks"
         if stats is not None:
-            stats["preemptions"] = engine.pipeline.batches.num_preemptions
+            stats["preemptions"] = engine.num_preemptions
         return [r.output_ids for r in requests]
     finally:
         engine.executor.close()

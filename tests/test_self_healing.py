@@ -171,7 +171,8 @@ def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:
         _until(lambda: _serving(stack.address), what="the new scheduler to serve")
         for address in (stack.verifier_address, stack.drafter_address):
             info = _worker_info(address)
-            assert info.epoch != old_epoch and info.num_active_sequences == 0 and info.num_free_slots == info.num_slots
+            assert info.epoch != old_epoch and info.num_active_sequences == 0
+            assert info.num_free_blocks == info.num_blocks
         loads = [Load(stack.address), Load(stack.address)]
         assert [load.results() for load in loads] == [expected, expected]
 

@@ -116,11 +116,6 @@ def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) 
     assert got == expected
 
 
-# The KV budget reaches the worker processes as engine flags once those are derived from EngineConfig.
-_KV_FLAGS = "--kv-cache-memory-bytes" in engine_flags(EngineConfig(kv_cache_memory_bytes=1 << 20))
-
-
-@pytest.mark.skipif(not _KV_FLAGS, reason="engine flags do not carry kv_cache_memory_bytes yet")
 @pytest.mark.parametrize("mode", ["ar", "minedraft"])
 def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) -> None:
     """32 concurrent requests through a KV pool with room for one of max_model_len: admission waits for blocks,

@@ -35,7 +35,6 @@ class BatchManager:
         self.budget = budget
         self.waiting: deque[Request] = deque()
         self.batches: list[list[Request]] = [[] for _ in range(num_batches)]
-        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -81,7 +80,6 @@ class BatchManager:
             newest.restart()
             preempted.append(newest)
         self.waiting.extendleft(sorted(preempted, key=lambda r: r.arrival_time, reverse=True))
-        self.num_preemptions += len(preempted)
         return preempted
 
     def _fits(self, request: Request) -> bool:

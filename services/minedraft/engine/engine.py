@@ -68,6 +68,7 @@ class LLMEngine:
         self._budget_blocks(self.pipeline)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
+        self.num_preemptions = 0  # requests sent back to the queue for lack of KV blocks, over the engine's life
         self.last_step: StepResult | None = None
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
@@ -137,6 +138,7 @@ class LLMEngine:
         self._release_finished()
         preempted = self.pipeline.batches.preempt_to_fit()
         if preempted:
+            self.num_preemptions += len(preempted)
             self.executor.release([r.request_id for r in preempted])
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:

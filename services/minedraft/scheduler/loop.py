@@ -175,7 +175,7 @@ class EngineLoop:
         self.num_waiting = len(batches.waiting)
         if self.metrics and self.engine.last_step is not None:
             self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
-            self._record_kv(batches)
+            self._record_kv(batches, self.engine.num_preemptions)
         for request in touched:
             sink = self._sinks.get(request.request_id)
             if sink is None:
@@ -192,13 +192,13 @@ class EngineLoop:
             if text or new_ids or request.finished:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
 
-    def _record_kv(self, batches: BatchManager) -> None:
+    def _record_kv(self, batches: BatchManager, num_preemptions: int) -> None:
         budget = batches.budget
         if self.metrics is None or budget is None:
             return
         self.metrics.kv_usage.set(batches.used_blocks / budget.num_blocks)
-        self.metrics.preemptions.inc(batches.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = batches.num_preemptions
+        self.metrics.preemptions.inc(num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = num_preemptions
 
     def _safe(self, fn) -> None:
         """A failed step means a worker died or hung (or the two fell out of lockstep): no later step of

@@ -11,7 +11,7 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
-from minedraft.engine.executor import kv_cache_options
+from minedraft.engine.local_executor import kv_cache_options
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
