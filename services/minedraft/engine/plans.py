@@ -33,7 +33,7 @@ class Admission:
     token_ids: list[int]  # prompt (+ output so far, when a worker re-admits a running request)
     params: SamplingParams
     seed: int
-    batch: int = 0  # the engine's batch it runs in (its KV slot is taken from that batch's region)
+    batch: int = 0  # the engine's batch it runs in
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ _TAIL_SCAN = 64
 
 @dataclass
 class _Sequence:
-    slot: int
+    slot: int  # the sequence's id in the runner's KV cache
     tokens: list[int]  # committed tokens (prompt + verified output), mirrored from the engine
     params: SamplingParams
     generator: torch.Generator
@@ -86,7 +86,7 @@ class _Worker:
                 self.runner.free_slot(seq.slot)
 
     def reset(self) -> None:
-        """Drop every request (a new world or a new scheduler): all KV slots are free again."""
+        """Drop every request (a new world or a new scheduler): all KV blocks are free again."""
         self.release(list(self.sequences))
 
     @property
