@@ -188,7 +188,9 @@ def test_gpu_counts(name: str, tp: int) -> None:
 def test_cpu_profile_requests_no_gpu_and_avoids_gpu_nodes() -> None:
     objs = render("cpu")
     text = json.dumps(objs)
-    assert "nvidia" not in text and "gpu" not in text.lower().replace("minedraft/pool", "")
+    # (gpu_memory_utilization is an engine setting that a CPU engine ignores, not a GPU request)
+    unrelated = text.lower().replace("minedraft/pool", "").replace("gpu_memory_utilization", "")
+    assert "nvidia" not in text and "gpu" not in unrelated
     for component in ("scheduler", "verifier", "drafter"):
         spec = pod(objs, component)
         assert spec["nodeSelector"] == {"minedraft/pool": "cpu"}
@@ -545,6 +547,10 @@ ENGINE_VALUES = {
     "seed": ("engine", "seed"),
     "batch_invariant": ("engine", "batchInvariant"),
     "draft_support_size": ("engine", "draftSupportSize"),
+    "kv_cache_memory_bytes": ("engine", "kvCacheMemoryBytes"),
+    "gpu_memory_utilization": ("engine", "gpuMemoryUtilization"),
+    "block_size": ("engine", "blockSize"),
+    "max_num_batched_tokens": ("engine", "maxNumBatchedTokens"),
 }
 DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig"}
 
@@ -601,7 +607,8 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
     """Non-default values in, the same values out, and the result is a valid EngineConfig."""
     values = {
         "engine": {"maxNumSeqs": 7, "maxModelLen": 1024, "dtype": "float16", "device": "cpu", "seed": 11,
-                   "batchInvariant": True, "draftSupportSize": 8},
+                   "batchInvariant": True, "draftSupportSize": 8, "kvCacheMemoryBytes": 20 << 30,
+                   "gpuMemoryUtilization": 0.8, "blockSize": 32, "maxNumBatchedTokens": 512},
         "verifier": {"tensorParallelSize": 2},
         "models": {"target": "t", "draft": "d", "volume": {"type": "existingClaim", "existingClaim": "m"}},
         "speculativeConfig": {"num_speculative_tokens": 3, "tetris": True},
