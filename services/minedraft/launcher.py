@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.config import EngineConfig, Mode
+from minedraft.frontends.auth import API_KEYS_ENV
 
 
 def free_port() -> int:
@@ -57,6 +59,18 @@ def threads_per_worker(config: EngineConfig, cores: int) -> int:
     return max(1, cores // (config.tensor_parallel_size + overlapped))
 
 
+def public_api_flags(
+    tls_cert: str | None, tls_key: str | None, served_model_name: str | None, max_prompt_bytes: int | None
+) -> list[str]:
+    """The scheduler's optional listen flags (API keys travel in the environment)."""
+    flags = []
+    for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key), ("--served-model-name", served_model_name),
+                        ("--max-prompt-bytes", max_prompt_bytes)):  # fmt: skip
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 class LocalStack:
     """Start the services, wait until the scheduler reports SERVING, stop them all on exit."""
 
@@ -72,11 +86,23 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         workers_only: bool = False,
+        http_port: int = 0,
+        api_keys: Sequence[str] = (),
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        served_model_name: str | None = None,
+        max_prompt_bytes: int | None = None,
     ) -> None:
+        """`http_port`: the OpenAI HTTP API's port, 0 = off, -1 = a free one. With TLS, the start-up
+        health checks trust `tls_cert` (which must name `host`)."""
         self.config = config
         self.port = port or free_port()
         self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
         self.address = f"{host}:{self.port}"
+        self.http_port = free_port() if http_port == -1 else http_port
+        self.http_url = f"{'https' if tls_cert else 'http'}://{host}:{self.http_port}" if self.http_port else None
+        self._api_keys = list(api_keys)
+        self._tls_cert = tls_cert
         self.startup_timeout_s = startup_timeout_s
         self._log_dir = log_dir
         self._processes: list[tuple[str, subprocess.Popen]] = []
@@ -92,6 +118,8 @@ class LocalStack:
                 "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
                 "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
                 "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
+                "--http-port", str(self.http_port), *public_api_flags(tls_cert, tls_key, served_model_name,
+                                                                      max_prompt_bytes),
             ]),
         ]  # fmt: skip
         if config.speculative_config is not None:
@@ -121,6 +149,8 @@ class LocalStack:
     def _start(self) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
+        if self._api_keys:  # through the environment: a command line is visible to every local user
+            env[API_KEYS_ENV] = ",".join(self._api_keys)
         for name, args in self._commands:
             out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
             process = subprocess.Popen(
@@ -135,7 +165,7 @@ class LocalStack:
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
-            with grpc.insecure_channel(address) as channel:
+            with self._channel(address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 while not self._serving(health):
                     for name, process in self._processes:
@@ -144,6 +174,11 @@ class LocalStack:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
                     time.sleep(0.25)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if self._tls_cert and address == self.address:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(self._tls_cert).read_bytes()))
+        return grpc.insecure_channel(address)
 
     @staticmethod
     def _serving(health: health_pb2_grpc.HealthStub) -> bool:

@@ -15,9 +15,10 @@ class Tokenizer:
     def __init__(self, backend: _HFTokenizer) -> None:
         self._tok = backend
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids with the tokenizer.json post-processor applied (e.g. Llama's BOS)."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids with the tokenizer.json post-processor applied (e.g. Llama's BOS) unless told not to
+        (a rendered chat template already holds its special tokens)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

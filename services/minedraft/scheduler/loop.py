@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.request import Request
+from minedraft.engine.request import Request, RequestStatus
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 
@@ -36,9 +36,14 @@ class Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent_tokens: int = 0
+    on_start: Callable[[], None] | None = None  # run on the event loop once the request leaves the waiting queue
 
     def put(self, item: StreamItem | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def started(self) -> None:
+        if self.on_start is not None:
+            self.loop.call_soon_threadsafe(self.on_start)
 
 
 @dataclass
@@ -72,9 +77,10 @@ class EngineLoop:
         self._on_failure = on_failure
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        self._unstarted: set[str] = set()  # requests whose sink has not been told that they left the queue
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopped = False
-        self.num_waiting = 0  # read by handlers for admission control (an int: safe to read across threads)
+        self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
 
     def start(self) -> None:
         self._thread.start()
@@ -83,11 +89,6 @@ class EngineLoop:
         self._stopped = True
         self._commands.put(None)
         self._thread.join(timeout=30)
-
-    @property
-    def queued(self) -> int:
-        """Requests accepted but not yet running."""
-        return self.num_waiting + self._commands.qsize()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink):
         self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink))
@@ -134,15 +135,29 @@ class EngineLoop:
             command.sink.put(exc)
             return
         self._sinks[command.request_id] = command.sink
+        self._unstarted.add(command.request_id)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self._sinks.pop(request_id, None)
+        self._unstarted.discard(request_id)
+
+    def _report_started(self) -> None:
+        """Tell the frontends which requests left the waiting queue (they count waiting requests)."""
+        for request_id in list(self._unstarted):
+            request = self.engine.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING:
+                self._unstarted.discard(request_id)
+                sink = self._sinks.get(request_id)
+                if sink is not None:
+                    sink.started()
 
     def _step(self) -> None:
         touched = self.engine.step()
         batches = self.engine.pipeline.batches
         self.num_waiting = len(batches.waiting)
+        if self._unstarted:
+            self._report_started()
         if self.metrics and self.engine.last_step is not None:
             self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
         for request in touched:
@@ -176,5 +191,6 @@ class EngineLoop:
                 sink.put(EngineFailed(self.failed))
                 self.engine.abort_request(request_id)
             self._sinks.clear()
+            self._unstarted.clear()
             if self._on_failure is not None:
                 self._on_failure(self.failed)

@@ -1,0 +1,1 @@
+"""The public frontends: gRPC and the OpenAI-compatible HTTP API over one generate interface."""
