@@ -119,8 +119,8 @@ class Generator:
             return list(prompt)
         if not prompt:
             return []
-        # In a thread: a long prompt must not stall every other stream on this event loop.
-        return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
+        # In a thread, without the GIL: a long prompt must not stall the other streams or the step loop.
+        return await asyncio.to_thread(self.tokenizer.encode_concurrently, prompt, add_special_tokens)
 
     def _check_prompt_ids(self, prompt_ids: list[int], max_model_len: int) -> None:
         if not prompt_ids:
