@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 
 from minedraft.api import generate_pb2 as pb
@@ -175,6 +176,27 @@ def test_the_waiting_limit_holds_exactly_at_admission(stack, client) -> None:
     statuses = _burst(client, lambda: _post(stack, "/v1/completions", _completion("x"))[0])
     assert statuses.count(200) == MAX_WAITING
     assert set(statuses) == {200, 429}
+
+
+def _generated_tokens(stack) -> float:
+    with urllib.request.urlopen(stack.http_url + "/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("minedraft:generation_tokens_total "):
+                return float(line.split()[1])
+    raise AssertionError("no minedraft:generation_tokens_total in /metrics")
+
+
+def test_a_closed_http_stream_is_aborted(stack, client) -> None:
+    """Closing the SSE stream aborts the request: the next request (queued behind it, one slot) finishes
+    long before the closed one could have produced its 1000 tokens."""
+    before = _generated_tokens(stack)
+    api = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    stream = api.completions.create(model="minedraft-target", prompt="def f():", max_tokens=1000, stream=True,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    assert client.generate("x", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert _generated_tokens(stack) - before < 1000
 
 
 def test_api_keys_from_flags_files_and_the_environment(tmp_path, monkeypatch) -> None:
