@@ -47,10 +47,12 @@ class ChatTemplate:
         return cls(source, {k: v for k, v in specials.items() if v is not None})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """`kwargs`: extra template variables (e.g. a request's chat_template_kwargs); they cannot replace
+        the messages or add_generation_prompt."""
+        variables = {**self.special_tokens, **kwargs, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}  # fmt: skip
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
-            )
+            return self._template.render(variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
