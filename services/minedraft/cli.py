@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
 OFFLINE_MODES = ",".join(MODE_NAMES)
@@ -32,7 +34,6 @@ def _add(group, flag: str, default: Any = None, **kwargs) -> None:
 
 # `minedraft up` is the embedded demo: MineDraft with the bundled pair unless told otherwise.
 UP_SPECULATIVE_DEFAULT = '{"num_speculative_tokens": 4, "is_parallel": true}'
-DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024  # minedraft.frontends.generate's (not imported here: startup time)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, speculative_default: str | None = None) -> None:

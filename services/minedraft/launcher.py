@@ -149,18 +149,20 @@ class LocalStack:
     def _start(self) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
-        if self._api_keys:  # through the environment: a command line is visible to every local user
-            env[API_KEYS_ENV] = ",".join(self._api_keys)
         for name, args in self._commands:
             out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
             process = subprocess.Popen(
                 [sys.executable, "-m", "minedraft", *args],
-                env=env,
+                env=self._scheduler_env(env) if name == "scheduler" else env,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
             )
             self._processes.append((name, process))
         self._wait_serving()
+
+    def _scheduler_env(self, env: dict[str, str]) -> dict[str, str]:
+        """API keys through the environment: a command line is visible to every local user."""
+        return {**env, API_KEYS_ENV: ",".join(self._api_keys)} if self._api_keys else env
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

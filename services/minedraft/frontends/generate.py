@@ -14,11 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minedraft.engine.request import Request
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
-
-DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024  # ~250k tokens of English text; far beyond any context we serve
 
 
 class ErrorKind(enum.Enum):

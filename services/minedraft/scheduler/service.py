@@ -21,9 +21,10 @@ from grpc_reflection.v1alpha import reflection
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
-from minedraft.frontends.generate import DEFAULT_MAX_PROMPT_BYTES, Generator, Limits
+from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer, add_public_api
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
