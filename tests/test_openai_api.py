@@ -8,7 +8,10 @@ offline autoregressive output of the target, streamed or not, and through the bu
 from __future__ import annotations
 
 import json
+import signal
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,10 +23,11 @@ from transformers import AutoTokenizer
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack
+from minedraft.launcher import LocalStack, free_port
 from minedraft.llm import LLM
 from minedraft.sampling.params import SamplingParams
 
+from tiny_models import make_tiny_checkpoint
 from tls_certs import write_self_signed_cert
 
 KEY = "test-key-1"
@@ -226,3 +230,30 @@ def test_grpc_needs_the_key_and_tls(stack, tls, expected) -> None:
         with pytest.raises(MineDraftError) as info:
             plaintext.health()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_minedraft_up_serves_the_openai_api_with_keys_from_a_file(tmp_path) -> None:
+    """The command line end to end: `minedraft up --http-port --api-key-file`, then SIGTERM."""
+    model = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", num_layers=1)
+    key_file = tmp_path / "keys"
+    key_file.write_text("file-key\n")
+    port, http_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "minedraft", "up", "--model", str(model), "--speculative-config", "null",
+         "--device", "cpu", "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port),
+         "--api-key-file", str(key_file), "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "is serving on" in up.stdout.readline()
+        assert up.stdout.readline().strip() == f"OpenAI-compatible API: http://127.0.0.1:{http_port}/v1"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="file-key", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3).usage.completion_tokens == 3
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="other").models.list()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
