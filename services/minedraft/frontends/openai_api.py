@@ -200,7 +200,7 @@ class OpenAIFrontend:
         self.registry = registry
         self.created = int(time.time())
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:  # async: FastAPI runs sync dependencies in threads
         if not self.api_keys.allows(request.headers.get("authorization")):
             raise APIError(HTTPStatus.UNAUTHORIZED, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
