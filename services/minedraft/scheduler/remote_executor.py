@@ -53,7 +53,7 @@ class RemoteExecutor:
         self._admit: list[Admission] = []
         self._release: list[str] = []
         self._step_id = 0
-        self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
 
     @property
     def workers(self) -> list[WorkerClient]:
