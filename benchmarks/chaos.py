@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -88,7 +90,9 @@ def main() -> int:
     prompts = load_prompts(limit=args.num_prompts)
     load = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
             "timeout": 900.0, "warmup": 2}  # fmt: skip
-    with LocalStack(config, max_waiting=4 * args.num_prompts) as stack:
+    log_dir = Path(tempfile.mkdtemp(prefix="minedraft-chaos-"))
+    print(f"service logs: {log_dir}", flush=True)
+    with LocalStack(config, max_waiting=4 * args.num_prompts, log_dir=log_dir) as stack:
         print(f"undisturbed run: {len(prompts)} prompts x {args.max_tokens} tokens", flush=True)
         calm = run_online_bench(stack.address, prompts, **load)
         print(f"chaos run: a random worker of {args.targets} killed every {args.kill_every:.0f}s", flush=True)

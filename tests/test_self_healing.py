@@ -37,11 +37,11 @@ def pair(tmp_path_factory):
     return str(target), str(draft)
 
 
-def _config(pair, speculative: bool = True) -> EngineConfig:
+def _config(pair, speculative: bool = True, tp: int = 1) -> EngineConfig:
     target, draft = pair
     spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
     return EngineConfig(model=target, speculative_config=spec, max_num_seqs=8, max_model_len=128, device="cpu",
-                        batch_invariant=True)  # fmt: skip
+                        batch_invariant=True, tensor_parallel_size=tp)  # fmt: skip
 
 
 def _prompts() -> list[list[int]]:
@@ -130,8 +130,9 @@ def _drafts_now(address: str) -> int:
         return client.generate([5, 6, 7], max_tokens=20, temperature=0, ignore_eos=True).spec_decode_stats.num_drafts
 
 
-def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected) -> None:
-    with LocalStack(_config(pair)) as stack:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected, tp: int) -> None:
+    with LocalStack(_config(pair, tp=tp)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "drafter")
@@ -144,8 +145,10 @@ def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expec
         assert load.results() == expected
 
 
-def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected) -> None:
-    with LocalStack(_config(pair)) as stack:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, tp: int) -> None:
+    """With tp=2 the verifier's other rank dies with its rank 0 and comes back with it."""
+    with LocalStack(_config(pair, tp=tp)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "verifier")
