@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.config import EngineConfig, Mode
+from minedraft.serving import is_serving
 
 
 def free_port() -> int:
@@ -129,21 +129,13 @@ class LocalStack:
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
             with grpc.insecure_channel(address) as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                while not self._serving(health):
+                while not is_serving(channel, timeout_s=1):
                     for name, process in self._processes:
                         if process.poll() is not None:
                             raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
                     time.sleep(0.25)
-
-    @staticmethod
-    def _serving(health: health_pb2_grpc.HealthStub) -> bool:
-        try:
-            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
-        except grpc.RpcError:
-            return False
 
     def process(self, name: str) -> subprocess.Popen:
         """The running process of one service: verifier, drafter or scheduler."""

@@ -7,12 +7,11 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.config import EngineConfig, config_differences
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
-from minedraft.serving import grpc_options
+from minedraft.serving import grpc_options, is_serving
 from minedraft.wire import plan_to_proto, result_from_replies
 
 
@@ -22,14 +21,9 @@ class WorkerClient:
         self.role = role
         self.channel = grpc.insecure_channel(address, options=grpc_options())
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def serving(self) -> bool:
-        try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return is_serving(self.channel)
 
     def close(self) -> None:
         self.channel.close()
