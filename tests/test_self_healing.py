@@ -6,6 +6,7 @@ No request may be lost, and greedy output must equal the offline autoregressive 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -157,6 +158,28 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, 
         assert load.results() == expected
         _until(lambda: _serving(stack.address), what="the scheduler to serve again")
         assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
+
+
+@pytest.mark.parametrize("victim", ["drafter", "verifier"])
+def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
+    """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
+    if it had died (target-only, or held requests); after SIGCONT it is taken back."""
+    with LocalStack(_config(pair), dist_timeout_s=4) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        process = stack.process(victim)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            if victim == "drafter":
+                assert load.results() == expected  # completed target-only while the drafter hangs
+            else:
+                time.sleep(8)  # the drafter gives up on the verifier; the scheduler holds the requests
+        finally:
+            process.send_signal(signal.SIGCONT)
+        if victim == "verifier":
+            assert load.results() == expected
+        _until(lambda: _epoch(stack.drafter_address) == _epoch(stack.verifier_address) != 0, what="a whole group")
+        assert _drafts_now(stack.address) > 0
 
 
 def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:

@@ -57,6 +57,7 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         workers_only: bool = False,
+        dist_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.port = port or free_port()
@@ -70,6 +71,8 @@ class LocalStack:
         self.drafter_address = f"127.0.0.1:{drafter_port}" if config.speculative_config is not None else None
         engine = engine_flags(config)
         dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
+        if dist_timeout_s is not None:  # how long a worker waits in a collective for a hung peer
+            dist += ["--dist-timeout", str(dist_timeout_s)]
         common = ["--log-level", log_level]
         self._commands = [
             ("verifier", ["verifier", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(verifier_port)]),

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from grpc_health.v1 import health_pb2
+
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.request import Request
 from minedraft.metrics import Metrics
@@ -94,6 +96,7 @@ class EngineLoop:
         self.recovery = recovery or Recovery()
         self._on_state = on_state
         self._next_drafter_check = 0.0
+        self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
         self._next_retry = 0.0
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -239,14 +242,20 @@ class EngineLoop:
         return True
 
     def _take_drafter_back(self) -> None:
-        """A group running without its drafter checks now and then whether it serves again."""
+        """A group running without its drafter checks now and then whether it serves again. The check runs
+        in the background: a hung drafter does not answer, and the loop must not wait for it."""
         executor = self.engine.executor
         if self.failed is not None or self.engine.speculating or getattr(executor, "drafter", None) is None:
             return
-        if time.monotonic() < self._next_drafter_check:
+        if self._drafter_probe is None:
+            if time.monotonic() >= self._next_drafter_check:
+                self._drafter_probe = executor.drafter.serving_later()
             return
+        if not self._drafter_probe.done():
+            return
+        probe, self._drafter_probe = self._drafter_probe, None
         self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
-        if executor.drafter.serving():
+        if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
             log.info("the drafter at %s serves again: taking it back", executor.drafter.address)
             self._reform()
 

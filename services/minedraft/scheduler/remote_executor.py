@@ -7,6 +7,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.config import EngineConfig, config_differences
@@ -24,6 +25,10 @@ class WorkerClient:
 
     def serving(self) -> bool:
         return is_serving(self.channel)
+
+    def serving_later(self, timeout_s: float = 2.0) -> grpc.Future:
+        """A health check that does not block: its future's result() is the reply (or raises)."""
+        return health_pb2_grpc.HealthStub(self.channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout_s)
 
     def close(self) -> None:
         self.channel.close()
