@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import kubernetes_validate
 import pytest
 
 from minedraft.cli import _dist_config, _engine_config, build_parser
+from minedraft.config import EngineConfig, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "minedraft"
 KUBE_VERSION = "1.35.0"  # validated strictly (unknown fields are errors) against this release's schemas
 TOKEN = "hf_MineDraftChartTestToken0123456789"  # recognisable: must never appear in rendered text
 
@@ -127,6 +130,11 @@ def pod(objs: list[dict], component: str) -> dict:
     return one(objs, "Deployment", f"-{component}")["spec"]["template"]["spec"]
 
 
+def engine_config(objs: list[dict]) -> dict[str, Any]:
+    """The engine config every service of the group starts with."""
+    return json.loads(configmap(objs)["MINEDRAFT_ENGINE_CONFIG"])
+
+
 def configmap(objs: list[dict]) -> dict[str, str]:
     return one(objs, "ConfigMap")["data"]
 
@@ -193,7 +201,7 @@ def test_gpu_counts(name: str, tp: int) -> None:
     assert _gpus(pod(objs, "verifier")) == tp
     assert _gpus(pod(objs, "drafter")) == 1
     assert _gpus(pod(objs, "scheduler")) is None
-    assert configmap(objs)["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == str(tp)
+    assert engine_config(objs)["tensor_parallel_size"] == tp
 
 
 def test_cpu_profile_requests_no_gpu_and_avoids_gpu_nodes() -> None:
@@ -208,8 +216,9 @@ def test_cpu_profile_requests_no_gpu_and_avoids_gpu_nodes() -> None:
             "gpu" not in key for key in spec["containers"][0]["resources"]["limits"]
         )
     data = configmap(objs)
-    assert (data["MINEDRAFT_DEVICE"], data["MINEDRAFT_DIST_BACKEND"]) == ("cpu", "gloo")
-    assert "MINEDRAFT_MODEL" not in data and "model" not in json.loads(data["MINEDRAFT_SPECULATIVE_CONFIG"])
+    engine = engine_config(objs)
+    assert (engine["device"], data["MINEDRAFT_DIST_BACKEND"]) == ("cpu", "gloo")
+    assert engine["model"] is None and "model" not in engine["speculative_config"]
 
 
 def test_default_gpu_placement() -> None:
@@ -386,7 +395,7 @@ def test_autoregressive_deploys_no_drafter() -> None:
     objs = render("extras-autoregressive")
     assert not find(objs, "Deployment", "-drafter") and not find(objs, "Service", "-drafter")
     assert not find(objs, "PodDisruptionBudget", "-drafter")
-    assert "MINEDRAFT_SPECULATIVE_CONFIG" not in configmap(objs)
+    assert engine_config(objs)["speculative_config"] is None
     verifier_policy = one(objs, "NetworkPolicy", "-verifier")
     assert len(verifier_policy["spec"]["ingress"]) == 1  # the scheduler only
 
@@ -400,9 +409,9 @@ def _mounts(spec: dict) -> dict[str, dict]:
 
 def test_existing_claim_is_mounted_and_pointed_at() -> None:
     objs = render("existing-claim")
-    data = configmap(objs)
-    assert data["MINEDRAFT_MODEL"] == "/models/llama-3-8b"
-    assert json.loads(data["MINEDRAFT_SPECULATIVE_CONFIG"])["model"] == "/models/llama-3-draft"
+    engine = engine_config(objs)
+    assert engine["model"] == "/models/llama-3-8b"
+    assert engine["speculative_config"]["model"] == "/models/llama-3-draft"
     assert not find(objs, "PersistentVolumeClaim")
     for component in ("verifier", "drafter", "scheduler"):
         spec = pod(objs, component)
@@ -619,3 +628,84 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
 def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=message):
         renderer.render(values)
+
+
+# --- one source of truth: the chart's values and the engine's pydantic models agree ----------------------
+
+# Where each EngineConfig field comes from in the values (the rest of the rendered config is derived).
+ENGINE_VALUES = {
+    "tensor_parallel_size": ("verifier", "tensorParallelSize"),
+    "max_num_seqs": ("engine", "maxNumSeqs"),
+    "max_model_len": ("engine", "maxModelLen"),
+    "dtype": ("engine", "dtype"),
+    "device": ("engine", "device"),
+    "seed": ("engine", "seed"),
+    "batch_invariant": ("engine", "batchInvariant"),
+    "draft_support_size": ("engine", "draftSupportSize"),
+}
+DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig"}
+
+
+def _schema(*path: str) -> dict[str, Any]:
+    node = json.loads((CHART / "values.schema.json").read_text())
+    for key in path:
+        node = node["properties"][key]
+    return node
+
+
+def _schema_bounds(schema: dict[str, Any]) -> dict[str, Any]:
+    words = ("minimum", "maximum", "enum")
+    return {k: sorted(v, key=str) if k == "enum" else v for k, v in schema.items() if k in words}
+
+
+def _bounds(field) -> dict[str, Any]:
+    """The numeric bounds and choices of a pydantic field, in JSON-schema words."""
+    out: dict[str, Any] = {}
+    for rule in field.metadata:
+        for attr, word in (("ge", "minimum"), ("le", "maximum")):
+            if getattr(rule, attr, None) is not None:
+                out[word] = getattr(rule, attr)
+    choices = [a for a in typing.get_args(field.annotation) if typing.get_origin(a) is typing.Literal]
+    if typing.get_origin(field.annotation) is typing.Literal:
+        choices = [field.annotation]
+    if choices:
+        out["enum"] = sorted(typing.get_args(choices[0]), key=str)
+    return out
+
+
+def test_every_engine_field_has_one_place_in_the_values() -> None:
+    assert set(ENGINE_VALUES) | set(DERIVED) == set(EngineConfig.model_fields)
+    assert set(engine_config(render("default"))) == set(EngineConfig.model_fields)
+    assert set(_schema("speculativeConfig")["properties"]) == set(SpeculativeConfig.model_fields)
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_VALUES))
+def test_chart_bounds_equal_the_engine_bounds(name: str) -> None:
+    schema = _schema(*ENGINE_VALUES[name])
+    expected = _bounds(EngineConfig.model_fields[name])
+    if name == "device":  # the chart picks the resource kind: GPUs or none; cuda:N is for one host
+        assert set(schema["enum"]) <= {"cpu", "cuda"}
+        return
+    assert _schema_bounds(schema) == expected
+
+
+@pytest.mark.parametrize("name", sorted(SpeculativeConfig.model_fields))
+def test_speculative_bounds_equal_the_engine_bounds(name: str) -> None:
+    assert _schema_bounds(_schema("speculativeConfig", name)) == _bounds(SpeculativeConfig.model_fields[name])
+
+
+def test_every_engine_value_reaches_the_rendered_config() -> None:
+    """Non-default values in, the same values out, and the result is a valid EngineConfig."""
+    values = {
+        "engine": {"maxNumSeqs": 7, "maxModelLen": 1024, "dtype": "float16", "device": "cpu", "seed": 11,
+                   "batchInvariant": True, "draftSupportSize": 8},
+        "verifier": {"tensorParallelSize": 2},
+        "models": {"target": "t", "draft": "d", "volume": {"type": "existingClaim", "existingClaim": "m"}},
+        "speculativeConfig": {"num_speculative_tokens": 3, "tetris": True},
+    }  # fmt: skip
+    config = json.loads(one([m.obj for m in renderer.render(values)], "ConfigMap")["data"]["MINEDRAFT_ENGINE_CONFIG"])
+    parsed = EngineConfig.model_validate(config)
+    for name, (section, key) in ENGINE_VALUES.items():
+        assert getattr(parsed, name) == values[section][key], name
+    assert parsed.model == "/models/t" and parsed.speculative_config.model == "/models/d"
+    assert (parsed.speculative_config.num_speculative_tokens, parsed.speculative_config.tetris) == (3, True)

@@ -46,6 +46,10 @@ def test_generate_json_equals_the_offline_api() -> None:
         ),
         (["generate", "--prompt", "x", "--model", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
         (["bench", "--offline", "--repeats", "0"], "--repeats"),
+        (["bench", "--offline", "--k", "3", "--speculative-config", '{"num_speculative_tokens": 4}'], "contradicts"),
+        (["bench", "--target", "127.0.0.1:1", "--speculative-config", '{"num_speculative_tokens": 4}'], "engine flags"),
+        (["up", "--engine-config", "{not json"], "--engine-config is not valid JSON"),
+        (["up", "--engine-config", '{"max_num_seqs": 0}'], "max_num_seqs"),
     ],
 )
 def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
@@ -66,3 +70,15 @@ def test_offline_bench_prints_every_mode() -> None:
         "ar", "sd", "minedraft"
     ]  # fmt: skip
     assert "differs" not in result.stdout
+
+
+def test_offline_bench_honours_the_speculative_config() -> None:
+    """k=1 from --speculative-config: no step can accept more than 1 draft + 1 bonus token (k=4, the
+    default, gives about 3.8 on the bundled pair)."""
+    result = _minedraft(
+        "bench", "--offline", "--num-prompts", "2", "--max-tokens", "16", "--repeats", "1", "--modes", "ar,sd",
+        "--device", "cpu", "--speculative-config", '{"num_speculative_tokens": 1}',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    sd = next(line.split() for line in result.stdout.splitlines() if line.startswith("sd "))
+    assert 1.0 < float(sd[4]) <= 2.0  # mean accepted length

@@ -208,24 +208,6 @@ def test_overload_is_resource_exhausted(stack) -> None:
     assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
 
 
-def test_a_dead_worker_fails_requests_fast_and_the_scheduler_stops_serving(pair) -> None:
-    """A worker that dies leaves its peer blocked in the step-end exchange: the scheduler must not hang
-    on it, but fail the requests (UNAVAILABLE) and turn NOT_SERVING so that traffic goes elsewhere."""
-    with LocalStack(_config(pair, MODES["minedraft"])) as stack, Client(stack.address, retries=0, timeout=60) as client:
-        assert client.generate([1, 2], max_tokens=4, temperature=0).finish_reason == "length"
-        drafter = stack.process("drafter")
-        drafter.kill()
-        drafter.wait()
-        with pytest.raises(grpc.RpcError) as info:
-            client.generate([1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "drafter" in info.value.details()
-        _wait_health(stack.address, "NOT_SERVING", timeout_s=10)
-        start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
-            client.generate([4, 5], max_tokens=5, temperature=0)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
-
-
 def _health(address: str) -> str:
     with grpc.insecure_channel(address) as channel:
         try:
@@ -242,31 +224,24 @@ def _wait_health(address: str, want: str, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def test_workers_are_not_serving_until_their_model_is_loaded(pair) -> None:
-    """The verifier cannot finish starting before the drafter joins the world group: until then it
-    answers health checks with NOT_SERVING, and steps with UNAVAILABLE."""
+def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
+    """A worker is SERVING once its model is loaded, without its peer: the scheduler forms the world (an
+    epoch) later. Until then, and for a plan of another epoch, it refuses steps with FAILED_PRECONDITION."""
     config = _config(pair, MODES["sd"])
-    engine = engine_flags(config)
-    verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
-    dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), "--host", "127.0.0.1"]
-    run = [sys.executable, "-m", "minedraft"]
-    verifier = subprocess.Popen([*run, "verifier", *engine, *dist, "--port", str(verifier_port)])
-    drafter = None
+    verifier_port, dist_port = free_port(), free_port()
+    verifier = subprocess.Popen([
+        sys.executable, "-m", "minedraft", "verifier", *engine_flags(config), "--dist-addr", "127.0.0.1",
+        "--dist-port", str(dist_port), "--host", "127.0.0.1", "--port", str(verifier_port),
+    ])  # fmt: skip
     try:
-        _wait_health(f"127.0.0.1:{verifier_port}", "NOT_SERVING")
-        time.sleep(1.0)
-        assert _health(f"127.0.0.1:{verifier_port}") == "NOT_SERVING"
-        with pytest.raises(grpc.RpcError) as info:
-            _worker_info(f"127.0.0.1:{verifier_port}")
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        drafter = subprocess.Popen([*run, "drafter", *engine, *dist, "--port", str(drafter_port)])
         _wait_health(f"127.0.0.1:{verifier_port}", "SERVING")
-        _wait_health(f"127.0.0.1:{drafter_port}", "SERVING")
+        assert _worker_info(f"127.0.0.1:{verifier_port}").epoch == 0
+        with grpc.insecure_channel(f"127.0.0.1:{verifier_port}") as channel, pytest.raises(grpc.RpcError) as info:
+            worker_pb2_grpc.WorkerStub(channel).Step(worker_pb2.StepPlan(step_id=1, epoch=7), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch 7" in info.value.details()
     finally:
-        for process in (drafter, verifier):
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
+        verifier.terminate()
+        verifier.wait(timeout=30)
 
 
 def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
@@ -277,6 +252,41 @@ def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "bogus_key" in result.stderr and "Extra inputs are not permitted" in result.stderr
+
+
+def _every_field_off_default(pair) -> EngineConfig:
+    config = _config(
+        pair, {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True}, tensor_parallel_size=2,
+        max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
+    )  # fmt: skip
+    fields = EngineConfig.model_fields
+    assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"
+    return config
+
+
+def test_every_engine_setting_reaches_every_process(pair) -> None:
+    """Each worker runs exactly the launcher's config (every field off its default, so a dropped one shows);
+    the scheduler, which refuses workers that differ from it, comes up SERVING."""
+    config = _every_field_off_default(pair)
+    with LocalStack(config) as stack:
+        for address in (stack.verifier_address, stack.drafter_address):
+            assert EngineConfig.model_validate_json(_worker_info(address).engine_config_json) == config
+        assert _health(stack.address) == "SERVING"
+
+
+def test_scheduler_refuses_workers_with_other_settings(pair) -> None:
+    """Workers started with draft_support_size=8, a scheduler with the default: it exits with a message
+    naming the field, instead of running a group that disagrees."""
+    workers = _every_field_off_default(pair)
+    mine = workers.model_copy(update={"draft_support_size": 64})
+    with LocalStack(workers, workers_only=True) as stack:
+        result = subprocess.run(
+            [sys.executable, "-m", "minedraft", "scheduler", *engine_flags(mine), "--port", str(free_port()),
+             "--metrics-port", "0", "--verifier", stack.verifier_address, "--drafter", stack.drafter_address],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "draft_support_size: 64 vs 8" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_offline_api_with_tensor_parallelism(pair, expected) -> None:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minedraft.engine.plans import Verified
-from minedraft.engine.workers import Drafts
+from minedraft.engine.plans import Drafts, Verified
 from minedraft.transport import StepChannel, Topology, init_world, pick_backend
 from minedraft.transport.channel import ids_hash
 from minedraft.transport.groups import agree_backend

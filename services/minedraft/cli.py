@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -33,52 +35,87 @@ def _add(group, flag: str, default: Any = None, **kwargs) -> None:
 
 
 # `minedraft up` is the embedded demo: MineDraft with the bundled pair unless told otherwise.
-UP_SPECULATIVE_DEFAULT = '{"num_speculative_tokens": 4, "is_parallel": true}'
+UP_DEFAULTS = {"speculative_config": '{"num_speculative_tokens": 4, "is_parallel": true}'}
+ENGINE_CONFIG_ENV = "MINEDRAFT_ENGINE_CONFIG"
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, speculative_default: str | None = None) -> None:
-    """Engine flags, named as vLLM names them; each can also come from a MINEDRAFT_* variable."""
-    group = parser.add_argument_group("engine")
-    _add(group, "--model", help="target checkpoint folder (HF format); default: bundled target")
-    _add(
-        group,
-        "--speculative-config",
-        speculative_default,
-        help='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\', or null for plain '
-        "autoregressive decoding (default: %(default)s)",
-    )
-    _add(group, "--tensor-parallel-size", 1, type=int, help="target tensor-parallel size")
-    _add(group, "--max-num-seqs", 16, type=int, help="requests per batch (MineDraft keeps two)")
-    _add(group, "--max-model-len", type=int, help="most tokens per request; default: the model's")
-    _add(group, "--dtype", "auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    _add(group, "--device", "auto", help="auto, cpu, cuda, cuda:N")
-    _add(group, "--seed", 0, type=int, help="seed of requests that bring none")
-    group.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=_env("--batch-invariant", "false").lower() in ("1", "true", "yes"),
-        help="strict kernels: every mode token-for-token equal to ar, slower [env MINEDRAFT_BATCH_INVARIANT]",
-    )
+def _field_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": args.model,
-        "speculative_config": args.speculative_config,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "dtype": args.dtype,
-        "device": args.device,
-        "seed": args.seed,
-        "batch_invariant": args.batch_invariant,
-    }
+def _field_env(name: str) -> str:
+    return "MINEDRAFT_" + name.upper()
 
 
-def _engine_config(args: argparse.Namespace):
+def _flag_kind(annotation: Any) -> dict[str, Any]:
+    """How argparse reads a field: bool -> --x/--no-x, Literal -> choices, int/float -> typed, else a string
+    (pydantic parses it, e.g. the speculative config's JSON)."""
+    types = [t for t in typing.get_args(annotation) if t is not type(None)] if _is_union(annotation) else [annotation]
+    kind = types[0] if len(types) == 1 else str
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(kind)):
+        return {"choices": typing.get_args(kind)}
+    return {"type": kind if kind in (int, float) else str}
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, base: dict[str, Any] | None = None) -> None:
+    """One flag per `EngineConfig` field, named as vLLM names them, its help and bounds from the field.
+
+    Every flag defaults to None ("not given"): `_engine_config` then takes the value from the flag, else from
+    its MINEDRAFT_<FIELD> variable, else from --engine-config (MINEDRAFT_ENGINE_CONFIG), else the model's
+    default. So defaults live in one place, the pydantic model (`base`: a command's own defaults, e.g. up's).
+    """
     from minedraft.config import EngineConfig
 
-    return EngineConfig(**_engine_kwargs(args))
+    group = parser.add_argument_group("engine (each flag also reads MINEDRAFT_<FLAG>)")
+    group.add_argument(
+        "--engine-config",
+        default=None,
+        help=f"the whole engine config as JSON (what every service of a group is started with); single flags "
+        f"override its keys [env {ENGINE_CONFIG_ENV}]",
+    )
+    for name, field in EngineConfig.model_fields.items():
+        default = (base or {}).get(name, field.default)
+        default = "none" if default is None else default if isinstance(default, str) else json.dumps(default)
+        group.add_argument(
+            _field_flag(name),
+            dest=name,
+            default=None,
+            help=f"{field.description} (default: {default}) [env {_field_env(name)}]",
+            **_flag_kind(field.annotation),
+        )
+
+
+def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None):
+    """The engine config from flags > MINEDRAFT_<FIELD> > --engine-config > `base` > EngineConfig's defaults."""
+    from minedraft.config import EngineConfig
+
+    values = dict(base or {})
+    whole = args.engine_config if args.engine_config is not None else os.environ.get(ENGINE_CONFIG_ENV)
+    if whole:
+        try:
+            values.update(json.loads(whole))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--engine-config is not valid JSON: {exc}") from exc
+    for name in EngineConfig.model_fields:
+        env = os.environ.get(_field_env(name))
+        if env:  # an empty variable counts as unset
+            values[name] = env
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return EngineConfig.model_validate(values)
+
+
+def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
+    from minedraft.config import EngineConfig
+
+    given = [n for n in EngineConfig.model_fields if getattr(args, n) is not None]
+    return [_field_flag(n) for n in given] + (["--engine-config"] if args.engine_config is not None else [])
 
 
 def _add_dist_args(parser: argparse.ArgumentParser) -> None:
@@ -86,12 +123,18 @@ def _add_dist_args(parser: argparse.ArgumentParser) -> None:
     _add(group, "--dist-addr", "127.0.0.1", help="verifier rank 0's address (rendezvous)")
     _add(group, "--dist-port", 29500, type=int, help="rendezvous port on verifier rank 0")
     _add(group, "--dist-backend", "auto", help="auto (NCCL on CUDA, gloo on CPU), nccl, gloo")
+    _add(
+        group, "--dist-timeout", 120.0, type=float,
+        help="seconds a collective waits for a peer; a hung peer is given up after this (forming a world too)",
+    )  # fmt: skip
 
 
 def _dist_config(args: argparse.Namespace):
     from minedraft.config import DistributedConfig
 
-    return DistributedConfig(master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend)
+    return DistributedConfig(
+        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend, timeout_s=args.dist_timeout
+    )
 
 
 def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0", public: bool = False) -> None:
@@ -159,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minedraft.llm import LLM
 
     params = _sampling_params(args)
-    llm = LLM(**_engine_kwargs(args))
+    llm = LLM(**_engine_config(args).model_dump())
     try:
         outputs = llm.generate(args.prompt, params, use_tqdm=not args.json and len(args.prompt) > 1)
     finally:
@@ -212,13 +255,16 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         (args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
         (args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}"),
         (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
-        (args.k >= 1, f"--k must be >= 1, got {args.k}"),
+        (args.k is None or args.k >= 1, f"--k must be >= 1, got {args.k}"),
         (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
         (args.target is None or ":" in args.target, f"--target must be host:port, got {args.target!r}"),
         (args.metrics_url is None or args.target is not None or args.k8s, "--metrics-url goes with --target or "
          "--k8s (--launch scrapes each stack it starts)"),
         (args.json is None or not args.offline, "--json is available with --target and --launch"),
         (args.draft_model is None or args.launch, "--draft-model goes with --launch"),
+        (args.offline or args.launch or not _explicit_engine_flags(args), "engine flags ("
+         f"{', '.join(_explicit_engine_flags(args))}) configure the engines that --offline and --launch start; "
+         "a running server (--target, --k8s) keeps its own"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -228,12 +274,30 @@ def _check_bench_args(args: argparse.Namespace) -> None:
 def _bench_offline(args: argparse.Namespace, prompts: list[str]) -> int:
     from minedraft.bench.offline import format_table, run_offline_bench
 
-    engine = _engine_kwargs(args)
-    engine.pop("speculative_config")
+    engine, speculative = _bench_engines(args)
     modes = (args.modes or OFFLINE_MODES).split(",")
-    results = run_offline_bench(prompts, modes, args.k, _sampling_params(args), repeats=args.repeats, **engine)
+    results = run_offline_bench(prompts, modes, speculative, _sampling_params(args), repeats=args.repeats, **engine)
     print(format_table(results))
     return 0
+
+
+def _bench_engines(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine settings of every compared mode, and the speculative keys the modes share.
+
+    --speculative-config gives those keys (k, draft model, Tetris knobs; each mode sets is_parallel,
+    force_pearl and tetris itself); --k and --draft-model are shorthands that may not contradict it.
+    """
+    config = _engine_config(args)
+    engine = config.model_dump(exclude={"speculative_config"})
+    spec = config.speculative_config
+    shared = spec.model_dump(exclude_none=True) if spec else {"num_speculative_tokens": 4}
+    for flag, key, value in (("--k", "num_speculative_tokens", args.k), ("--draft-model", "model", args.draft_model)):
+        if value is None:
+            continue
+        if spec is not None and shared.get(key) not in (None, value):
+            raise ValueError(f"{flag} {value} contradicts --speculative-config's {key} ({shared[key]}); give one")
+        shared[key] = value
+    return engine, shared
 
 
 def _online_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +311,7 @@ def _online_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "ignore_eos": args.ignore_eos,
         "stop": args.stop,
-        "seed": args.sampling_seed if args.sampling_seed is not None else args.seed,
+        "seed": args.sampling_seed if args.sampling_seed is not None else _engine_config(args).seed,
         "timeout": args.timeout,
         "warmup": args.warmup,
     }
@@ -279,14 +343,13 @@ def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
     from minedraft.bench.launch import format_comparison, greedy_mismatches, run_launch_bench
     from minedraft.bench.online import to_json
 
-    engine = _engine_kwargs(args)
-    engine.pop("speculative_config")
+    engine, speculative = _bench_engines(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="minedraft-bench-"))
     modes = (args.modes or LAUNCH_MODES).split(",")
     try:
         results = run_launch_bench(
-            modes, args.k, engine, prompts, log_dir=log_dir, log_level=args.log_level,
-            draft_model=args.draft_model, repeats=args.repeats, **_online_kwargs(args),
+            modes, speculative, engine, prompts, log_dir=log_dir, log_level=args.log_level,
+            repeats=args.repeats, **_online_kwargs(args),
         )  # fmt: skip
     except (RuntimeError, TimeoutError, ConnectionError) as exc:
         raise RuntimeError(f"{exc} (service logs: {log_dir})") from exc
@@ -319,6 +382,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from minedraft.scheduler.loop import Recovery
     from minedraft.scheduler.service import serve_scheduler
     from minedraft.serving import configure_logging
 
@@ -331,6 +395,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             drafter=args.drafter,
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
+            recovery=Recovery(worker_wait_s=args.worker_wait, join_timeout_s=args.join_timeout),
         )
     )
     return 0
@@ -343,7 +408,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from minedraft.launcher import LocalStack
 
-    config = _engine_config(args)  # validate before starting anything
+    config = _engine_config(args, base=UP_DEFAULTS)  # validate first
     # SIGTERM (and SIGINT, even when a non-interactive shell started us with it ignored) stop the stack
     # through the context manager, so no service process is left behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -391,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
         "accepted length). --target HOST:PORT: streamed requests against a running server, measured at the "
         "client (TTFT, ITL, E2E, throughput). --launch: for each of --modes, start verifier, drafter and "
         "scheduler locally (the engine flags apply), run the --target benchmark on it, stop it; then one "
-        "side-by-side table. See benchmarks/README.md.",
+        "side-by-side table. With --offline and --launch, --speculative-config gives the keys the speculative modes "
+        "share (k, draft model, Tetris knobs); each mode sets is_parallel, force_pearl and tetris itself. "
+        "See benchmarks/README.md.",
     )
     how = bench.add_mutually_exclusive_group(required=True)
     how.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
@@ -415,7 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated modes to compare, of {OFFLINE_MODES}; default: {OFFLINE_MODES} "
         f"with --offline, {LAUNCH_MODES} with --launch",
     )
-    bench.add_argument("--k", type=int, default=4, help="num_speculative_tokens for the speculative modes")
+    bench.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="num_speculative_tokens of the speculative modes (default 4); a shorthand for --speculative-config's "
+        "key, which it may not contradict",
+    )
     bench.add_argument(
         "--repeats",
         type=int,
@@ -461,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the whole stack on this machine with the bundled models, in MineDraft mode unless "
         "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
     )
-    _add_engine_args(up, speculative_default=UP_SPECULATIVE_DEFAULT)
+    _add_engine_args(up, base=UP_DEFAULTS)
     _add_listen_args(up, port=50051, host="127.0.0.1", public=True)
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
@@ -487,6 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(scheduler, "--max-waiting-requests", 256, type=int, help="queued requests beyond this: RESOURCE_EXHAUSTED")
     _add(scheduler, "--metrics-port", 9090, type=int, help="Prometheus port (0 = off)")
     _add(scheduler, "--startup-timeout", 1800.0, type=float, help="seconds to wait for the workers to load")
+    _add(
+        scheduler, "--worker-wait", 300.0, type=float,
+        help="seconds to hold requests while no verifier serves (it died and is restarting); then they fail with "
+        "UNAVAILABLE",
+    )  # fmt: skip
+    _add(scheduler, "--join-timeout", 180.0, type=float, help="seconds the workers may take to form a new world")
     scheduler.set_defaults(func=cmd_scheduler)
     return parser
 

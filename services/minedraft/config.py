@@ -93,8 +93,12 @@ class EngineConfig(BaseModel):
     model: str | None = Field(
         None, description="Target checkpoint folder (HF format); None = bundled target."
     )
-    speculative_config: SpeculativeConfig | None = Field(None, description="None = plain autoregressive.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\'; null = plain '
+        "autoregressive decoding.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target tensor-parallel size (verifier ranks).")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests per batch (MineDraft keeps two).")
     max_model_len: int | None = Field(
         None, ge=2, description="Most tokens (prompt + output) per request; default from the checkpoint."
@@ -139,6 +143,11 @@ class EngineConfig(BaseModel):
         spec = self.speculative_config
         return Path(spec.model) if spec and spec.model else BUNDLED_DRAFT
 
+    def target_only(self) -> EngineConfig:
+        """This config without speculation, for a group whose drafter is gone: the same requests run at
+        once (MineDraft's two batches become one), so the workers' caches hold them as they are."""
+        return self.model_copy(update={"speculative_config": None, "max_num_seqs": num_slots(self)})
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -160,7 +169,13 @@ class DistributedConfig(BaseModel):
     master_addr: str = Field("127.0.0.1", description="Verifier rank 0's address, as the drafter reaches it.")
     master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
-    timeout_s: float = Field(1800.0, gt=0, description="How long a collective may wait for its peers.")
+    timeout_s: float = Field(120.0, gt=0, description="How long a collective may wait for its peers.")
+
+
+def config_differences(mine: EngineConfig, theirs: EngineConfig) -> list[str]:
+    """'field: mine vs theirs' for every engine setting on which two processes of one group disagree."""
+    a, b = mine.model_dump(), theirs.model_dump()
+    return [f"{name}: {a[name]!r} vs {b[name]!r}" for name in a if a[name] != b[name]]
 
 
 def num_batches(config: EngineConfig) -> int:

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
+from minedraft.serving import is_serving
 
 
 def free_port() -> int:
@@ -29,23 +29,8 @@ def free_port() -> int:
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
-    """The engine flags that reproduce `config` on a service's command line."""
-    flags = [
-        "--tensor-parallel-size", str(config.tensor_parallel_size),
-        "--max-num-seqs", str(config.max_num_seqs),
-        "--dtype", config.dtype,
-        "--device", config.device,
-        "--seed", str(config.seed),
-    ]  # fmt: skip
-    if config.batch_invariant:
-        flags.append("--batch-invariant")
-    if config.model:
-        flags += ["--model", config.model]
-    if config.max_model_len:
-        flags += ["--max-model-len", str(config.max_model_len)]
-    if config.speculative_config is not None:
-        flags += ["--speculative-config", config.speculative_config.model_dump_json(exclude_none=True)]
-    return flags
+    """The one flag that gives a service the whole engine config: every process of a group runs the same."""
+    return ["--engine-config", config.model_dump_json()]
 
 
 def threads_per_worker(config: EngineConfig, cores: int) -> int:
@@ -86,6 +71,7 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         workers_only: bool = False,
+        dist_timeout_s: float | None = None,
         http_port: int = 0,
         api_keys: Sequence[str] = (),
         tls_cert: str | None = None,
@@ -111,6 +97,8 @@ class LocalStack:
         self.drafter_address = f"127.0.0.1:{drafter_port}" if config.speculative_config is not None else None
         engine = engine_flags(config)
         dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
+        if dist_timeout_s is not None:  # how long a worker waits in a collective for a hung peer
+            dist += ["--dist-timeout", str(dist_timeout_s)]
         common = ["--log-level", log_level]
         self._commands = [
             ("verifier", ["verifier", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(verifier_port)]),
@@ -147,18 +135,28 @@ class LocalStack:
             raise
 
     def _start(self) -> None:
+        for name, args in self._commands:
+            self._processes.append((name, self._launch(name, args)))
+        self._wait_serving()
+
+    def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
-        for name, args in self._commands:
-            out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
-            process = subprocess.Popen(
-                [sys.executable, "-m", "minedraft", *args],
-                env=self._scheduler_env(env) if name == "scheduler" else env,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-            )
-            self._processes.append((name, process))
-        self._wait_serving()
+        if name == "scheduler":
+            env = self._scheduler_env(env)
+        out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
+        return subprocess.Popen(
+            [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start a service again with its unchanged command (as Kubernetes restarts a pod), after it died."""
+        old = self.process(name)
+        if old.poll() is None:
+            raise RuntimeError(f"the {name} is still running (pid {old.pid})")
+        process = self._launch(name, dict(self._commands)[name])
+        self._processes = [(n, process if n == name else p) for n, p in self._processes]
+        return process
 
     def _scheduler_env(self, env: dict[str, str]) -> dict[str, str]:
         """API keys through the environment: a command line is visible to every local user."""
@@ -168,8 +166,7 @@ class LocalStack:
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
             with self._channel(address) as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                while not self._serving(health):
+                while not is_serving(channel, timeout_s=1):
                     for name, process in self._processes:
                         if process.poll() is not None:
                             raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
@@ -181,13 +178,6 @@ class LocalStack:
         if self._tls_cert and address == self.address:
             return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(self._tls_cert).read_bytes()))
         return grpc.insecure_channel(address)
-
-    @staticmethod
-    def _serving(health: health_pb2_grpc.HealthStub) -> bool:
-        try:
-            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
-        except grpc.RpcError:
-            return False
 
     def process(self, name: str) -> subprocess.Popen:
         """The running process of one service: verifier, drafter or scheduler."""

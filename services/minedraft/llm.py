@@ -27,28 +27,14 @@ class LLM:
         self,
         model: str | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
-        *,
-        tensor_parallel_size: int = 1,
-        max_num_seqs: int = 16,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        **engine_kwargs: Any,
+        **engine_args: Any,
     ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            **engine_kwargs,
-        )
+        """`engine_args`: any other `EngineConfig` field (tensor_parallel_size, max_num_seqs, max_model_len,
+        dtype, device, seed, batch_invariant, draft_support_size, ...), with its defaults; an unknown name is
+        an error."""
+        self.config = EngineConfig(model=model, speculative_config=speculative_config, **engine_args)
         self._workers = None
-        if tensor_parallel_size > 1:
+        if self.config.tensor_parallel_size > 1:
             self.engine = self._tensor_parallel_engine()
         else:
             self.engine = LLMEngine.local(self.config)
@@ -59,13 +45,14 @@ class LLM:
         local worker processes, exactly as the services run, and drive them from this process."""
         from minedraft.launcher import LocalStack
         from minedraft.model.tokenizer import load_tokenizer
-        from minedraft.scheduler.executor import RemoteExecutor
+        from minedraft.scheduler.remote_executor import RemoteExecutor
 
         self._workers = LocalStack(self.config, workers_only=True)
         self._workers.start()
         try:
             executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
-            info = executor.verifier_info()
+            info = executor.check_config(self.config)
+            executor.form_group(self.config, with_drafter=True, timeout_s=120)
             tokenizer = load_tokenizer(self.config.target_path)
             return LLMEngine(self.config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
         except BaseException:

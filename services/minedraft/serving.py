@@ -7,12 +7,16 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from minedraft.api import generate_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from minedraft.worker_node import WorkerNode
 
 log = logging.getLogger("minedraft")
 
@@ -55,6 +59,15 @@ def start_worker_server(
     return server, health_servicer, bound
 
 
+def is_serving(channel: grpc.Channel, timeout_s: float = 2.0) -> bool:
+    """Whether the server behind `channel` answers its health check with SERVING (not answering: False)."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def set_status(health_servicer, service_name: str, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
@@ -87,19 +100,19 @@ class NodeServicer:
     """
 
     def __init__(self) -> None:
-        self.node = None
+        self.node: WorkerNode | None = None
         self.load_error: BaseException | None = None
         self._health: health.HealthServicer | None = None
         self._lock = threading.Lock()
         self._loader: threading.Thread | None = None
 
-    def start_loading(self, load_node: Callable[[], object], health_servicer: health.HealthServicer) -> None:
+    def start_loading(self, load_node: Callable[[], WorkerNode], health_servicer: health.HealthServicer) -> None:
         """Join the world group and load the model in the background; flip health to SERVING when done."""
         self._health = health_servicer
         self._loader = threading.Thread(target=self._load, args=(load_node,), name="load-node", daemon=True)
         self._loader.start()
 
-    def _load(self, load_node: Callable[[], object]) -> None:
+    def _load(self, load_node: Callable[[], WorkerNode]) -> None:
         try:
             self.node = load_node()
         except BaseException as exc:  # reported through health and every call
@@ -109,17 +122,33 @@ class NodeServicer:
         set_status(self._health, WORKER_SERVICE, serving=True)
         log.info("worker ready")
 
-    def _ready_node(self, context: grpc.ServicerContext):
+    def _ready_node(self, context: grpc.ServicerContext) -> WorkerNode:
         if self.node is None:
             detail = f"worker failed to start: {self.load_error}" if self.load_error else "worker is still loading"
             context.abort(grpc.StatusCode.UNAVAILABLE, detail)
         return self.node
 
-    def Step(self, request, context):  # noqa: N802 (gRPC method name)
+    def Join(self, request, context):  # noqa: N802 (gRPC method name)
+        """Form a new world; waits for a step still running in the old one (a dead peer's collective fails)."""
         node = self._ready_node(context)
         with self._lock:
             try:
-                return node.lead(request) if hasattr(node, "lead") else node.run(request)
+                node.join(request)
+            except Exception as exc:
+                log.exception("joining epoch %d failed", request.epoch)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"joining epoch {request.epoch} failed: {exc}")
+        log.info("joined epoch %d (%s)", request.epoch, "with the drafter" if request.has_drafter else "no drafter")
+        return worker_pb2.JoinReply(epoch=request.epoch)
+
+    def Step(self, request, context):  # noqa: N802 (gRPC method name)
+        from minedraft.worker_node import NotInWorld
+
+        node = self._ready_node(context)
+        with self._lock:
+            try:
+                return node.step(request)
+            except NotInWorld as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except Exception as exc:
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from minedraft.api import generate_pb2, worker_pb2
 from minedraft.engine.plans import (
+    Admission,
     DraftPlan,
     DraftTask,
-    SequenceSpec,
     StepResult,
     Verified,
     VerifyPlan,
@@ -50,7 +50,7 @@ def stats_to_proto(stats: SpecDecodeStats) -> generate_pb2.SpecDecodeStats:
 
 def plan_to_proto(
     step_id: int,
-    admit: list[SequenceSpec],
+    admit: list[Admission],
     release: list[str],
     draft: DraftPlan | None,
     verify: VerifyPlan | None,
@@ -58,7 +58,7 @@ def plan_to_proto(
     msg = worker_pb2.StepPlan(
         step_id=step_id,
         admit=[
-            worker_pb2.SequenceSpec(
+            worker_pb2.Admission(
                 request_id=s.request_id,
                 token_ids=s.token_ids,
                 sampling=sampling_to_proto(s.params),
@@ -84,9 +84,9 @@ def plan_to_proto(
 
 def plan_from_proto(
     msg: worker_pb2.StepPlan,
-) -> tuple[list[SequenceSpec], list[str], DraftPlan | None, VerifyPlan | None]:
+) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
     admit = [
-        SequenceSpec(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
+        Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
         for s in msg.admit
     ]
     draft = None

@@ -150,6 +150,26 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- end }}
 
 {{/*
+The whole engine config (minedraft.config.EngineConfig) as the JSON every service of the group starts with
+(MINEDRAFT_ENGINE_CONFIG). Field names are the engine's; values come from engine.*, verifier, models and
+speculativeConfig. tests/test_chart.py checks that every EngineConfig field is set here.
+*/}}
+{{- define "minedraft.engineConfigJson" -}}
+{{- $e := .Values.engine }}
+{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "max_model_len" nil "model" nil "speculative_config" nil }}
+{{- if not (kindIs "invalid" $e.maxModelLen) }}
+{{- $_ := set $config "max_model_len" (int $e.maxModelLen) }}
+{{- end }}
+{{- with .Values.models.target }}
+{{- $_ := set $config "model" (printf "%s/%s" $.Values.models.mountPath .) }}
+{{- end }}
+{{- if include "minedraft.speculative" . }}
+{{- $_ := set $config "speculative_config" (include "minedraft.speculativeJson" . | fromJson) }}
+{{- end }}
+{{- toJson $config }}
+{{- end }}
+
+{{/*
 Checksum of everything that defines the engine group. All three pods carry it, so a change that restarts
 one worker restarts the whole group: a new verifier cannot rejoin a running drafter's process group, and
 the scheduler must rebuild its engine over the fresh workers.

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SequenceSpec(_message.Message):
+class Admission(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,9 +40,32 @@ class VerifyTask(_message.Message):
     keep_bonus: bool
     def __init__(self, request_id: _Optional[str] = ..., keep_bonus: _Optional[bool] = ...) -> None: ...
 
+class JoinRequest(_message.Message):
+    __slots__ = ("epoch", "has_drafter")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    has_drafter: bool
+    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class FollowerMessage(_message.Message):
+    __slots__ = ("plan", "join")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    plan: StepPlan
+    join: JoinRequest
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify")
+    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -51,14 +74,15 @@ class StepPlan(_message.Message):
     HAS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    admit: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
+    epoch: int
+    admit: _containers.RepeatedCompositeFieldContainer[Admission]
     release: _containers.RepeatedScalarFieldContainer[str]
     has_draft: bool
     draft: _containers.RepeatedCompositeFieldContainer[DraftTask]
     tetris_capacity: int
     has_verify: bool
     verify: _containers.RepeatedCompositeFieldContainer[VerifyTask]
-    def __init__(self, step_id: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
 
 class Verified(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_draft_tokens", "num_accepted")
@@ -98,7 +122,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_slots", "num_free_slots", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size")
+    __slots__ = ("role", "model", "num_slots", "num_free_slots", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +133,8 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORLD_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_slots: int
@@ -119,4 +145,6 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     world_rank: int
     tensor_parallel_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    engine_config_json: str
+    epoch: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_slots: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

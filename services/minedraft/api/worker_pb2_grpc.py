@@ -35,6 +35,11 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Join = channel.unary_unary(
+                '/minedraft.v1.Worker/Join',
+                request_serializer=minedraft_dot_v1_dot_worker__pb2.JoinRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_worker__pb2.JoinReply.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/minedraft.v1.Worker/Step',
                 request_serializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
@@ -49,6 +54,14 @@ class WorkerStub:
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Form a new world (an epoch) with the other workers the scheduler names: drop every request's state,
+        leave the previous world, meet the others at the rendezvous. Returns once the world is formed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
         """Run one step: admissions and releases first, then the draft and/or verify part, then the exchange.
@@ -66,6 +79,11 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=minedraft_dot_v1_dot_worker__pb2.JoinRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_worker__pb2.JoinReply.SerializeToString,
+            ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.FromString,
@@ -86,6 +104,33 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.Worker/Join',
+            minedraft_dot_v1_dot_worker__pb2.JoinRequest.SerializeToString,
+            minedraft_dot_v1_dot_worker__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Step(request,

@@ -16,13 +16,12 @@ from minedraft.launcher import LocalStack, free_port
 
 def run_launch_bench(
     modes: Sequence[str],
-    k: int,
+    speculative: dict[str, Any],
     engine_kwargs: dict[str, Any],
     prompts: Sequence[str],
     *,
     log_dir: Path,
     log_level: str = "INFO",
-    draft_model: str | None = None,
     repeats: int = 1,
     **bench_kwargs: Any,
 ) -> dict[str, BenchResult]:
@@ -30,10 +29,8 @@ def run_launch_bench(
     `run_online_bench` over `prompts` for every mode in turn, `repeats` rounds, and keep each mode's
     median-throughput round. Interleaving spreads the machine's noise over the modes alike (an idle
     stack costs no CPU). Service logs go to `log_dir/<mode>/`.
-    `draft_model`: the speculative modes' draft checkpoint (None: the bundled draft)."""
-    configs = mode_configs(k)
-    if draft_model:
-        configs = {m: {**spec, "model": draft_model} if spec else spec for m, spec in configs.items()}
+    `speculative`: the speculative keys the modes share (see `mode_configs`)."""
+    configs = mode_configs(speculative)
     unknown = [m for m in modes if m not in configs]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")

@@ -32,14 +32,20 @@ class ModeResult:
         return self.output_tokens / statistics.median(self.seconds)
 
 
-def mode_configs(k: int) -> dict[str, dict | None]:
-    """The modes compared, as speculative configs (None = autoregressive)."""
+# The keys that make a mode; every other speculative key (k, draft model, Tetris knobs) the modes share.
+MODE_KEYS = ("is_parallel", "force_pearl", "tetris")
+
+
+def mode_configs(shared: dict) -> dict[str, dict | None]:
+    """The modes compared, as speculative configs (None = autoregressive); `shared` holds the keys they
+    have in common, e.g. {"num_speculative_tokens": 4}."""
+    shared = {key: value for key, value in shared.items() if key not in MODE_KEYS}
     return {
         "ar": None,
-        "sd": {"num_speculative_tokens": k},
-        "pearl": {"num_speculative_tokens": k, "is_parallel": True, "force_pearl": True},
-        "minedraft": {"num_speculative_tokens": k, "is_parallel": True},
-        "minedraft+tetris": {"num_speculative_tokens": k, "is_parallel": True, "tetris": True},
+        "sd": dict(shared),
+        "pearl": {**shared, "is_parallel": True, "force_pearl": True},
+        "minedraft": {**shared, "is_parallel": True},
+        "minedraft+tetris": {**shared, "is_parallel": True, "tetris": True},
     }
 
 
@@ -70,10 +76,11 @@ def format_table(results: list[ModeResult]) -> str:
 
 
 def run_offline_bench(
-    prompts: list[str], modes: list[str], k: int, params: SamplingParams, repeats: int = 3, **engine_kwargs
+    prompts: list[str], modes: list[str], speculative: dict, params: SamplingParams, repeats: int = 3, **engine_kwargs
 ) -> list[ModeResult]:
-    """Time each mode over the same prompts; in greedy mode every output must equal the first mode's."""
-    configs = mode_configs(k)
+    """Time each mode over the same prompts; in greedy mode every output must equal the first mode's.
+    `speculative`: the speculative keys the modes share (see `mode_configs`)."""
+    configs = mode_configs(speculative)
     unknown = [m for m in modes if m not in configs]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")

@@ -6,11 +6,12 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
-from minedraft.engine.executor import draft_runner
+from minedraft.engine.local_executor import draft_runner
 from minedraft.engine.workers import DraftWorker
 from minedraft.transport.channel import StepChannel
+from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import plan_from_proto
-from minedraft.worker_node import join_world, max_model_len_of, topology_of, worker_info
+from minedraft.worker_node import check_epoch, join_world, max_model_len_of, topology_of, worker_info
 
 
 class DrafterNode:
@@ -18,14 +19,36 @@ class DrafterNode:
         if config.speculative_config is None:
             raise ValueError("the drafter needs a speculative config (plain autoregressive decoding has no drafter)")
         self.config = config
-        device = _drafter_device(config)
-        self.groups = join_world(config, dist, topology_of(config).drafter_rank, device)
-        self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), device)
+        self.dist = dist
+        self.device = _drafter_device(config)
+        self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), self.device)
         self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
-        self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
+        self.rank = topology_of(config).drafter_rank
+        self.groups: WorldGroups | None = None
+        self.channel: StepChannel | None = None
+        self.epoch: int | None = None
 
-    def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+    def join(self, request: worker_pb2.JoinRequest) -> None:
+        """Drop every request and meet the verifier ranks in a new world (a store client per join: the
+        verifier may have restarted since the last one)."""
+        self.leave()
+        store = rendezvous_store(self.dist.master_addr, self.dist.master_port, is_master=False,
+                                 timeout_s=self.dist.timeout_s)
+        self.groups = join_world(self.config, self.dist, self.rank, self.device, store=store, epoch=request.epoch,
+                                 has_drafter=True)
+        self.channel = StepChannel(self.groups, support_size=self.config.draft_support_size)
+        self.epoch = request.epoch
+
+    def leave(self) -> None:
+        self.worker.reset()
+        self.epoch, self.channel = None, None
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
+
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         """Draft, then the step-end exchange: results in first, then the still-valid drafts out."""
+        check_epoch(self.epoch, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
         self.worker.admit(admit)
@@ -44,10 +67,10 @@ class DrafterNode:
         return reply
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return worker_info("drafter", str(self.config.draft_path), self.worker, self.groups.rank, self.config)
+        return worker_info("drafter", str(self.config.draft_path), self.worker, self.rank, self.config, self.epoch)
 
     def close(self) -> None:
-        self.groups.close()
+        self.leave()
 
 
 def _drafter_device(config: EngineConfig) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import make_pipeline
-from minedraft.engine.plans import Executor, SequenceSpec, StepResult
+from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
@@ -48,6 +48,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.pipeline = make_pipeline(config)
+        self.speculating = config.speculative_config is not None
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
         self.last_step: StepResult | None = None
@@ -120,7 +121,7 @@ class LLMEngine:
         admitted, draft, verify = self.pipeline.schedule()
         if admitted:
             self.executor.admit(
-                [SequenceSpec(r.request_id, r.prompt_ids, r.params, r.seed, r.batch) for r in admitted]
+                [Admission(r.request_id, r.prompt_ids + r.output_ids, r.params, r.seed, r.batch) for r in admitted]
             )
         if draft is None and verify is None:
             return []
@@ -132,7 +133,7 @@ class LLMEngine:
             request = self.requests.get(verified.request_id)
             if request is None:
                 continue
-            request.window = None
+            request.pending_drafts = None
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # aborted during the step: its tokens are dropped
@@ -140,14 +141,29 @@ class LLMEngine:
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
             if request_id in self.requests:
-                self.requests[request_id].window = num_tokens
+                self.requests[request_id].pending_drafts = num_tokens
         touched.extend(r for r in self._release_finished() if r not in touched)
         return touched
+
+    def restart(self, speculate: bool) -> None:
+        """The workers lost every request (a worker died, a new world was formed): start each unfinished
+        request again from its prompt and the tokens it has so far, in arrival order, speculating or (without
+        a drafter) target-only. The workers re-prefill them; no token already produced changes."""
+        batches = self.pipeline.batches
+        running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
+        for request in [r for r in running if r.finished]:
+            del self.requests[request.request_id]
+        self.speculating = speculate and self.config.speculative_config is not None
+        self.pipeline = make_pipeline(self.config if self.speculating else self.config.target_only())
+        for request in running + list(batches.waiting):
+            if not request.finished:
+                request.restart()
+                self.pipeline.batches.add(request)
 
     @classmethod
     def local(cls, config: EngineConfig) -> LLMEngine:
         """Drafter and verifier in this process (the offline API and the tests)."""
-        from minedraft.engine.executor import build_local_executor
+        from minedraft.engine.local_executor import build_local_executor
 
         executor, runner = build_local_executor(config, num_slots=num_slots(config))
         return cls(

@@ -1,7 +1,7 @@
 """The four decoding modes as step schedules over one executor.
 
 Each `schedule()` admits waiting requests, then returns what to draft and what to verify in the next
-step. A request's `window` is the number of draft tokens the verifier holds for it (None: none yet).
+step. A request's `pending_drafts` is the number of draft tokens the verifier holds for it (None: none yet).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Pipeline(ABC):
         tasks = []
         for r in requests:
             cont = r.request_id in continuing
-            carried = (r.window or 0) if cont else 0
+            carried = (r.pending_drafts or 0) if cont else 0
             # Drafts past the request's last token are wasted: each verification adds one token of its own.
             tasks.append(DraftTask(r.request_id, max(0, min(k, r.remaining_tokens - carried - 1)), cont))
         capacity = (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
@@ -49,7 +49,7 @@ class Pipeline(ABC):
 
     @staticmethod
     def _verify_plan(requests: list[Request], keep_bonus: bool = True) -> VerifyPlan | None:
-        ready = [VerifyTask(r.request_id, keep_bonus) for r in requests if r.window is not None]
+        ready = [VerifyTask(r.request_id, keep_bonus) for r in requests if r.pending_drafts is not None]
         return VerifyPlan(ready) if ready else None
 
 
@@ -101,7 +101,7 @@ class PearlPipeline(Pipeline):
     def schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
-        verifying = [r for r in batch if r.window is not None]
+        verifying = [r for r in batch if r.pending_drafts is not None]
         draft = self._draft_plan(batch, continuing=frozenset(r.request_id for r in verifying))
         continued = {t.request_id for t in draft.tasks if t.continue_window and t.num_tokens > 0} if draft else set()
         verify = [VerifyTask(r.request_id, keep_bonus=r.request_id not in continued) for r in verifying]

@@ -17,13 +17,16 @@ themselves stay with the workers, who exchange them directly (in one process, or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from minedraft.sampling.params import SamplingParams
 
+if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
+    import torch
+
 
 @dataclass(frozen=True)
-class SequenceSpec:
+class Admission:
     """What a worker needs to hold a request: its tokens so far and how to sample."""
 
     request_id: str
@@ -61,6 +64,21 @@ class VerifyPlan:
     tasks: list[VerifyTask]
 
 
+@dataclass
+class Drafts:
+    """One request's draft window, as the drafter hands it to the verifier: the tokens, the draft
+    probability of each, and the sparse q each was sampled from (one row of ids and probs per token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    token_probs: list[float] = field(default_factory=list)
+    q_ids: list[torch.Tensor] = field(default_factory=list)
+    q_probs: list[torch.Tensor] = field(default_factory=list)
+
+    def truncate(self, n: int) -> None:
+        for part in (self.tokens, self.token_probs, self.q_ids, self.q_probs):
+            del part[n:]
+
+
 @dataclass(frozen=True)
 class Verified:
     """One request's verification: the new tokens (accepted drafts + at most one target token)."""
@@ -85,7 +103,7 @@ class StepResult:
 class Executor(Protocol):
     """Runs steps on a drafter/verifier pair: in one process, or across processes and pods."""
 
-    def admit(self, seqs: list[SequenceSpec]) -> None: ...
+    def admit(self, seqs: list[Admission]) -> None: ...
 
     def release(self, request_ids: list[str]) -> None: ...
 

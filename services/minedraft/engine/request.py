@@ -76,7 +76,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    window: int | None = None  # draft tokens the verifier holds for this request; None = not drafted
+    pending_drafts: int | None = None  # draft tokens the verifier holds for it, to verify; None = not drafted
     batch: int = 0  # which of the engine's batches it runs in
     _streamed: int = 0  # characters of text already handed to a stream
 
@@ -158,14 +158,19 @@ class Request:
         if not delta:
             return
         if self.params.stop:
-            window_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
-            window = self.text[window_start:] + delta
-            hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+            tail_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
+            tail = self.text[tail_start:] + delta
+            hits = [i for i in (tail.find(s) for s in self.params.stop) if i >= 0]
             if hits:
-                self.text = (self.text[:window_start] + window)[: window_start + min(hits)]
+                self.text = (self.text[:tail_start] + tail)[: tail_start + min(hits)]
                 self._finish("stop")
                 return
         self.text += delta
+
+    def restart(self) -> None:
+        """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight)."""
+        self.status = RequestStatus.WAITING
+        self.pending_drafts = None
 
     def abort(self) -> None:
         self._finish("abort")

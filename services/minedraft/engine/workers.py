@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minedraft.engine.plans import DraftPlan, DraftTask, SequenceSpec, Verified, VerifyPlan
+from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
@@ -49,23 +49,11 @@ class _Sequence:
         return keep, target[keep:]
 
 
-@dataclass
-class Drafts:
-    """One request's draft window: tokens, their draft probabilities and the sparse q they came from."""
-
-    tokens: list[int] = field(default_factory=list)
-    token_probs: list[float] = field(default_factory=list)
-    q_ids: list[torch.Tensor] = field(default_factory=list)
-    q_probs: list[torch.Tensor] = field(default_factory=list)
-
-    def truncate(self, n: int) -> None:
-        for part in (self.tokens, self.token_probs, self.q_ids, self.q_probs):
-            del part[n:]
-
-    def sparse_q(self) -> SparseProbs | None:
-        if not self.tokens:
-            return None
-        return SparseProbs(token_ids=torch.stack(self.q_ids), probs=torch.stack(self.q_probs))
+def sparse_q(drafts: Drafts) -> SparseProbs | None:
+    """The draft distributions of a window as one sparse q (None for an empty window)."""
+    if not drafts.tokens:
+        return None
+    return SparseProbs(token_ids=torch.stack(drafts.q_ids), probs=torch.stack(drafts.q_probs))
 
 
 class _Worker:
@@ -78,7 +66,7 @@ class _Worker:
     def device(self) -> torch.device:
         return torch.device(self.runner.device)
 
-    def admit(self, specs: list[SequenceSpec]) -> None:
+    def admit(self, specs: list[Admission]) -> None:
         for spec in specs:
             if spec.request_id in self.sequences:
                 self.release([spec.request_id])  # re-admission rebuilds the request from scratch
@@ -96,6 +84,10 @@ class _Worker:
             seq = self.sequences.pop(request_id, None)
             if seq is not None:
                 self.runner.free_slot(seq.slot)
+
+    def reset(self) -> None:
+        """Drop every request (a new world or a new scheduler): all KV slots are free again."""
+        self.release(list(self.sequences))
 
     @property
     def num_active(self) -> int:
@@ -212,7 +204,7 @@ class VerifyWorker(_Worker):
         new_tokens = rejection_sample(
             batch.logits,
             [w.tokens for w in batch.windows],
-            [w.sparse_q() for w in batch.windows],
+            [sparse_q(w) for w in batch.windows],
             [seq.params for seq in batch.seqs],
             [seq.generator for seq in batch.seqs],
         )

@@ -11,11 +11,19 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
+@dataclass
 class TensorParallel:
+    """Shared by every layer of a model. The group can be replaced (`bind`) when the world is formed again
+    after a failure: the shards stay loaded, only the communicator changes."""
+
     group: dist.ProcessGroup | None = None
     rank: int = 0
     size: int = 1
+
+    def bind(self, group: dist.ProcessGroup | None) -> None:
+        if self.size > 1 and (group is None or dist.get_world_size(group) != self.size):
+            raise ValueError(f"a tensor-parallel model of {self.size} ranks needs a group of {self.size} ranks")
+        self.group = group
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None) -> TensorParallel:

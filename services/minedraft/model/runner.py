@@ -1,8 +1,8 @@
 """ModelRunner: loads a checkpoint, owns the KV cache, runs mixed variable-length batches.
 
 ``forward`` = ``prepare`` (validate on the host, flatten into a ForwardBatch of plain tensors) +
-``execute`` (the model pass). A tensor-parallel rank 0 can broadcast a ForwardBatch (see ``flatten``)
-and the other ranks call ``execute`` with it themselves.
+``execute`` (the model pass). Under tensor parallelism every rank prepares and runs the same batch
+itself: the verifier forwards each step's plan to its ranks, not the batch.
 """
 
 from __future__ import annotations

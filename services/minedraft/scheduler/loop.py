@@ -11,8 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from grpc_health.v1 import health_pb2
 
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.request import Request, RequestStatus
@@ -61,20 +64,45 @@ class _Abort:
 
 
 class EngineFailed(RuntimeError):
-    """The engine group is broken; requests fail with UNAVAILABLE until it is restarted."""
+    """The engine group cannot run requests now (its verifier is gone); they fail with UNAVAILABLE."""
+
+
+@dataclass
+class Recovery:
+    """How the loop re-forms its engine group after a failed step (see `EngineLoop._recover`)."""
+
+    worker_wait_s: float = 300.0  # how long requests are held while no verifier is back
+    join_timeout_s: float = 180.0  # how long forming a world may take
+    drafter_check_s: float = 1.0  # how often a group without its drafter looks for it
 
 
 class EngineLoop:
+    """Steps the engine; when a step fails, re-forms the group instead of failing requests:
+
+    - the drafter died: the group goes on target-only at once, and takes the drafter back when it serves
+      again (a new world, requests re-admitted, speculation resumes);
+    - the verifier died: requests are held until a verifier serves again (at most `worker_wait_s`), then
+      re-admitted; past that wait they fail with UNAVAILABLE, and the loop keeps trying for later ones.
+
+    Re-admission re-prefills prompt + tokens so far, so no produced token changes. `on_state(serving,
+    reason)` reports when the group can or cannot serve.
+    """
+
     def __init__(
         self,
         engine: LLMEngine,
         metrics: Metrics | None = None,
-        on_failure: Callable[[str], None] | None = None,
+        on_state: Callable[[bool, str], None] | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.failed: str | None = None
-        self._on_failure = on_failure
+        self.recovery = recovery or Recovery()
+        self._on_state = on_state
+        self._next_drafter_check = 0.0
+        self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
+        self._next_retry = 0.0
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._unstarted: set[str] = set()  # requests whose sink has not been told that they left the queue
@@ -99,11 +127,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped:
             idle = not self.engine.has_unfinished()
-            if idle:
+            if self.failed is not None:
+                self._retry_after_failure()
+            elif idle:
                 self._safe(self.engine.executor.flush)  # release the KV of finished/aborted requests now
-            if not self._apply_commands(block=idle):
+            if not self._apply_commands(block=idle or self.failed is not None):
                 return
-            if self.engine.has_unfinished():
+            self._take_drafter_back()
+            if self.engine.has_unfinished() and self.failed is None:
                 self._safe(self._step)
 
     def _apply_commands(self, block: bool) -> bool:
@@ -177,20 +208,82 @@ class EngineLoop:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
 
     def _safe(self, fn) -> None:
-        """A failed step is fatal for the engine group: a worker died or the drafter and the verifier fell
-        out of lockstep, so no later step could be trusted. Fail the requests in flight and every later
-        one, and report it (the service turns NOT_SERVING), instead of hanging on a dead peer."""
-        if self.failed is not None:
-            return
+        """A failed step means a worker died or hung (or the two fell out of lockstep): no later step of
+        this world can be trusted, so form a new one."""
         try:
             fn()
         except Exception as exc:
-            log.exception("engine step failed; the engine group must be restarted")
-            self.failed = f"the engine failed and must be restarted: {exc}"
-            for request_id, sink in list(self._sinks.items()):
-                sink.put(EngineFailed(self.failed))
-                self.engine.abort_request(request_id)
-            self._sinks.clear()
-            self._unstarted.clear()
-            if self._on_failure is not None:
-                self._on_failure(self.failed)
+            log.warning("engine step failed (%s); re-forming the engine group", exc)
+            self._recover(exc)
+
+    def _recover(self, cause: BaseException) -> None:
+        """Hold every request until the group is formed again, at most `worker_wait_s`."""
+        deadline = time.monotonic() + self.recovery.worker_wait_s
+        self._report(False, f"re-forming the engine group after: {cause}")
+        while not self._stopped:
+            if self._reform():
+                return
+            if time.monotonic() > deadline:
+                address, wait = self.engine.executor.verifier.address, self.recovery.worker_wait_s
+                self._fail_all(f"no verifier serves at {address}: requests were held {wait:.0f}s (--worker-wait) "
+                               f"and then given up; the group failed with: {cause}")
+                return
+            if not self._apply_commands(block=False):
+                return
+            time.sleep(0.5)
+
+    def _retry_after_failure(self) -> None:
+        if time.monotonic() >= self._next_retry:
+            self._next_retry = time.monotonic() + 1.0
+            if self._reform():
+                self.failed = None
+
+    def _reform(self) -> bool:
+        """Form a new world of the live workers (the verifier is required) and re-admit every request."""
+        executor = self.engine.executor
+        if not executor.verifier.serving():
+            return False
+        with_drafter = executor.drafter is not None and executor.drafter.serving()
+        try:
+            executor.form_group(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
+        except Exception as exc:
+            log.warning("could not form the engine group: %s", exc)
+            return False
+        self.engine.restart(speculate=executor.has_drafter)
+        mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
+        log.info("engine group formed (epoch %d), %s; %d requests re-admitted", executor.epoch, mode,
+                 len(self.engine.requests))
+        self._report(True, mode)
+        return True
+
+    def _take_drafter_back(self) -> None:
+        """A group running without its drafter checks now and then whether it serves again. The check runs
+        in the background: a hung drafter does not answer, and the loop must not wait for it."""
+        executor = self.engine.executor
+        if self.failed is not None or self.engine.speculating or getattr(executor, "drafter", None) is None:
+            return
+        if self._drafter_probe is None:
+            if time.monotonic() >= self._next_drafter_check:
+                self._drafter_probe = executor.drafter.serving_later()
+            return
+        if not self._drafter_probe.done():
+            return
+        probe, self._drafter_probe = self._drafter_probe, None
+        self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
+        if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
+            log.info("the drafter at %s serves again: taking it back", executor.drafter.address)
+            self._reform()
+
+    def _fail_all(self, reason: str) -> None:
+        log.error("%s", reason)
+        self.failed = reason
+        for request_id, sink in list(self._sinks.items()):
+            sink.put(EngineFailed(reason))
+            self.engine.abort_request(request_id)
+        self._sinks.clear()
+        self._unstarted.clear()
+        self._report(False, reason)
+
+    def _report(self, serving: bool, reason: str) -> None:
+        if self._on_state is not None:
+            self._on_state(serving, reason)

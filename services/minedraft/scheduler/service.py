@@ -29,8 +29,8 @@ from minedraft.frontends.grpc_api import MineDraftServicer, add_public_api
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.executor import RemoteExecutor
-from minedraft.scheduler.loop import EngineLoop
+from minedraft.scheduler.loop import EngineLoop, Recovery
+from minedraft.scheduler.remote_executor import RemoteExecutor
 from minedraft.serving import MAX_MESSAGE_BYTES, PUBLIC_SERVICE
 
 log = logging.getLogger("minedraft.scheduler")
@@ -63,12 +63,15 @@ class PublicApi:
 
 
 def build_engine(
-    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float
+    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float,
+    recovery: Recovery,
 ) -> LLMEngine:
-    """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
+    """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
+    left), then build the engine over them (the scheduler holds no model)."""
     executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
     executor.wait_until_serving(startup_timeout_s)
-    info = executor.verifier_info()
+    info = executor.check_config(config)
+    executor.form_group(config, with_drafter=True, timeout_s=recovery.join_timeout_s)
     return LLMEngine(config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
 
 
@@ -121,6 +124,26 @@ async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_Embedd
     return server, task
 
 
+async def _stop_http(http: tuple[_EmbeddedUvicorn, asyncio.Task] | None) -> None:
+    if http is not None:
+        http[0].force_exit = True
+        await http[1]
+
+
+class _Serving:
+    """The scheduler's serving state, as grpc.health.v1 and the HTTP API's /health both report it."""
+
+    def __init__(self, health: health_aio.HealthServicer) -> None:
+        self.health = health
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", PUBLIC_SERVICE):
+            await self.health.set(name, status)
+
+
 async def serve_scheduler(
     config: EngineConfig,
     api: PublicApi,
@@ -129,15 +152,15 @@ async def serve_scheduler(
     drafter: str | None,
     metrics_port: int | None,
     startup_timeout_s: float,
+    recovery: Recovery,
 ) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
     tokenizer = load_tokenizer(config.target_path)
     generator = Generator(tokenizer, Limits(max_prompt_bytes=api.max_prompt_bytes, max_waiting=api.max_waiting))
-    health = health_aio.HealthServicer()
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = await _start_grpc(api, MineDraftServicer(generator, config), health)
+    state = _Serving(health_aio.HealthServicer())
+    await state.set(False)
+    server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
 
     metrics = Metrics(model_name=api.served_model_name or config.target_path.name)
     if metrics_port:
@@ -149,37 +172,39 @@ async def serve_scheduler(
             served_model_name=api.served_model_name or config.target_path.name,
             chat_template=ChatTemplate.from_checkpoint(config.target_path),
             api_keys=api.api_keys,
-            is_serving=lambda: generator.loop is not None and generator.loop.failed is None,
+            is_serving=lambda: state.serving,
             registry=metrics.registry,
             max_body_bytes=api.max_request_bytes,
         )
         http = await _start_http(api, frontend)
 
-    engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
+    try:
+        engine = await asyncio.to_thread(
+            build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery
+        )
+    except BaseException:
+        await _stop_http(http)
+        await server.stop(grace=None)
+        raise
     event_loop = asyncio.get_running_loop()
 
-    def not_serving(reason: str) -> None:  # called from the step-loop thread
-        for name in ("", PUBLIC_SERVICE):
-            asyncio.run_coroutine_threadsafe(health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), event_loop)
+    def report(serving: bool, reason: str) -> None:  # called from the step-loop thread
+        asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
-    loop = EngineLoop(engine, metrics, on_failure=not_serving)
+    loop = EngineLoop(engine, metrics, on_state=report, recovery=recovery)
     loop.start()
     generator.loop = loop
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await state.set(True)
     log.info("scheduler SERVING in %s mode", config.mode.value)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await state.set(False)
     if http is not None:
         http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
     await server.stop(grace=5)
-    if http is not None:
-        http[0].force_exit = True
-        await http[1]
+    await _stop_http(http)
     loop.stop()
     engine.executor.close()

@@ -28,8 +28,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from minedraft.engine.plans import Verified
-from minedraft.engine.workers import Drafts
+from minedraft.engine.plans import Drafts, Verified
 from minedraft.transport.groups import WorldGroups
 
 _LEADER = 0  # verifier rank 0: samples, sends results, forwards plans

@@ -101,6 +101,17 @@ def pick_backend(device: str | torch.device) -> str:
     return "gloo"
 
 
+def rendezvous_store(
+    master_addr: str, master_port: int, *, is_master: bool, timeout_s: float
+) -> dist.TCPStore:
+    """The TCP store the ranks meet at. Verifier rank 0 hosts it for its whole life (`is_master`), so that
+    a rank that restarts can meet the others again; every other rank connects to it for each join."""
+    return dist.TCPStore(
+        master_addr, master_port, None, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
 def init_world(
     *,
     rank: int,
@@ -110,17 +121,24 @@ def init_world(
     device: str | torch.device = "cpu",
     backend: str | None = None,
     timeout_s: float = 600,
+    store: dist.Store | None = None,
+    epoch: int = 0,
 ) -> WorldGroups:
     """Join the world (every rank calls this, the drafter too) and build the TP group.
 
     `backend=None` lets the ranks agree on one (see the module docstring); an explicit backend must be the
     same on every rank. Errors about the arguments are raised before anything touches the network.
+    `store`: a rendezvous store that outlives this world (see `rendezvous_store`); None = one of its own.
+    `epoch`: which formation of the world this is; every formation meets under keys of its own, so a world
+    can be formed again after a rank died, through the same store.
     """
     _check_args(rank, topology, master_addr, master_port, backend, timeout_s)
     torch_device = _resolve_device(device)
     timeout = timedelta(seconds=timeout_s)
     # Our own store (not init_method="tcp://...") so the backend can be agreed on before the group exists.
-    store = dist.TCPStore(master_addr, master_port, topology.world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, topology.world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"minedraft/epoch/{epoch}/", store)
     chosen = _agree_on_backend(store, rank, topology.world_size, torch_device, backend)
     comm_device = torch_device if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":

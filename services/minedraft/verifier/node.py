@@ -14,8 +14,9 @@ from minedraft.config import DistributedConfig, EngineConfig, num_batches, num_s
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
+from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import plan_from_proto, verified_to_proto
-from minedraft.worker_node import join_world, max_model_len_of, worker_info
+from minedraft.worker_node import check_epoch, join_world, max_model_len_of, worker_info
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -23,47 +24,90 @@ log = logging.getLogger("minedraft.verifier")
 class VerifierNode:
     def __init__(self, config: EngineConfig, dist: DistributedConfig, rank: int) -> None:
         self.config = config
-        device = _rank_device(config.resolved_device(), rank)
-        self.groups = join_world(config, dist, rank, device)
+        self.dist = dist
+        self.rank = rank
+        self.device = _rank_device(config.resolved_device(), rank)
+        # Rank 0 hosts the rendezvous for its whole life; its other ranks and the drafter connect to it.
+        self.store = rendezvous_store(dist.master_addr, dist.master_port, is_master=rank == 0, timeout_s=dist.timeout_s)
+        # Tensor-parallel ranks meet once at start to load their shards; each later world rebinds the group.
+        self.groups: WorldGroups | None = None
+        if config.tensor_parallel_size > 1:
+            self.groups = join_world(config, dist, rank, self.device, store=self.store, epoch="load", has_drafter=False)
         self.runner = ModelRunner(
             config.target_path,
             num_slots=num_slots(config),
             max_seq_len=max_model_len_of(config),
-            device=device,
-            dtype=config.resolved_dtype(device),
-            tp_group=self.groups.tp_group if config.tensor_parallel_size > 1 else None,
+            device=self.device,
+            dtype=config.resolved_dtype(self.device),
+            tp_group=self.groups.tp_group if self.groups else None,
             batch_invariant=config.batch_invariant,
             slot_regions=num_batches(config),
         )
         self.worker = VerifyWorker(self.runner)
-        self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
-        self.rank = rank
+        self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None
+        self.epoch: int | None = None
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def lead(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        """Rank 0: forward the plan to the other ranks, then run it."""
+    def join(self, request: worker_pb2.JoinRequest) -> None:
+        """Rank 0: take the other ranks along into the new world, then join it."""
         if self.config.tensor_parallel_size > 1:
-            self.channel.broadcast_plan(plan.SerializeToString())
-        return self.run(plan)
+            self._forward(worker_pb2.FollowerMessage(join=request))
+        self._join(request)
+
+    def _join(self, request: worker_pb2.JoinRequest) -> None:
+        """Drop every request and form the new world: the verifier ranks, and the drafter if there is one.
+        A lone verifier rank without a drafter needs no world at all."""
+        self.worker.reset()
+        self.epoch, self.channel = None, None
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
+        if self.config.tensor_parallel_size > 1 or request.has_drafter:
+            self.groups = join_world(self.config, self.dist, self.rank, self.device, store=self.store,
+                                     epoch=request.epoch, has_drafter=request.has_drafter)
+            self.channel = StepChannel(self.groups, support_size=self.config.draft_support_size)
+            if self.config.tensor_parallel_size > 1:
+                self.runner.tp.bind(self.groups.tp_group)
+        self.epoch = request.epoch
+
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        """Rank 0 (the one the scheduler talks to): forward the plan to the other ranks, then run it."""
+        check_epoch(self.epoch, plan)
+        if self.config.tensor_parallel_size > 1:
+            self._forward(worker_pb2.FollowerMessage(plan=plan))
+        return self._run(plan)
+
+    def _forward(self, message: worker_pb2.FollowerMessage) -> None:
+        self.channel.broadcast_plan(message.SerializeToString())
 
     def follow(self) -> None:
-        """Ranks 1..tp-1: run every plan rank 0 forwards, until it forwards an empty one."""
+        """Ranks 1..tp-1: run every plan and join every world rank 0 forwards, until it forwards an empty
+        message or is gone. A failed step (the drafter died in its exchange) waits for the next world."""
         while True:
-            data = self.channel.broadcast_plan(None)
+            try:
+                data = self.channel.broadcast_plan(None)
+            except Exception:  # rank 0 is gone: so is this verifier
+                log.exception("verifier rank %d lost rank 0", self.rank)
+                return
             if not data:
                 return
-            plan = worker_pb2.StepPlan()
-            plan.ParseFromString(data)
-            self.run(plan)
+            message = worker_pb2.FollowerMessage.FromString(data)
+            if message.HasField("join"):
+                self._join(message.join)
+                continue
+            try:
+                self._run(message.plan)
+            except Exception:
+                log.exception("verifier rank %d: a step failed; waiting for a new world", self.rank)
 
     def stop_followers(self) -> None:
-        if self.is_leader and self.config.tensor_parallel_size > 1:
+        if self.is_leader and self.channel is not None and self.config.tensor_parallel_size > 1:
             self.channel.broadcast_plan(b"")
 
-    def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+    def _run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
         self.worker.admit(admit)
@@ -73,25 +117,28 @@ class VerifierNode:
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None
             reply.verify_seconds = time.perf_counter() - start
-            if self._shares_results():
+            if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
                     self.channel.send_results(results)
                 else:
                     results = self.channel.recv_results([t.request_id for t in verify.tasks])
             self.worker.commit(batch, results)
             reply.verified.extend(verified_to_proto(results))
-        if draft is not None and self.groups.topology.has_drafter:
+        if draft is not None and self._has_drafter:
             self.worker.receive_drafts(self.channel.recv_drafts([t.request_id for t in draft.tasks]))
         return reply
 
-    def _shares_results(self) -> bool:
-        return self.groups.topology.has_drafter or self.config.tensor_parallel_size > 1
+    @property
+    def _has_drafter(self) -> bool:
+        return self.groups is not None and self.groups.topology.has_drafter
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return worker_info("verifier", str(self.config.target_path), self.worker, self.rank, self.config)
+        return worker_info("verifier", str(self.config.target_path), self.worker, self.rank, self.config, self.epoch)
 
     def close(self) -> None:
-        self.groups.close()
+        self.worker.reset()
+        if self.groups is not None:
+            self.groups.close()
 
 
 def _rank_device(device: str, rank: int) -> str:

@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 
 from minedraft.config import EngineConfig, num_batches
-from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.runner import ModelRunner
@@ -44,7 +44,7 @@ class LocalExecutor:
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
 
-    def admit(self, seqs: list[SequenceSpec]) -> None:
+    def admit(self, seqs: list[Admission]) -> None:
         self.verifier.admit(seqs)
         if self.drafter:
             self.drafter.admit(seqs)

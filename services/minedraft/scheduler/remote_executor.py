@@ -1,0 +1,147 @@
+"""The engine's Executor over gRPC: each step's plan goes to the drafter and verifier rank 0 at once."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.config import EngineConfig, config_differences
+from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
+from minedraft.serving import grpc_options, is_serving
+from minedraft.wire import plan_to_proto, result_from_replies
+
+
+class WorkerClient:
+    def __init__(self, address: str, role: str) -> None:
+        self.address = address
+        self.role = role
+        self.channel = grpc.insecure_channel(address, options=grpc_options())
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def serving(self) -> bool:
+        return is_serving(self.channel)
+
+    def serving_later(self, timeout_s: float = 2.0) -> grpc.Future:
+        """A health check that does not block: its future's result() is the reply (or raises)."""
+        return health_pb2_grpc.HealthStub(self.channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteExecutor:
+    """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
+    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly).
+
+    The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
+    when it is alive. Every formation is a new epoch; the workers drop all request state when they join
+    one, so a new scheduler, or one whose worker died and came back, starts from free caches.
+    """
+
+    def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
+        self.verifier = WorkerClient(verifier, "verifier")
+        self.drafter = WorkerClient(drafter, "drafter") if drafter else None
+        self.step_timeout_s = step_timeout_s
+        self.members: list[WorkerClient] = []  # the workers of the current world
+        self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
+        self._admit: list[Admission] = []
+        self._release: list[str] = []
+        self._step_id = 0
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        """Every worker this scheduler is configured with, in the world or not."""
+        return [w for w in (self.verifier, self.drafter) if w is not None]
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter is not None and self.drafter in self.members
+
+    def form_group(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
+        """Form a new world of the verifier (and the drafter): every member drops its request state.
+        Raises if a member does not run `config` or does not join in time."""
+        members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
+        self.members = []
+        self.check_config(config, members)
+        self.epoch += 1
+        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
+        calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
+        for call, worker in calls.items():
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
+        self.members = members
+        self._admit, self._release = [], []
+
+    def wait_until_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            while not worker.serving():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
+                time.sleep(0.2)
+
+    def check_config(self, config: EngineConfig, workers: list[WorkerClient] | None = None) -> worker_pb2.WorkerInfo:
+        """Every worker must run exactly this engine config (a setting that differs inside a group is a wrong
+        answer or a hang, not a detail). Returns the verifier's info; raises ValueError naming the fields."""
+        infos = {}
+        for worker in workers or self.workers:
+            info = worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+            differences = config_differences(config, EngineConfig.model_validate_json(info.engine_config_json))
+            if differences:
+                raise ValueError(
+                    f"the {worker.role} at {worker.address} runs another engine config than this process "
+                    f"(ours vs its): {'; '.join(differences)}. Start every service of the group with the same "
+                    "engine settings (one --engine-config / ConfigMap)."
+                )
+            infos[worker.role] = info
+        return infos["verifier"]
+
+    def admit(self, seqs: list[Admission]) -> None:
+        self._admit.extend(seqs)
+
+    def release(self, request_ids: list[str]) -> None:
+        self._release.extend(request_ids)
+
+    def flush(self) -> None:
+        if self._admit or self._release:
+            self.step(None, None)
+
+    def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        if not self.members:
+            raise RuntimeError("no engine group is formed (form_group)")
+        start = time.perf_counter()
+        self._step_id += 1
+        plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        plan.epoch = self.epoch
+        self._admit, self._release = [], []
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.members}
+        # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
+        done, _ = wait(calls, return_when=FIRST_EXCEPTION)
+        for call in done:
+            if call.exception() is not None:
+                worker = calls[call]
+                raise RuntimeError(
+                    f"the {worker.role} at {worker.address} failed step {self._step_id}: {_describe(call.exception())}"
+                ) from call.exception()
+        result = result_from_replies([c.result() for c in calls])
+        result.step_seconds = time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False)
+        for worker in self.workers:
+            worker.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,225 @@
+"""A worker or the scheduler dies (SIGKILL) under load, Kubernetes-style: the same command starts it again.
+
+No request may be lost, and greedy output must equal the offline autoregressive output token for token
+(strict kernels), whatever dies and whenever.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.client import Client
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.launcher import LocalStack
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+
+NUM_STREAMS = 16
+MAX_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("healing")
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=3)
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=3)
+    return str(target), str(draft)
+
+
+def _config(pair, speculative: bool = True, tp: int = 1) -> EngineConfig:
+    target, draft = pair
+    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
+    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=8, max_model_len=128, device="cpu",
+                        batch_invariant=True, tensor_parallel_size=tp)  # fmt: skip
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 300 + 1 for j in range(1 + i % 4)] for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[list[int]]:
+    engine = LLMEngine.local(_config(pair, speculative=False))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in _prompts()]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+class Load:
+    """NUM_STREAMS greedy streams in the background; `wait_for_tokens` lets a test strike mid-stream."""
+
+    def __init__(self, address: str) -> None:
+        self.tokens = 0
+        self._lock = threading.Lock()
+        self._client = Client(address, timeout=180, retries=0)
+        self._pool = ThreadPoolExecutor(NUM_STREAMS)
+        self._results = [self._pool.submit(self._one, p) for p in _prompts()]
+
+    def _one(self, prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        for delta in self._client.stream(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
+            out += delta.token_ids
+            with self._lock:
+                self.tokens += len(delta.token_ids)
+        return out
+
+    def wait_for_tokens(self, n: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.tokens < n:
+            assert time.monotonic() < deadline, f"only {self.tokens} tokens after {timeout_s}s"
+            time.sleep(0.01)
+
+    def results(self) -> list[list[int]]:
+        try:
+            return [r.result(timeout=240) for r in self._results]
+        finally:
+            self._pool.shutdown()
+            self._client.close()
+
+
+def _worker_info(address: str) -> worker_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+
+
+def _epoch(address: str) -> int:
+    """The epoch a worker is in; 0 while it is not in a world or not up yet."""
+    try:
+        return _worker_info(address).epoch
+    except grpc.RpcError:
+        return 0
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _until(condition, timeout_s: float = 60, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _kill(stack: LocalStack, name: str) -> None:
+    process = stack.process(name)
+    process.kill()
+    process.wait()
+
+
+def _drafts_now(address: str) -> int:
+    with Client(address, timeout=60) as client:
+        return client.generate([5, 6, 7], max_tokens=20, temperature=0, ignore_eos=True).spec_decode_stats.num_drafts
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected, tp: int) -> None:
+    with LocalStack(_config(pair, tp=tp)) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        _kill(stack, "drafter")
+        assert load.results() == expected  # every stream completed, target-only after the kill
+        assert _drafts_now(stack.address) == 0  # no drafter: plain autoregressive decoding
+        stack.restart("drafter")
+        _until(lambda: _epoch(stack.drafter_address) != 0, what="the drafter to rejoin")
+        _until(lambda: _drafts_now(stack.address) > 0, timeout_s=30, what="drafts again")
+        load = Load(stack.address)
+        assert load.results() == expected
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, tp: int) -> None:
+    """With tp=2 the verifier's other rank dies with its rank 0 and comes back with it."""
+    with LocalStack(_config(pair, tp=tp)) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        _kill(stack, "verifier")
+        time.sleep(1.0)  # the scheduler holds the requests meanwhile
+        stack.restart("verifier")
+        assert load.results() == expected
+        _until(lambda: _serving(stack.address), what="the scheduler to serve again")
+        assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
+
+
+@pytest.mark.parametrize("victim", ["drafter", "verifier"])
+def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
+    """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
+    if it had died (target-only, or held requests); after SIGCONT it is taken back."""
+    with LocalStack(_config(pair), dist_timeout_s=4) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        process = stack.process(victim)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            if victim == "drafter":
+                assert load.results() == expected  # completed target-only while the drafter hangs
+            else:
+                time.sleep(8)  # the drafter gives up on the verifier; the scheduler holds the requests
+        finally:
+            process.send_signal(signal.SIGCONT)
+        if victim == "verifier":
+            assert load.results() == expected
+        _until(lambda: _epoch(stack.drafter_address) == _epoch(stack.verifier_address) != 0, what="a whole group")
+        assert _drafts_now(stack.address) > 0
+
+
+def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:
+    """The scheduler is SIGKILLed with requests in flight; a new one (same command) forms a new epoch, in
+    which the workers hold nothing, and serves 32 concurrent requests."""
+    with LocalStack(_config(pair)) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        _kill(stack, "scheduler")
+        with pytest.raises(grpc.RpcError) as info:
+            load.results()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        old_epoch = _worker_info(stack.verifier_address).epoch
+        stack.restart("scheduler")
+        _until(lambda: _serving(stack.address), what="the new scheduler to serve")
+        for address in (stack.verifier_address, stack.drafter_address):
+            info = _worker_info(address)
+            assert info.epoch != old_epoch and info.num_active_sequences == 0 and info.num_free_slots == info.num_slots
+        loads = [Load(stack.address), Load(stack.address)]
+        assert [load.results() for load in loads] == [expected, expected]
+
+
+def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
+    """No verifier comes back: requests are held for --worker-wait, then fail with UNAVAILABLE saying why."""
+    config = _config(pair, speculative=False)
+    with LocalStack(config, workers_only=True) as workers:
+        from minedraft.launcher import engine_flags, free_port
+
+        port = free_port()
+        scheduler = subprocess.Popen([
+            sys.executable, "-m", "minedraft", "scheduler", *engine_flags(config), "--host", "127.0.0.1",
+            "--port", str(port), "--metrics-port", "0", "--verifier", workers.verifier_address, "--worker-wait", "3",
+        ])  # fmt: skip
+        try:
+            _until(lambda: _serving(f"127.0.0.1:{port}"), what="the scheduler")
+            _kill(workers, "verifier")
+            with Client(f"127.0.0.1:{port}", timeout=60, retries=0) as client, pytest.raises(grpc.RpcError) as info:
+                client.generate([1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "--worker-wait" in info.value.details()
+            assert not _serving(f"127.0.0.1:{port}")
+        finally:
+            scheduler.terminate()
+            scheduler.wait(timeout=30)
