@@ -75,6 +75,14 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
         "networkPolicy": {"enabled": True},
     },
     "tetris": {"speculativeConfig": {"tetris": True, "tetris_capacity": 48, "num_speculative_tokens": 3}},
+    "tls-keys": {
+        "apiKeys": {"existingSecret": "minedraft-api-keys"},
+        "tls": {"existingSecret": "minedraft-tls"},
+        "scheduler": {"servedModelName": "llama-3-8b", "httpPort": 8443},
+    },
+    "cert-manager": {"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "ca", "kind": "ClusterIssuer"},
+                                             "dnsNames": ["llm.example.com"]}}},
+    "no-http-no-policy": {"scheduler": {"httpPort": 0}, "networkPolicy": {"enabled": False}},
     "per-component-scheduling": {
         "scheduler": {"nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "cpu-only", "operator": "Exists"}]},
         "verifier": {
@@ -147,6 +155,9 @@ def test_every_object_validates(name: str) -> None:
         if obj["kind"] == "ServiceMonitor":  # a CRD: no schema in kubernetes-validate
             _check_service_monitor(obj, render(name))
             continue
+        if obj["kind"] == "Certificate":  # cert-manager's CRD: no schema in kubernetes-validate either
+            _check_certificate(obj, render(name))
+            continue
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -159,6 +170,14 @@ def _check_service_monitor(monitor: dict, objs: list[dict]) -> None:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     port_names = {p["name"] for p in service["spec"]["ports"]}
     assert all(e["port"] in port_names for e in monitor["spec"]["endpoints"])
+
+
+def _check_certificate(certificate: dict, objs: list[dict]) -> None:
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert set(certificate["spec"]) == {"secretName", "dnsNames", "issuerRef"}
+    volumes = {v["name"]: v for v in pod(objs, "scheduler")["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == certificate["spec"]["secretName"]
+    assert set(certificate["spec"]["issuerRef"]) == {"name", "kind", "group"}
 
 
 def test_templates_never_read_the_environment(monkeypatch) -> None:
@@ -258,7 +277,7 @@ def test_gpu_workloads_are_recreated_not_rolled(name: str) -> None:
 # --- probes, shared memory, security -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["default", "cpu"])
+@pytest.mark.parametrize("name", ["default", "cpu", "no-http-no-policy"])
 def test_probes_are_grpc_with_a_long_startup_budget(name: str) -> None:
     objs = render(name)
     for deployment in find(objs, "Deployment"):
@@ -461,7 +480,7 @@ def _selects(peer: dict, component: str) -> bool:
 def test_network_policies() -> None:
     objs = render("extras")
     scheduler = one(objs, "NetworkPolicy", "-scheduler")["spec"]["ingress"]
-    assert scheduler[0]["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert scheduler[0]["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]
     assert scheduler[0]["from"] == COMBINATIONS["extras"]["networkPolicy"]["clientFrom"]
     assert scheduler[1] == {"ports": [{"port": 9090, "protocol": "TCP"}]}  # metrics: from anywhere by default
     for component, peer, port in (("verifier", "drafter", 50061), ("drafter", "verifier", 50062)):
@@ -483,7 +502,76 @@ def test_pod_disruption_budgets_and_service_monitor() -> None:
         assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # never blocks a drain when broken
     monitor = one(objs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    assert not find(render("default"), "ServiceMonitor") and not find(render("default"), "NetworkPolicy")
+    assert not find(render("default"), "ServiceMonitor")
+
+
+@pytest.mark.parametrize("name", ["default", "cpu"])
+def test_network_policies_are_on_by_default(name: str) -> None:
+    """The workers' control ports and the rendezvous port are reachable from their engine group only."""
+    objs = render(name)
+    assert sorted(p["metadata"]["name"] for p in find(objs, "NetworkPolicy")) == [
+        "minedraft-drafter", "minedraft-scheduler", "minedraft-verifier",
+    ]  # fmt: skip
+    verifier_ingress = one(objs, "NetworkPolicy", "-verifier")["spec"]["ingress"]
+    rendezvous = int(configmap(objs)["MINEDRAFT_DIST_PORT"])
+    assert all("from" in rule for rule in verifier_ingress)  # nobody outside the group, on any port
+    assert not any(rendezvous == p["port"] for rule in verifier_ingress for p in rule.get("ports", []))
+    assert not find(render("no-http-no-policy"), "NetworkPolicy")
+
+
+# --- the OpenAI HTTP API, API keys and TLS ------------------------------------------------------------------
+
+
+def _ports(objs: list[dict]) -> dict[str, dict]:
+    return {p["name"]: p for p in one(objs, "Service", "-scheduler")["spec"]["ports"]}
+
+
+def test_http_port_is_served_and_exposed() -> None:
+    objs = render("default")
+    container = pod(objs, "scheduler")["containers"][0]
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+    assert _ports(objs)["http"] == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                    "appProtocol": "http"}  # fmt: skip
+    assert configmap(objs)["MINEDRAFT_HTTP_PORT"] == "8000"
+    assert "http" not in _ports(render("no-http-no-policy"))
+    assert configmap(render("no-http-no-policy"))["MINEDRAFT_HTTP_PORT"] == "0"
+
+
+def test_api_keys_and_tls_come_from_existing_secrets() -> None:
+    objs = render("tls-keys")
+    spec = pod(objs, "scheduler")
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["MINEDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "minedraft-api-keys", "key": "api-keys"}
+    assert env["MINEDRAFT_TLS_CERT"]["value"] == "/etc/minedraft/tls/tls.crt"
+    assert env["MINEDRAFT_TLS_KEY"]["value"] == "/etc/minedraft/tls/tls.key"
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/minedraft/tls", "readOnly": True}
+    assert {v["name"]: v for v in spec["volumes"]}["tls"]["secret"]["secretName"] == "minedraft-tls"
+    assert configmap(objs)["MINEDRAFT_SERVED_MODEL_NAME"] == "llama-3-8b"
+    assert _ports(objs)["http"]["appProtocol"] == "https"
+    for component in ("verifier", "drafter"):  # the workers get neither
+        assert "tls" not in json.dumps(pod(objs, component)["volumes"])
+        assert "MINEDRAFT_API_KEYS" not in json.dumps(pod(objs, component))
+    assert "MINEDRAFT_API_KEYS" not in json.dumps(render("default"))
+
+
+@pytest.mark.parametrize("name", ["tls-keys", "cert-manager"])
+def test_with_tls_the_scheduler_probes_health_over_https(name: str) -> None:
+    container = pod(render(name), "scheduler")["containers"][0]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[kind]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+        assert "grpc" not in container[kind]
+
+
+def test_cert_manager_certificate_names_the_service() -> None:
+    certificate = one(render("cert-manager"), "Certificate")
+    assert certificate["spec"]["secretName"] == "minedraft-scheduler-tls"
+    assert certificate["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    assert certificate["spec"]["dnsNames"] == [
+        "minedraft-scheduler", "minedraft-scheduler.default", "minedraft-scheduler.default.svc",
+        "minedraft-scheduler.default.svc.cluster.local", "llm.example.com",
+    ]  # fmt: skip
+    assert not find(render("default"), "Certificate")
 
 
 def test_notes_print_the_port_forward_and_bench_commands() -> None:
@@ -491,6 +579,7 @@ def test_notes_print_the_port_forward_and_bench_commands() -> None:
         notes = chart.render(name="minedraft", namespace="default")["minedraft/templates/NOTES.txt"]
     assert "kubectl --namespace default port-forward svc/minedraft-scheduler 50051:50051" in notes
     assert "minedraft bench --target 127.0.0.1:50051" in notes
+    assert "curl http://127.0.0.1:8000/v1/models" in notes
 
 
 # --- bad values fail the install with a message --------------------------------------------------------------
@@ -509,6 +598,10 @@ def test_notes_print_the_port_forward_and_bench_commands() -> None:
         ({"models": {"volume": {"type": "nfs"}}}, "/models/volume/type"),
         ({"hfToken": {"token": TOKEN}}, "'token' not allowed"),
         ({"verifierr": {}}, "'verifierr' not allowed"),
+        ({"apiKeys": {"keys": ["k"]}}, "'keys' not allowed"),
+        ({"tls": {"cert": "PEM"}}, "'cert' not allowed"),
+        ({"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "/tls/certManager/issuerRef/kind"),
+        ({"scheduler": {"httpPort": 70000}}, "/scheduler/httpPort"),
     ],
 )
 def test_schema_rejects_bad_values(values: dict, message: str) -> None:
@@ -528,6 +621,10 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
           "speculativeConfig": {"model": "/elsewhere"}}, "not both"),
         ({"models": {"draft": "d", "volume": {"type": "existingClaim", "existingClaim": "c"}},
           "speculativeConfig": None}, "without speculation there is no drafter"),
+        ({"tls": {"existingSecret": "t"}, "scheduler": {"httpPort": 0}}, "TLS needs scheduler.httpPort"),
+        ({"tls": {"existingSecret": "t", "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}},
+         "not both"),
+        ({"tls": {"certManager": {"enabled": True}}}, "needs tls.certManager.issuerRef.name"),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:

@@ -24,6 +24,8 @@ from minedraft.api import generate_pb2 as pb
 from minedraft.api import generate_pb2_grpc
 from minedraft.client import AsyncClient, Client, MineDraftError, RetryPolicy, SpecDecodeStats
 
+from tls_certs import self_signed_cert
+
 # (text, token ids) per message. Empty texts are where the server holds back the first bytes of a
 # multi-byte UTF-8 character until the token that completes it: "é" (2 bytes), "世界" (3 each), "🙂" (4).
 SCRIPT = [
@@ -407,7 +409,7 @@ def test_importing_the_client_does_not_import_torch() -> None:
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeMineDraft, str, Path]]:
     """The test double behind TLS with a throwaway self-signed certificate for 127.0.0.1."""
-    key_pem, cert_pem = _self_signed_cert()
+    key_pem, cert_pem = self_signed_cert()
     cert_path = tmp_path_factory.mktemp("tls") / "ca.pem"
     cert_path.write_bytes(cert_pem)
     servicer = FakeMineDraft()
@@ -415,37 +417,6 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeM
     grpc_server, address = _start_server(servicer, health.HealthServicer(), creds)
     yield servicer, address, cert_path
     grpc_server.stop(grace=None)
-
-
-def _self_signed_cert() -> tuple[bytes, bytes]:
-    pytest.importorskip("cryptography")
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "minedraft-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
 
 
 def test_tls_with_a_root_certificate_path_or_credentials(tls_server) -> None:

@@ -6,6 +6,7 @@ No request may be lost, and greedy output must equal the offline autoregressive 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -37,11 +38,11 @@ def pair(tmp_path_factory):
     return str(target), str(draft)
 
 
-def _config(pair, speculative: bool = True) -> EngineConfig:
+def _config(pair, speculative: bool = True, tp: int = 1) -> EngineConfig:
     target, draft = pair
     spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
     return EngineConfig(model=target, speculative_config=spec, max_num_seqs=8, max_model_len=128, device="cpu",
-                        batch_invariant=True)  # fmt: skip
+                        batch_invariant=True, tensor_parallel_size=tp)  # fmt: skip
 
 
 def _prompts() -> list[list[int]]:
@@ -130,8 +131,9 @@ def _drafts_now(address: str) -> int:
         return client.generate([5, 6, 7], max_tokens=20, temperature=0, ignore_eos=True).spec_decode_stats.num_drafts
 
 
-def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected) -> None:
-    with LocalStack(_config(pair)) as stack:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected, tp: int) -> None:
+    with LocalStack(_config(pair, tp=tp)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "drafter")
@@ -144,8 +146,10 @@ def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expec
         assert load.results() == expected
 
 
-def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected) -> None:
-    with LocalStack(_config(pair)) as stack:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, tp: int) -> None:
+    """With tp=2 the verifier's other rank dies with its rank 0 and comes back with it."""
+    with LocalStack(_config(pair, tp=tp)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "verifier")
@@ -154,6 +158,28 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected) 
         assert load.results() == expected
         _until(lambda: _serving(stack.address), what="the scheduler to serve again")
         assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
+
+
+@pytest.mark.parametrize("victim", ["drafter", "verifier"])
+def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
+    """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
+    if it had died (target-only, or held requests); after SIGCONT it is taken back."""
+    with LocalStack(_config(pair), dist_timeout_s=4) as stack:
+        load = Load(stack.address)
+        load.wait_for_tokens(200)
+        process = stack.process(victim)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            if victim == "drafter":
+                assert load.results() == expected  # completed target-only while the drafter hangs
+            else:
+                time.sleep(8)  # the drafter gives up on the verifier; the scheduler holds the requests
+        finally:
+            process.send_signal(signal.SIGCONT)
+        if victim == "verifier":
+            assert load.results() == expected
+        _until(lambda: _epoch(stack.drafter_address) == _epoch(stack.verifier_address) != 0, what="a whole group")
+        assert _drafts_now(stack.address) > 0
 
 
 def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:

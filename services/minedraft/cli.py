@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
 OFFLINE_MODES = ",".join(MODE_NAMES)
@@ -135,11 +137,40 @@ def _dist_config(args: argparse.Namespace):
     )
 
 
-def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0") -> None:
+def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0", public: bool = False) -> None:
     group = parser.add_argument_group("listen")
     _add(group, "--host", host, help="address to listen on")
     _add(group, "--port", port, type=int, help="gRPC port")
     _add(group, "--log-level", "INFO", help="DEBUG, INFO, WARNING")
+    if public:
+        _add_public_api_args(group)
+
+
+def _add_public_api_args(group) -> None:
+    """The scheduler's client-facing flags: the OpenAI HTTP port, API keys, TLS, input limits."""
+    _add(group, "--http-port", 0, type=int, help="OpenAI-compatible HTTP API (and /metrics) port; 0 = off")
+    _add(group, "--served-model-name", help="model name of the HTTP API; default: the target's folder name")
+    group.add_argument(
+        "--api-key", action="append", default=[], help="accepted API key (repeatable); also from "
+        "--api-key-file and $MINEDRAFT_API_KEYS (comma-separated). None given: no authentication",
+    )  # fmt: skip
+    group.add_argument("--api-key-file", action="append", default=[], help="file with one API key per line")
+    _add(group, "--tls-cert", help="PEM certificate (chain) of both public listeners; with --tls-key: TLS on")
+    _add(group, "--tls-key", help="PEM private key of --tls-cert")
+    _add(group, "--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, type=int,
+         help="longer prompts are refused before tokenizing; also bounds request sizes")  # fmt: skip
+
+
+def _public_api(args: argparse.Namespace):
+    from minedraft.frontends.auth import ApiKeys
+    from minedraft.scheduler.service import PublicApi
+
+    return PublicApi(
+        host=args.host, port=args.port, http_port=args.http_port,
+        api_keys=ApiKeys.load(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
+        served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
+        max_prompt_bytes=args.max_prompt_bytes,
+    )  # fmt: skip
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float = 1.0, max_tokens: int = 16) -> None:
@@ -359,11 +390,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     asyncio.run(
         serve_scheduler(
             _engine_config(args),
-            host=args.host,
-            port=args.port,
+            _public_api(args),
             verifier=args.verifier,
             drafter=args.drafter,
-            max_waiting=args.max_waiting_requests,
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
             recovery=Recovery(worker_wait_s=args.worker_wait, join_timeout_s=args.join_timeout),
@@ -384,6 +413,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # through the context manager, so no service process is left behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
+    api = _public_api(args)  # validate before starting anything
     with LocalStack(
         config,
         host=args.host,
@@ -391,8 +421,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting_requests,
         log_level=args.log_level,
         metrics_port=args.metrics_port,
+        http_port=api.http_port,
+        api_keys=api.api_keys.keys,
+        tls_cert=api.tls_cert,
+        tls_key=api.tls_key,
+        served_model_name=api.served_model_name,
+        max_prompt_bytes=api.max_prompt_bytes,
     ) as stack:
         print(f"MineDraft ({config.mode.value}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
+        if api.http_port:
+            print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
         if args.metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
         stack.wait()
@@ -497,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
     )
     _add_engine_args(up, base=UP_DEFAULTS)
-    _add_listen_args(up, port=50051, host="127.0.0.1")
+    _add_listen_args(up, port=50051, host="127.0.0.1", public=True)
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
     up.set_defaults(func=cmd_up)
@@ -514,9 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dist_args(drafter)
     drafter.set_defaults(func=cmd_drafter)
 
-    scheduler = sub.add_parser("scheduler", help="run the scheduler (public gRPC API), as a pod does")
+    scheduler = sub.add_parser("scheduler", help="run the scheduler (public gRPC and OpenAI HTTP APIs), as a pod does")
     _add_engine_args(scheduler)
-    _add_listen_args(scheduler, port=50051)
+    _add_listen_args(scheduler, port=50051, public=True)
     _add(scheduler, "--verifier", "127.0.0.1:50061", help="verifier rank 0's gRPC address")
     _add(scheduler, "--drafter", "127.0.0.1:50062", help="drafter's gRPC address (ignored without speculation)")
     _add(scheduler, "--max-waiting-requests", 256, type=int, help="queued requests beyond this: RESOURCE_EXHAUSTED")

@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.config import EngineConfig, Mode
+from minedraft.frontends.auth import API_KEYS_ENV
+from minedraft.serving import is_serving
 
 
 def free_port() -> int:
@@ -42,6 +44,18 @@ def threads_per_worker(config: EngineConfig, cores: int) -> int:
     return max(1, cores // (config.tensor_parallel_size + overlapped))
 
 
+def public_api_flags(
+    tls_cert: str | None, tls_key: str | None, served_model_name: str | None, max_prompt_bytes: int | None
+) -> list[str]:
+    """The scheduler's optional listen flags (API keys travel in the environment)."""
+    flags = []
+    for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key), ("--served-model-name", served_model_name),
+                        ("--max-prompt-bytes", max_prompt_bytes)):  # fmt: skip
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 class LocalStack:
     """Start the services, wait until the scheduler reports SERVING, stop them all on exit."""
 
@@ -57,11 +71,24 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         workers_only: bool = False,
+        dist_timeout_s: float | None = None,
+        http_port: int = 0,
+        api_keys: Sequence[str] = (),
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        served_model_name: str | None = None,
+        max_prompt_bytes: int | None = None,
     ) -> None:
+        """`http_port`: the OpenAI HTTP API's port, 0 = off, -1 = a free one. With TLS, the start-up
+        health checks trust `tls_cert` (which must name `host`)."""
         self.config = config
         self.port = port or free_port()
         self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
         self.address = f"{host}:{self.port}"
+        self.http_port = free_port() if http_port == -1 else http_port
+        self.http_url = f"{'https' if tls_cert else 'http'}://{host}:{self.http_port}" if self.http_port else None
+        self._api_keys = list(api_keys)
+        self._tls_cert = tls_cert
         self.startup_timeout_s = startup_timeout_s
         self._log_dir = log_dir
         self._processes: list[tuple[str, subprocess.Popen]] = []
@@ -70,6 +97,8 @@ class LocalStack:
         self.drafter_address = f"127.0.0.1:{drafter_port}" if config.speculative_config is not None else None
         engine = engine_flags(config)
         dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
+        if dist_timeout_s is not None:  # how long a worker waits in a collective for a hung peer
+            dist += ["--dist-timeout", str(dist_timeout_s)]
         common = ["--log-level", log_level]
         self._commands = [
             ("verifier", ["verifier", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(verifier_port)]),
@@ -77,6 +106,8 @@ class LocalStack:
                 "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
                 "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
                 "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
+                "--http-port", str(self.http_port), *public_api_flags(tls_cert, tls_key, served_model_name,
+                                                                      max_prompt_bytes),
             ]),
         ]  # fmt: skip
         if config.speculative_config is not None:
@@ -111,6 +142,8 @@ class LocalStack:
     def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
+        if name == "scheduler":
+            env = self._scheduler_env(env)
         out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
         return subprocess.Popen(
             [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
@@ -125,12 +158,15 @@ class LocalStack:
         self._processes = [(n, process if n == name else p) for n, p in self._processes]
         return process
 
+    def _scheduler_env(self, env: dict[str, str]) -> dict[str, str]:
+        """API keys through the environment: a command line is visible to every local user."""
+        return {**env, API_KEYS_ENV: ",".join(self._api_keys)} if self._api_keys else env
+
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
-            with grpc.insecure_channel(address) as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                while not self._serving(health):
+            with self._channel(address) as channel:
+                while not is_serving(channel, timeout_s=1):
                     for name, process in self._processes:
                         if process.poll() is not None:
                             raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
@@ -138,12 +174,10 @@ class LocalStack:
                         raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
                     time.sleep(0.25)
 
-    @staticmethod
-    def _serving(health: health_pb2_grpc.HealthStub) -> bool:
-        try:
-            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
-        except grpc.RpcError:
-            return False
+    def _channel(self, address: str) -> grpc.Channel:
+        if self._tls_cert and address == self.address:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(self._tls_cert).read_bytes()))
+        return grpc.insecure_channel(address)
 
     def process(self, name: str) -> subprocess.Popen:
         """The running process of one service: verifier, drafter or scheduler."""

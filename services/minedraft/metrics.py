@@ -1,8 +1,18 @@
-"""Prometheus metrics. Speculative-decoding counters follow vLLM's names with the `minedraft:` prefix."""
+"""Prometheus metrics. Speculative-decoding counters follow vLLM's names with the `minedraft:` prefix.
+
+The metrics whose meaning is the same as vLLM's are also exported under vLLM's own names
+(`vllm:spec_decode_num_drafts_total`, `vllm:num_requests_running`, ...) with vLLM's `model_name` label, so
+that `vllm bench serve` and the vLLM Grafana dashboards read them unchanged. They are the same series
+renamed at scrape time (no second count that could drift); `minedraft:` stays the name of record.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
@@ -10,8 +20,48 @@ from minedraft.engine.request import Request
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+# Ours -> vLLM's (v1 engine) name, for metrics that measure the same thing.
+VLLM_NAMES = {
+    "minedraft:spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "minedraft:spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "minedraft:spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "minedraft:spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "minedraft:generation_tokens": "vllm:generation_tokens",
+    "minedraft:request_success": "vllm:request_success",
+    "minedraft:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "minedraft:inter_token_latency_seconds": "vllm:request_time_per_output_token_seconds",
+    "minedraft:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "minedraft:num_requests_waiting": "vllm:num_requests_waiting",
+    "minedraft:num_requests_running": "vllm:num_requests_running",
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's label name on request_success
+
+
+class VllmNames(Collector):
+    """Re-exports the registry's metrics listed in VLLM_NAMES under vLLM's names and labels."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self._source = source
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            name = VLLM_NAMES.get(family.name)
+            if name is None:
+                continue
+            renamed = Metric(name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                renamed.add_sample(name + sample.name[len(family.name) :], {"model_name": self._model_name, **labels},
+                                   sample.value, sample.timestamp, sample.exemplar)  # fmt: skip
+            yield renamed
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None, max_positions: int = 32) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, max_positions: int = 32, model_name: str | None = None
+    ) -> None:
+        """`model_name` set: also export the vLLM-compatible names (see VllmNames)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.num_drafts = Counter("minedraft:spec_decode_num_drafts", "Verifications carrying drafts", registry=r)
@@ -63,6 +113,10 @@ class Metrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5),
             registry=r,
         )
+        if model_name is not None:
+            ours, self.registry = self.registry, CollectorRegistry()
+            self.registry.register(_Everything(ours))
+            self.registry.register(VllmNames(ours, model_name))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -93,3 +147,13 @@ class Metrics:
         self.e2e.observe(request.finish_time - request.arrival_time)
         if len(request.output_ids) > 1:
             self.itl.observe((request.finish_time - request.first_token_time) / (len(request.output_ids) - 1))
+
+
+class _Everything(Collector):
+    """Every metric of another registry (so that one registry serves ours and the renamed ones)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return self._source.collect()

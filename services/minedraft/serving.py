@@ -59,6 +59,15 @@ def start_worker_server(
     return server, health_servicer, bound
 
 
+def is_serving(channel: grpc.Channel, timeout_s: float = 2.0) -> bool:
+    """Whether the server behind `channel` answers its health check with SERVING (not answering: False)."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def set_status(health_servicer, service_name: str, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):

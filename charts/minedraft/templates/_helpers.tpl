@@ -118,6 +118,16 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- fail "set either models.draft (a folder on the model volume) or speculativeConfig.model (a path in the image), not both" }}
 {{- end }}
 {{- end }}
+{{- $tls := .Values.tls }}
+{{- if and $tls.existingSecret $tls.certManager.enabled }}
+{{- fail "set either tls.existingSecret or tls.certManager.enabled, not both" }}
+{{- end }}
+{{- if and $tls.certManager.enabled (not $tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name (an existing Issuer or ClusterIssuer)" }}
+{{- end }}
+{{- if and (include "minedraft.tlsSecret" .) (not .Values.scheduler.httpPort) }}
+{{- fail "TLS needs scheduler.httpPort: the scheduler's probes check /health over HTTPS (Kubernetes' gRPC probes cannot use TLS)" }}
+{{- end }}
 {{- if and $m.draft (not (include "minedraft.speculative" .)) }}
 {{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
 {{- end }}
@@ -187,27 +197,47 @@ pod (the usual failure of LLM charts that put a short liveness delay on a model 
 */}}
 {{- define "minedraft.probes" -}}
 {{- $p := .root.Values.probes -}}
+{{- $check := include "minedraft.probeCheck" . -}}
 startupProbe:
-  grpc:
-    port: {{ .port }}
-    service: ""
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-    service: ""
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
 livenessProbe:
-  grpc:
-    port: {{ .port }}
-    service: ""
+  {{- $check | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+{{- end }}
+
+{{/* What a probe checks: grpc.health.v1 on .port, or with (dict ... "httpsHealth" true) the HTTP API's /health
+     over TLS (Kubernetes' gRPC probes cannot speak TLS; /health answers 503 exactly while gRPC health
+     reports NOT_SERVING). */}}
+{{- define "minedraft.probeCheck" -}}
+{{- if .httpsHealth -}}
+httpGet:
+  path: /health
+  port: http
+  scheme: HTTPS
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  service: ""
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the scheduler's TLS certificate; "" = plaintext. */}}
+{{- define "minedraft.tlsSecret" -}}
+{{- if .Values.tls.existingSecret -}}
+{{ .Values.tls.existingSecret }}
+{{- else if .Values.tls.certManager.enabled -}}
+{{ include "minedraft.fullname" . }}-scheduler-tls
+{{- end }}
 {{- end }}
 
 {{/*

@@ -15,9 +15,15 @@ class Tokenizer:
     def __init__(self, backend: _HFTokenizer) -> None:
         self._tok = backend
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids with the tokenizer.json post-processor applied (e.g. Llama's BOS)."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids with the tokenizer.json post-processor applied (e.g. Llama's BOS) unless told not to
+        (a rendered chat template already holds its special tokens)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_concurrently(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `encode`, through the library's batch path, which releases the GIL: a long prompt
+        tokenized in a worker thread then does not stall the other threads (the step loop, the event loop)."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from grpc_health.v1 import health_pb2
+
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.request import Request
+from minedraft.engine.request import Request, RequestStatus
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 
@@ -38,9 +40,14 @@ class Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent_tokens: int = 0
+    on_start: Callable[[], None] | None = None  # run on the event loop once the request leaves the waiting queue
 
     def put(self, item: StreamItem | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def started(self) -> None:
+        if self.on_start is not None:
+            self.loop.call_soon_threadsafe(self.on_start)
 
 
 @dataclass
@@ -95,13 +102,15 @@ class EngineLoop:
         self.recovery = recovery or Recovery()
         self._on_state = on_state
         self._next_drafter_check = 0.0
+        self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
         self._next_retry = 0.0
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        self._unstarted: set[str] = set()  # requests whose sink has not been told that they left the queue
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopped = False
         self._preemptions_seen = 0
-        self.num_waiting = 0  # read by handlers for admission control (an int: safe to read across threads)
+        self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
 
     def start(self) -> None:
         self._thread.start()
@@ -110,11 +119,6 @@ class EngineLoop:
         self._stopped = True
         self._commands.put(None)
         self._thread.join(timeout=30)
-
-    @property
-    def queued(self) -> int:
-        """Requests accepted but not yet running."""
-        return self.num_waiting + self._commands.qsize()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink):
         self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink))
@@ -164,15 +168,29 @@ class EngineLoop:
             command.sink.put(exc)
             return
         self._sinks[command.request_id] = command.sink
+        self._unstarted.add(command.request_id)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self._sinks.pop(request_id, None)
+        self._unstarted.discard(request_id)
+
+    def _report_started(self) -> None:
+        """Tell the frontends which requests left the waiting queue (they count waiting requests)."""
+        for request_id in list(self._unstarted):
+            request = self.engine.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING:
+                self._unstarted.discard(request_id)
+                sink = self._sinks.get(request_id)
+                if sink is not None:
+                    sink.started()
 
     def _step(self) -> None:
         touched = self.engine.step()
         batches = self.engine.pipeline.batches
         self.num_waiting = len(batches.waiting)
+        if self._unstarted:
+            self._report_started()
         if self.metrics and self.engine.last_step is not None:
             self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
             self._record_kv(batches, self.engine.num_preemptions)
@@ -250,14 +268,20 @@ class EngineLoop:
         return True
 
     def _take_drafter_back(self) -> None:
-        """A group running without its drafter checks now and then whether it serves again."""
+        """A group running without its drafter checks now and then whether it serves again. The check runs
+        in the background: a hung drafter does not answer, and the loop must not wait for it."""
         executor = self.engine.executor
         if self.failed is not None or self.engine.speculating or getattr(executor, "drafter", None) is None:
             return
-        if time.monotonic() < self._next_drafter_check:
+        if self._drafter_probe is None:
+            if time.monotonic() >= self._next_drafter_check:
+                self._drafter_probe = executor.drafter.serving_later()
             return
+        if not self._drafter_probe.done():
+            return
+        probe, self._drafter_probe = self._drafter_probe, None
         self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
-        if executor.drafter.serving():
+        if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
             log.info("the drafter at %s serves again: taking it back", executor.drafter.address)
             self._reform()
 
@@ -268,6 +292,7 @@ class EngineLoop:
             sink.put(EngineFailed(reason))
             self.engine.abort_request(request_id)
         self._sinks.clear()
+        self._unstarted.clear()
         self._report(False, reason)
 
     def _report(self, serving: bool, reason: str) -> None:

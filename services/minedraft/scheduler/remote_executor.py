@@ -14,7 +14,7 @@ from minedraft.config import EngineConfig, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
-from minedraft.serving import grpc_options
+from minedraft.serving import grpc_options, is_serving
 from minedraft.wire import plan_to_proto, result_from_replies
 
 
@@ -24,14 +24,13 @@ class WorkerClient:
         self.role = role
         self.channel = grpc.insecure_channel(address, options=grpc_options())
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def serving(self) -> bool:
-        try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return is_serving(self.channel)
+
+    def serving_later(self, timeout_s: float = 2.0) -> grpc.Future:
+        """A health check that does not block: its future's result() is the reply (or raises)."""
+        return health_pb2_grpc.HealthStub(self.channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout_s)
 
     def close(self) -> None:
         self.channel.close()
@@ -39,7 +38,7 @@ class WorkerClient:
 
 class RemoteExecutor:
     """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
-    worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly).
+    worker; `flush` sends them when the engine has nothing else to run (freeing KV blocks promptly).
 
     The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
     when it is alive. Every formation is a new epoch; the workers drop all request state when they join
@@ -55,7 +54,7 @@ class RemoteExecutor:
         self._admit: list[Admission] = []
         self._release: list[str] = []
         self._step_id = 0
-        self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
 
     @property
     def workers(self) -> list[WorkerClient]:

@@ -1,126 +1,65 @@
-"""`minedraft scheduler`: the public MineDraft gRPC service (asyncio) in front of the step loop."""
+"""`minedraft scheduler`: the public APIs (gRPC, and OpenAI HTTP when asked) in front of the step loop.
+
+Both frontends run in this process's one asyncio event loop over one generate interface; the step loop
+runs in its own thread.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import signal
-import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
+import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from pydantic import ValidationError
 
-import minedraft
-from minedraft.api import generate_pb2, generate_pb2_grpc
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
+from minedraft.frontends.chat import ChatTemplate
+from minedraft.frontends.generate import Generator, Limits
+from minedraft.frontends.grpc_api import MineDraftServicer, add_public_api
+from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.loop import EngineFailed, EngineLoop, Recovery, Sink, StreamItem
+from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import RemoteExecutor
-from minedraft.serving import PUBLIC_SERVICE, grpc_options
-from minedraft.wire import sampling_from_proto, stats_to_proto
+from minedraft.serving import MAX_MESSAGE_BYTES, PUBLIC_SERVICE
 
 log = logging.getLogger("minedraft.scheduler")
 
-_FINISH_REASONS = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-}
+# Room in a gRPC message beyond the prompt's own bytes: sampling fields, stop strings, the request id.
+_MESSAGE_HEADROOM_BYTES = 64 * 1024
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """'temperature: Input should be greater than or equal to 0' rather than pydantic's long form."""
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+@dataclass
+class PublicApi:
+    """How the scheduler faces clients: listeners, keys, TLS and input limits (the "listen" flags)."""
 
+    host: str = "0.0.0.0"
+    port: int = 50051
+    http_port: int = 0  # 0 = no OpenAI HTTP API
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    served_model_name: str | None = None  # default: the target checkpoint's folder name
+    max_waiting: int = 256
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 
-class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
-    def __init__(self, tokenizer: Tokenizer, config: EngineConfig, max_waiting: int) -> None:
-        self.loop: EngineLoop | None = None  # set once the workers are ready
-        self.tokenizer = tokenizer
-        self.config = config
-        self.max_waiting = max_waiting
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting: the workers are not ready yet")
-        if self.loop.failed is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.loop.failed)
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
-        prompt_ids = self._prompt_ids(request)
-        if not prompt_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: it must contain at least one token")
-        if self.loop.queued >= self.max_waiting:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server is at capacity: {self.loop.queued} requests are waiting (max_waiting_requests="
-                f"{self.max_waiting}); retry later",
-            )
-        request_id = request.request_id or uuid.uuid4().hex
-        internal_id = uuid.uuid4().hex  # client ids need not be unique
-        sink = Sink(asyncio.get_running_loop())
-        self.loop.submit(internal_id, prompt_ids, params, request.prompt or None, sink)
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, ValueError):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                if isinstance(item, EngineFailed):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                if isinstance(item, BaseException):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {item}")
-                finished = item.finished is not None
-                yield self._response(request_id, item)
-                if finished:
-                    return
-        finally:
-            if not finished:  # cancelled, deadline exceeded or failed: free its KV on both workers
-                self.loop.abort(internal_id)
-
-    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
-        if request.HasField("prompt_token_ids"):
-            return list(request.prompt_token_ids.ids)
-        return self.tokenizer.encode(request.prompt) if request.prompt else []
-
-    @staticmethod
-    def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
-        response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids)
-        done = item.finished
-        if done is not None:
-            response.finish_reason = _FINISH_REASONS.get(done.finish_reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
-            response.usage.prompt_tokens = len(done.prompt_ids)
-            response.usage.completion_tokens = len(done.output_ids)
-            response.spec_decode_stats.CopyFrom(stats_to_proto(done.stats))
-        return response
-
-    async def GetServerInfo(self, request, context) -> generate_pb2.ServerInfo:  # noqa: N802
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting: the workers are not ready yet")
-        spec = self.config.speculative_config
-        budget = self.loop.engine.pipeline.batches.budget
-        return generate_pb2.ServerInfo(
-            version=minedraft.__version__,
-            target_model=str(self.config.target_path),
-            draft_model=str(self.config.draft_path) if spec else "",
-            mode=self.config.mode.value,
-            speculative_config_json=json.dumps(spec.model_dump(exclude_none=True)) if spec else "",
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.loop.engine.max_model_len,
-            max_waiting_requests=self.max_waiting,
-            vocab_size=self.tokenizer.vocab_size,
-            num_kv_blocks=budget.num_blocks if budget else 0,
-            kv_block_size=budget.block_size if budget else 0,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-        )
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_prompt_bytes + _MESSAGE_HEADROOM_BYTES
 
 
 def build_engine(
@@ -136,14 +75,81 @@ def build_engine(
     return executor.make_engine(config, tokenizer, info)
 
 
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn as one task in our event loop: the scheduler owns SIGINT/SIGTERM, not uvicorn."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+async def _start_grpc(
+    api: PublicApi, servicer: MineDraftServicer, health: health_aio.HealthServicer
+) -> grpc.aio.Server:
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", api.max_request_bytes),  # bigger requests fail before parsing
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, interceptors=[GrpcAuthInterceptor(api.api_keys, [PUBLIC_SERVICE])])
+    add_public_api(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([PUBLIC_SERVICE, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
+    address = f"{api.host}:{api.port}"
+    if api.tls_cert:
+        credentials = grpc.ssl_server_credentials([(Path(api.tls_key).read_bytes(), Path(api.tls_cert).read_bytes())])
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    log.info("gRPC API on %s:%d%s (NOT_SERVING until the workers are ready)", api.host, bound,
+             " with TLS" if api.tls_cert else "")  # fmt: skip
+    return server
+
+
+async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
+    config = uvicorn.Config(
+        frontend.app(), host=api.host, port=api.http_port, ssl_certfile=api.tls_cert, ssl_keyfile=api.tls_key,
+        lifespan="off", access_log=False, log_level="warning",
+    )  # fmt: skip
+    server = _EmbeddedUvicorn(config)
+    task = asyncio.create_task(server.serve(), name="openai-http")
+    while not server.started:  # fail now, not later, if the port is taken
+        if task.done():
+            task.result()
+            raise OSError(f"cannot listen on {api.host}:{api.http_port}")
+        await asyncio.sleep(0.05)
+    log.info("OpenAI HTTP API on %s://%s:%d", "https" if api.tls_cert else "http", api.host, api.http_port)
+    return server, task
+
+
+async def _stop_http(http: tuple[_EmbeddedUvicorn, asyncio.Task] | None) -> None:
+    if http is not None:
+        http[0].force_exit = True
+        await http[1]
+
+
+class _Serving:
+    """The scheduler's serving state, as grpc.health.v1 and the HTTP API's /health both report it."""
+
+    def __init__(self, health: health_aio.HealthServicer) -> None:
+        self.health = health
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", PUBLIC_SERVICE):
+            await self.health.set(name, status)
+
+
 async def serve_scheduler(
     config: EngineConfig,
+    api: PublicApi,
     *,
-    host: str,
-    port: int,
     verifier: str,
     drafter: str | None,
-    max_waiting: int,
     metrics_port: int | None,
     startup_timeout_s: float,
     recovery: Recovery,
@@ -151,50 +157,54 @@ async def serve_scheduler(
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
     tokenizer = load_tokenizer(config.target_path)
-    servicer = MineDraftServicer(tokenizer, config, max_waiting)
-    server = grpc.aio.server(options=grpc_options(server=True))
-    generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
-    health = health_aio.HealthServicer()
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([PUBLIC_SERVICE, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    log.info("scheduler listening on %s:%d (NOT_SERVING until the workers are ready)", host, bound)
+    generator = Generator(tokenizer, Limits(max_prompt_bytes=api.max_prompt_bytes, max_waiting=api.max_waiting))
+    state = _Serving(health_aio.HealthServicer())
+    await state.set(False)
+    server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
 
-    metrics = Metrics()
+    metrics = Metrics(model_name=api.served_model_name or config.target_path.name)
     if metrics_port:
         metrics.serve(metrics_port)
+    http = None
+    if api.http_port:
+        frontend = OpenAIFrontend(
+            generator,
+            served_model_name=api.served_model_name or config.target_path.name,
+            chat_template=ChatTemplate.from_checkpoint(config.target_path),
+            api_keys=api.api_keys,
+            is_serving=lambda: state.serving,
+            registry=metrics.registry,
+            max_body_bytes=api.max_request_bytes,
+        )
+        http = await _start_http(api, frontend)
+
     try:
         engine = await asyncio.to_thread(
             build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery
         )
     except BaseException:
+        await _stop_http(http)
         await server.stop(grace=None)
         raise
     event_loop = asyncio.get_running_loop()
 
     def report(serving: bool, reason: str) -> None:  # called from the step-loop thread
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", PUBLIC_SERVICE):
-            asyncio.run_coroutine_threadsafe(health.set(name, status), event_loop)
+        asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
     loop = EngineLoop(engine, metrics, on_state=report, recovery=recovery)
     loop.start()
-    servicer.loop = loop
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    generator.loop = loop
+    await state.set(True)
     log.info("scheduler SERVING in %s mode", config.mode.value)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for name in ("", PUBLIC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await state.set(False)
+    if http is not None:
+        http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
     await server.stop(grace=5)
+    await _stop_http(http)
     loop.stop()
     engine.executor.close()

@@ -1,0 +1,201 @@
+"""The one generate interface both public frontends (gRPC and OpenAI HTTP) use over the step loop.
+
+It owns what must hold for every protocol: input limits checked before any tokenizing, admission
+counted here, synchronously on the event loop (the step loop's own counters lag by a step), client
+request ids unique while in flight, and the conversion of engine failures to protocol-neutral errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minedraft.engine.request import Request
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+from minedraft.model.tokenizer import Tokenizer
+from minedraft.sampling.params import SamplingParams
+from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
+
+
+class ErrorKind(enum.Enum):
+    """Why a request was refused or failed; each frontend maps it to its protocol's status."""
+
+    INVALID = "invalid_argument"  # the client's input is wrong
+    DUPLICATE = "already_exists"  # its request id is in flight already
+    BUSY = "resource_exhausted"  # the waiting queue is full: retry later
+    UNAVAILABLE = "unavailable"  # starting, or the engine group failed
+    INTERNAL = "internal"
+
+
+class GenerateError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_waiting: int = 256
+
+
+class Generator:
+    """Validates, admits and streams requests; `loop` is set once the workers are ready."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: Limits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.loop: EngineLoop | None = None
+        self.num_waiting = 0  # admitted here and not yet in a batch
+        self._client_ids: set[str] = set()
+
+    def check_ready(self) -> EngineLoop:
+        if self.loop is None:
+            raise GenerateError(ErrorKind.UNAVAILABLE, "server is starting: the workers are not ready yet")
+        if self.loop.failed is not None:
+            raise GenerateError(ErrorKind.UNAVAILABLE, self.loop.failed)
+        return self.loop
+
+    @property
+    def max_model_len(self) -> int:
+        return self.check_ready().engine.max_model_len
+
+    async def start(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        add_special_tokens: bool = True,
+    ) -> Generation:
+        """Admit one request; raises GenerateError if it is refused. The caller must close the result.
+
+        `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
+        (as Hugging Face tokenizes it)."""
+        loop = self.check_ready()
+        self._check_prompt_size(prompt)
+        if request_id and request_id in self._client_ids:
+            raise GenerateError(
+                ErrorKind.DUPLICATE, f"request_id {request_id!r} is already in flight; ids must be unique while running"
+            )
+        if self.num_waiting >= self.limits.max_waiting:
+            raise GenerateError(
+                ErrorKind.BUSY,
+                f"server is at capacity: {self.num_waiting} requests are waiting (max_waiting_requests="
+                f"{self.limits.max_waiting}); retry later",
+            )
+        # Reserve before the first await, so that concurrent requests see each other.
+        generation = Generation(self, request_id or uuid.uuid4().hex, bool(request_id))
+        try:
+            prompt_ids = await self._prompt_ids(prompt, add_special_tokens)
+            self._check_prompt_ids(prompt_ids, loop.engine.max_model_len)
+            loop.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
+                        generation.sink)  # fmt: skip
+        except BaseException:
+            generation.release()
+            raise
+        generation.prompt_ids = prompt_ids
+        return generation
+
+    def _check_prompt_size(self, prompt: str | Sequence[int]) -> None:
+        """Before tokenizing: a huge text costs seconds of CPU. (Token ids are bounded by max_model_len.)"""
+        if not isinstance(prompt, str):
+            return
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        if size > self.limits.max_prompt_bytes:
+            raise GenerateError(
+                ErrorKind.INVALID,
+                f"prompt is {size} bytes, more than this server accepts ({self.limits.max_prompt_bytes}, "
+                "--max-prompt-bytes)",
+            )
+
+    async def _prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            return []
+        # In a thread, without the GIL: a long prompt must not stall the other streams or the step loop.
+        return await asyncio.to_thread(self.tokenizer.encode_concurrently, prompt, add_special_tokens)
+
+    def _check_prompt_ids(self, prompt_ids: list[int], max_model_len: int) -> None:
+        if not prompt_ids:
+            raise GenerateError(ErrorKind.INVALID, "prompt is empty: it must contain at least one token")
+        if len(prompt_ids) >= max_model_len:
+            raise GenerateError(
+                ErrorKind.INVALID,
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: no room is left for output",
+            )
+        vocab_size = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_ids):
+            raise GenerateError(ErrorKind.INVALID, f"prompt token ids must be in [0, {vocab_size})")
+
+
+class Generation:
+    """One admitted request: an async iterator of StreamItems (the last has `finished` set).
+
+    Use it as `async with generation:` so that a request whose client went away is aborted (its KV freed
+    on both workers) and its bookkeeping released.
+    """
+
+    def __init__(self, owner: Generator, request_id: str, client_chose_id: bool) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.internal_id = uuid.uuid4().hex  # the engine's id: unique even if a client reuses its own
+        self.prompt_ids: list[int] = []
+        self.sink = Sink(asyncio.get_running_loop(), on_start=self._left_queue)
+        self.finished: Request | None = None
+        self._waiting = True
+        self._client_id = request_id if client_chose_id else None
+        owner.num_waiting += 1
+        if self._client_id:
+            owner._client_ids.add(self._client_id)
+
+    def _left_queue(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self.owner.num_waiting -= 1
+
+    def release(self) -> None:
+        """Give back the admission slot and the client id (idempotent)."""
+        self._left_queue()
+        if self._client_id:
+            self.owner._client_ids.discard(self._client_id)
+            self._client_id = None
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        if self.finished is not None:
+            raise StopAsyncIteration
+        item = await self.sink.queue.get()
+        if isinstance(item, BaseException):
+            self.release()
+            raise _as_generate_error(item)
+        if item.finished is not None:
+            self.finished = item.finished
+            self.release()
+        return item
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.finished is None and self.owner.loop is not None:
+            self.owner.loop.abort(self.internal_id)  # cancelled, expired or failed: free its KV
+        self.release()
+
+
+def _as_generate_error(exc: BaseException) -> GenerateError:
+    if isinstance(exc, ValueError):
+        return GenerateError(ErrorKind.INVALID, str(exc))
+    if isinstance(exc, EngineFailed):
+        return GenerateError(ErrorKind.UNAVAILABLE, str(exc))
+    return GenerateError(ErrorKind.INTERNAL, f"generation failed: {exc}")

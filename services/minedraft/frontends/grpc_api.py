@@ -1,0 +1,114 @@
+"""The public gRPC API (`minedraft.v1.MineDraft`): a thin frontend over the generate interface."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from google.protobuf.message import DecodeError
+from pydantic import ValidationError
+
+import minedraft
+from minedraft.api import generate_pb2
+from minedraft.config import EngineConfig
+from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
+from minedraft.scheduler.loop import StreamItem
+from minedraft.serving import PUBLIC_SERVICE
+from minedraft.wire import sampling_from_proto, stats_to_proto
+
+_FINISH_REASONS = {
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+}
+STATUS = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """'temperature: Input should be greater than or equal to 0' rather than pydantic's long form."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+
+
+class MineDraftServicer:
+    def __init__(self, generator: Generator, config: EngineConfig) -> None:
+        self.generator = generator
+        self.config = config
+
+    async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
+        request = await _parse(generate_pb2.GenerateRequest, request_bytes, context)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
+        prompt = list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
+        try:
+            generation = await self.generator.start(prompt, params, request.request_id or None)
+            async with generation:
+                async for item in generation:
+                    yield _response(generation.request_id, item)
+        except GenerateError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+
+    async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
+        await _parse(generate_pb2.GetServerInfoRequest, request_bytes, context)
+        try:
+            loop = self.generator.check_ready()
+        except GenerateError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        spec = self.config.speculative_config
+        budget = loop.engine.pipeline.batches.budget
+        return generate_pb2.ServerInfo(
+            version=minedraft.__version__,
+            target_model=str(self.config.target_path),
+            draft_model=str(self.config.draft_path) if spec else "",
+            mode=self.config.mode.value,
+            speculative_config_json=json.dumps(spec.model_dump(exclude_none=True)) if spec else "",
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=loop.engine.max_model_len,
+            max_waiting_requests=self.generator.limits.max_waiting,
+            vocab_size=self.generator.tokenizer.vocab_size,
+            num_kv_blocks=budget.num_blocks if budget else 0,
+            kv_block_size=budget.block_size if budget else 0,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+
+
+async def _parse(message_type, data: bytes, context):
+    """Parse here rather than in gRPC's deserializer, so that undecodable bytes get INVALID_ARGUMENT
+    with a reason (a failing deserializer surfaces as UNKNOWN)."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {message_type.DESCRIPTOR.name} message: {exc}"
+        )
+
+
+def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids)
+    done = item.finished
+    if done is not None:
+        response.finish_reason = _FINISH_REASONS.get(done.finish_reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
+        response.usage.prompt_tokens = len(done.prompt_ids)
+        response.usage.completion_tokens = len(done.output_ids)
+        response.spec_decode_stats.CopyFrom(stats_to_proto(done.stats))
+    return response
+
+
+def add_public_api(servicer: MineDraftServicer, server: grpc.aio.Server) -> None:
+    """Register MineDraft's methods with raw-bytes requests (see `_parse`)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, response_serializer=generate_pb2.GenerateResponse.SerializeToString
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, response_serializer=generate_pb2.ServerInfo.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PUBLIC_SERVICE, handlers),))

@@ -1,0 +1,446 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions (FastAPI).
+
+A thin frontend over the same generate interface as the gRPC API. Streams are server-sent events ending
+with `data: [DONE]`; errors have OpenAI's JSON shape. Unknown body fields are ignored (as vLLM does, since
+clients send vendor extras); known fields we cannot honour (n > 1, logprobs, penalties, tools, ...) are
+refused with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, make_asgi_app
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from minedraft.frontends.auth import ApiKeys
+from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
+from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
+from minedraft.frontends.grpc_api import describe_validation_error
+from minedraft.sampling.params import SamplingParams
+
+STATUS = {
+    ErrorKind.INVALID: HTTPStatus.BAD_REQUEST,
+    ErrorKind.DUPLICATE: HTTPStatus.CONFLICT,
+    ErrorKind.BUSY: HTTPStatus.TOO_MANY_REQUESTS,
+    ErrorKind.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorKind.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR,
+}
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.CONFLICT: "invalid_request_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# --- request bodies ----------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    """Fields both endpoints share; vLLM's extras (top_k, ignore_eos, stop_token_ids) map to ours."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something this server cannot do: refused rather than silently ignored."""
+        checks = {
+            "n": self.n != 1,
+            "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+            "logit_bias": bool(self.logit_bias),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+        }
+        return [name for name, bad in checks.items() if bad]
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        extra = {"echo": self.echo, "logprobs": self.logprobs is not None, "best_of": self.best_of not in (None, 1),
+                 "suffix": bool(self.suffix)}  # fmt: skip
+        return super().unsupported() + [name for name, bad in extra.items() if bad]
+
+    def single_prompt(self) -> str | list[int]:
+        """One prompt per request: a string, token ids, or a list holding exactly one of those."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(HTTPStatus.BAD_REQUEST, "only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionBody(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras for templates
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        text_format = not self.response_format or self.response_format.get("type") == "text"
+        extra = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None, "tools": bool(self.tools),
+                 "response_format": not text_format}  # fmt: skip
+        return super().unsupported() + [name for name, bad in extra.items() if bad]
+
+
+# --- the app -----------------------------------------------------------------------------------------------
+
+
+class OpenAIFrontend:
+    def __init__(
+        self,
+        generator: Generator,
+        served_model_name: str,
+        chat_template: ChatTemplate | None,
+        api_keys: ApiKeys,
+        is_serving: Callable[[], bool],
+        registry: CollectorRegistry | None = None,
+        max_body_bytes: int | None = None,
+    ) -> None:
+        self.generator = generator
+        self.max_body_bytes = max_body_bytes
+        self.model_name = served_model_name
+        self.chat_template = chat_template
+        self.api_keys = api_keys
+        self.is_serving = is_serving
+        self.registry = registry
+        self.created = int(time.time())
+
+    async def check_key(self, request: Request) -> None:  # async: FastAPI runs sync dependencies in threads
+        if not self.api_keys.allows(request.headers.get("authorization")):
+            raise APIError(HTTPStatus.UNAUTHORIZED, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    def check_model(self, body: _SamplingBody) -> None:
+        if body.model != self.model_name:
+            message = f"The model `{body.model}` does not exist."
+            raise APIError(HTTPStatus.NOT_FOUND, message, "model", "model_not_found")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"not supported by this server: {', '.join(unsupported)} (n must be 1; logprobs, penalties, "
+                "tools, echo, best_of and suffix are not implemented)",
+                unsupported[0],
+            )
+
+    async def models(self) -> dict:
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
+                 "max_model_len": self.generator.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    async def completions(self, body: CompletionBody) -> Response:
+        self.check_model(body)
+        params = _params(body, body.max_tokens)
+        generation = await _start(self.generator, body.single_prompt(), params)
+        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
+        return await _respond(generation, stream, body.stream)
+
+    async def chat_completions(self, body: ChatCompletionBody) -> Response:
+        self.check_model(body)
+        prompt = self._render(body)
+        max_tokens = next(
+            (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), self.generator.max_model_len
+        )  # no limit asked: as much as the context leaves
+        generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False)
+        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
+        return await _respond(generation, stream, body.stream)
+
+    def _render(self, body: ChatCompletionBody) -> str:
+        if self.chat_template is None:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"model {self.model_name!r} has no chat template (no chat_template in its tokenizer_config.json); "
+                "use /v1/completions",
+                "messages",
+            )
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            return self.chat_template.render(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as exc:
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), "messages") from exc
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="MineDraft OpenAI-compatible API", docs_url=None, redoc_url=None)
+        auth = [Depends(self.check_key)]
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        if self.registry is not None:
+            app.mount("/metrics", make_asgi_app(self.registry))
+        app.add_exception_handler(APIError, _api_error)
+        app.add_exception_handler(GenerateError, _generate_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        if self.max_body_bytes:
+            app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        return app
+
+    async def health(self) -> Response:
+        serving = self.is_serving()
+        return Response(status_code=200 if serving else 503, content="" if serving else "not serving")
+
+
+def _params(body: _SamplingBody, max_tokens: int | None) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens if max_tokens is not None else 16)
+    except ValidationError as exc:
+        raise APIError(HTTPStatus.BAD_REQUEST, describe_validation_error(exc)) from exc
+
+
+async def _start(generator: Generator, prompt, params: SamplingParams, **kwargs) -> Generation:
+    if isinstance(prompt, list) and any(isinstance(t, list) for t in prompt):
+        raise APIError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a list of token ids", "prompt")
+    return await generator.start(prompt, params, **kwargs)
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """Builds one endpoint's chunks and final body from the generate interface's items."""
+
+    object_full: str
+    object_chunk: str
+
+    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = response_id, model, include_usage
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or (obj == self.object_chunk and self.include_usage):
+            body["usage"] = usage
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope(self.object_chunk, [], usage)
+
+
+class CompletionStream(_Stream):
+    object_full = object_chunk = "text_completion"
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self.object_chunk, [choice])
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self.object_full, [choice], usage)
+
+
+class ChatStream(_Stream):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def first_chunks(self) -> list[dict]:
+        return [self._delta({"role": "assistant", "content": ""}, None)]
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        return self._delta({"content": text} if text else {}, finish_reason)
+
+    def _delta(self, delta: dict, finish_reason: str | None) -> dict:
+        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": None,
+                                                   "finish_reason": finish_reason}])  # fmt: skip
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self.object_full, [choice], usage)
+
+
+def _usage(generation: Generation) -> dict:
+    prompt, completion = len(generation.prompt_ids), len(generation.finished.output_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _respond(generation: Generation, stream: _Stream, streaming: bool) -> Response:
+    if streaming:
+        return StreamingResponse(_sse(generation, stream), media_type="text/event-stream")
+    async with generation:
+        text = "".join([item.text async for item in generation])
+    return JSONResponse(stream.full(text, generation.finished.finish_reason, _usage(generation)))
+
+
+async def _sse(generation: Generation, stream: _Stream) -> AsyncIterator[str]:
+    """Chunks as server-sent events; a failure mid-stream is sent as an error event before [DONE]."""
+    async with generation:
+        try:
+            for chunk in stream.first_chunks():
+                yield _event(chunk)
+            async for item in generation:
+                finished = item.finished
+                if item.text or finished is None:
+                    yield _event(stream.chunk(item.text, None))
+                if finished is not None:
+                    yield _event(stream.chunk("", finished.finish_reason))
+            if stream.include_usage:
+                yield _event(stream.usage_chunk(_usage(generation)))
+        except GenerateError as exc:
+            yield _event(error_body(STATUS[exc.kind], exc.message))
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class BodyLimit:
+    """413 for a body larger than `max_bytes`, before it is read whole (declared length or as it streams in)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"request body is larger than this server accepts ({self.max_bytes} bytes, --max-prompt-bytes)"
+        response = JSONResponse(error_body(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message), status_code=413)
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+
+
+async def _generate_error(request: Request, exc: GenerateError) -> JSONResponse:
+    status = STATUS[exc.kind]
+    return JSONResponse(error_body(status, exc.message), status_code=status)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's messages, one per bad field, as a 400 (OpenAI's status for a malformed body)."""
+    parts, params = [], []
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        params.append(".".join(loc))
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    param = params[0] if params and params[0] else None
+    return JSONResponse(error_body(HTTPStatus.BAD_REQUEST, "; ".join(parts), param), status_code=400)

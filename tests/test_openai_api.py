@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP API through the official `openai` SDK, against a real local stack.
+
+One stack for the module: the bundled pair in MineDraft mode with strict kernels, behind TLS (a
+self-signed certificate made here) and an API key, on both protocols. Greedy output must equal the
+offline autoregressive output of the target, streamed or not, and through the bundled chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from minedraft.client import Client, MineDraftError
+from minedraft.config import EngineConfig
+from minedraft.launcher import LocalStack, free_port
+from minedraft.llm import LLM
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+from tls_certs import write_self_signed_cert
+
+KEY = "test-key-1"
+MODEL = "minedraft-target"  # the bundled target's folder name: the default served model name
+PROMPTS = ["def main():", "import os\n\n\ndef read(path):", "class Stack:\n    def __init__(self):"]
+MAX_TOKENS = 24
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> tuple[Path, Path]:
+    return write_self_signed_cert(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def stack(tls, tmp_path_factory):
+    key, cert = tls
+    config = EngineConfig(
+        speculative_config={"num_speculative_tokens": 3, "is_parallel": True},
+        max_num_seqs=2, device="cpu", batch_invariant=True,
+    )  # fmt: skip
+    with LocalStack(config, http_port=-1, api_keys=[KEY], tls_cert=str(cert), tls_key=str(key),
+                    log_dir=tmp_path_factory.mktemp("logs")) as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    """Offline autoregressive text of the target for each prompt and for the rendered chat."""
+    chat_ids = AutoTokenizer.from_pretrained(str(EngineConfig().target_path)).apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with LLM(device="cpu", batch_invariant=True) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        outputs = llm.generate([*PROMPTS, list(chat_ids)], params)
+    texts = [o.outputs[0].text for o in outputs]
+    return {**dict(zip(PROMPTS, texts)), "chat": texts[-1]}
+
+
+@pytest.fixture(scope="module")
+def client(stack, tls) -> openai.OpenAI:
+    _, cert = tls
+    http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert)))
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0, http_client=http, timeout=120)
+
+
+def _https(stack, tls, path: str, data: bytes | None = None, key: str | None = KEY) -> tuple[int, bytes]:
+    """A raw request (no SDK), for what the SDK hides: status codes of open endpoints, the SSE wire."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(stack.http_url + path, data=data, headers=headers)
+    context = ssl.create_default_context(cafile=str(tls[1]))
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_models_lists_the_served_model(client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completion_equals_offline_ar(client, expected, prompt) -> None:
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text == expected[prompt]
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == MAX_TOKENS
+
+
+def test_streamed_chunks_concatenate_to_the_same_text(client, expected) -> None:
+    prompt = PROMPTS[1]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected[prompt]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_stream_is_server_sent_events_ending_with_done(stack, tls) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "def f():", "max_tokens": 4, "temperature": 0, "stream": True})
+    status, raw = _https(stack, tls, "/v1/completions", body.encode())
+    events = [line for line in raw.decode().split("\n\n") if line]
+    assert status == 200
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert "usage" not in json.loads(events[0].removeprefix("data: "))  # only with include_usage
+
+
+def test_chat_with_the_bundled_template(client, expected) -> None:
+    done = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == expected["chat"]
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["chat"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_vllm_extras_and_stop_strings(client, expected) -> None:
+    prompt = PROMPTS[0]
+    reference = expected[prompt]
+    stop = reference[5:8]  # a stop string the greedy text contains
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop],
+        extra_body={"top_k": 5, "ignore_eos": True},
+    )  # fmt: skip
+    assert done.choices[0].finish_reason == "stop"
+    assert done.choices[0].text == reference[: reference.index(stop)]
+
+
+def test_sampling_with_a_seed_is_reproducible(client) -> None:
+    kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"extra_body": {"top_k": -5}}, "top_k"),
+        ({"prompt": "x " * 2000}, "max_model_len"),
+    ],
+)
+def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
+    kwargs = {"model": MODEL, "prompt": "def f():", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.status_code == 400
+    assert message in info.value.body["message"]
+    assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_malformed_bodies_are_400_with_pydantic_messages(stack, tls, client) -> None:
+    status, raw = _https(stack, tls, "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400
+    assert "messages" in json.loads(raw)["error"]["message"]
+    status, raw = _https(stack, tls, "/v1/completions", b"{not json")
+    assert status == 400 and "error" in json.loads(raw)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+
+
+def test_unknown_model_is_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_a_wrong_or_missing_key_is_401(stack, tls, client) -> None:
+    wrong = client.with_options(api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert _https(stack, tls, "/v1/models", key=None)[0] == 401
+
+
+def test_health_and_metrics_stay_open(stack, tls, client) -> None:
+    client.completions.create(model=MODEL, prompt="def g():", max_tokens=8, temperature=0)
+    assert _https(stack, tls, "/health", key=None)[0] == 200
+    status, raw = _https(stack, tls, "/metrics", key=None)
+    text = raw.decode()
+    assert status == 200
+    assert "minedraft:spec_decode_num_drafts_total" in text
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="{MODEL}"}}' in text
+    assert "vllm:num_requests_running" in text
+
+
+def test_grpc_needs_the_key_and_tls(stack, tls, expected) -> None:
+    _, cert = tls
+    with Client(stack.address, tls=cert, token=KEY, retries=0, timeout=120) as client:
+        assert client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).text == expected[PROMPTS[0]]
+    for token in (None, "wrong"):
+        with Client(stack.address, tls=cert, token=token, retries=0, timeout=60) as client:
+            with pytest.raises(MineDraftError) as info:
+                client.generate("x", max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(MineDraftError) as info:
+                client.server_info()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert client.health()  # health checks stay open
+    with Client(stack.address, tls=None, token=KEY, retries=0, timeout=10) as plaintext:
+        with pytest.raises(MineDraftError) as info:
+            plaintext.health()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_minedraft_up_serves_the_openai_api_with_keys_from_a_file(tmp_path) -> None:
+    """The command line end to end: `minedraft up --http-port --api-key-file`, then SIGTERM."""
+    model = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", num_layers=1)
+    key_file = tmp_path / "keys"
+    key_file.write_text("file-key\n")
+    port, http_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "minedraft", "up", "--model", str(model), "--speculative-config", "null",
+         "--device", "cpu", "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port),
+         "--api-key-file", str(key_file), "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "is serving on" in up.stdout.readline()
+        assert up.stdout.readline().strip() == f"OpenAI-compatible API: http://127.0.0.1:{http_port}/v1"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="file-key", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3).usage.completion_tokens == 3
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="other").models.list()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
