@@ -377,25 +377,56 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from minedraft.gateway.local import GatewayStack
     from minedraft.launcher import LocalStack
 
     config = _engine_config(args, base=UP_DEFAULTS)  # validate first
+    if args.engine_groups < 1:
+        raise ValueError(f"--engine-groups must be >= 1, got {args.engine_groups}")
     # SIGTERM (and SIGINT, even when a non-interactive shell started us with it ignored) stop the stack
     # through the context manager, so no service process is left behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    with LocalStack(
-        config,
-        host=args.host,
-        port=args.port,
-        max_waiting=args.max_waiting_requests,
-        log_level=args.log_level,
-        metrics_port=args.metrics_port,
-    ) as stack:
-        print(f"MineDraft ({config.mode.value}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
+    options = {"host": args.host, "port": args.port, "max_waiting": args.max_waiting_requests,
+               "log_level": args.log_level, "metrics_port": args.metrics_port}  # fmt: skip
+    groups = args.engine_groups
+    stack = GatewayStack(config, groups, **options) if groups > 1 else LocalStack(config, **options)
+    with stack:
+        groups = f", {args.engine_groups} engine groups behind a gateway" if args.engine_groups > 1 else ""
+        print(f"MineDraft ({config.mode.value}{groups}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
         if args.metrics_port:
-            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
+            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics"
+                  + (" (group i: port + i)" if args.engine_groups > 1 else ""), flush=True)  # fmt: skip
         stack.wait()
+    return 0
+
+
+def _backends(value: list[str] | str | None) -> list[str]:
+    """--backend (repeatable), or MINEDRAFT_BACKEND as a comma-separated list."""
+    items = value.split(",") if isinstance(value, str) else value or []
+    backends = [b.strip() for b in items if b.strip()]
+    for backend in backends:
+        if ":" not in backend:
+            raise ValueError(f"--backend must be HOST:PORT, got {backend!r}")
+    return backends
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from minedraft.config import EngineConfig
+    from minedraft.gateway.service import serve_gateway
+    from minedraft.serving import configure_logging
+
+    if bool(_backends(args.backend)) == bool(args.k8s_service):
+        raise ValueError("give the engine groups either as --backend HOST:PORT (repeatable) or as --k8s-service")
+    configure_logging(args.log_level)
+    asyncio.run(
+        serve_gateway(
+            tokenizer_path=args.tokenizer or str(EngineConfig().target_path), host=args.host, port=args.port,
+            backends=_backends(args.backend),
+            k8s_service=args.k8s_service, namespace=args.namespace, port_name=args.port_name,
+            placement_timeout_s=args.placement_timeout,
+        )
+    )  # fmt: skip
     return 0
 
 
@@ -500,7 +531,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_listen_args(up, port=50051, host="127.0.0.1")
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
+    _add(
+        up, "--engine-groups", 1, type=int,
+        help="engine groups (verifier, drafter, scheduler each); above 1 a gateway serves at --port in front of them",
+    )  # fmt: skip
     up.set_defaults(func=cmd_up)
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="run the gateway: the public gRPC API in front of N engine groups, with request migration",
+        description="Routes each request to the serving engine group (scheduler) with the least outstanding work "
+        "and, when that group fails mid-request, resubmits prompt + tokens streamed so far to another one; the "
+        "client's stream continues. Stateless: run as many replicas as you like.",
+    )
+    _add_listen_args(gateway, port=50050)
+    _add(gateway, "--backend", None, action="append", help="a scheduler's HOST:PORT (repeatable; the variable: "
+         "comma-separated)")  # fmt: skip
+    _add(gateway, "--k8s-service", None, help="discover the schedulers from this Service's EndpointSlices instead")
+    _add(gateway, "--namespace", "default", help="namespace of --k8s-service")
+    _add(gateway, "--port-name", "grpc", help="the scheduler port's name in the EndpointSlices")
+    _add(gateway, "--tokenizer", None, help="folder of the target's tokenizer.json (text is "
+         "derived at the gateway, exact across a migration); default: the bundled target")  # fmt: skip
+    _add(
+        gateway, "--placement-timeout", 60.0, type=float,
+        help="seconds a request without a deadline may wait for a serving group; then UNAVAILABLE",
+    )  # fmt: skip
+    gateway.set_defaults(func=cmd_gateway)
 
     verifier = sub.add_parser("verifier", help="run the verifier service (all tensor-parallel ranks), as a pod does")
     _add_engine_args(verifier)

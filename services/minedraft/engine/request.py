@@ -167,6 +167,14 @@ class Request:
                 return
         self.text += delta
 
+    def finish_as(self, reason: str) -> None:
+        """Finish for a reason decided elsewhere (a mirror of a request that ran on another engine, e.g. its
+        EOS): the held-back text is final, and a stop string it completes still wins."""
+        if self.finished:
+            return
+        self._append_text(self.detokenizer.flush())
+        self._finish(reason)
+
     def restart(self) -> None:
         """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight)."""
         self.status = RequestStatus.WAITING

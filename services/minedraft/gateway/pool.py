@@ -1,0 +1,135 @@
+"""The engine groups behind a gateway: their health, the work this gateway has sent them, and the choice.
+
+Each group's scheduler is watched through `grpc.health.v1.Health/Watch` (pushed, not polled); a group
+that is NOT_SERVING or unreachable is skipped. Among the serving ones a request goes to the group with
+the least outstanding work: requests this gateway has in flight there, then tokens still owed on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import generate_pb2_grpc
+from minedraft.serving import PUBLIC_SERVICE, grpc_options
+
+log = logging.getLogger("minedraft.gateway")
+
+_REWATCH_S = 0.5  # pause before watching a group's health again after the watch broke
+
+
+class NoBackend(Exception):
+    """No engine group serves (or none but those to avoid) before the deadline."""
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine group, reached at its scheduler's address."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: generate_pb2_grpc.MineDraftStub
+    serving: bool = False
+    requests: int = 0  # requests this gateway has in flight on the group
+    tokens: int = 0  # tokens still owed on them (their remaining max_tokens)
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return self.requests, self.tokens
+
+
+class Pool:
+    """The current set of backends; `set_addresses` applies what discovery reports."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, Backend] = {}
+        self._changed = asyncio.Event()
+        self.on_change: list = []  # callbacks(serving: bool) when the pool goes from none to some serving
+
+    def set_addresses(self, addresses: set[str]) -> None:
+        """Add new groups (watched from now on), drop the ones discovery no longer lists."""
+        for address in addresses - self.backends.keys():
+            self._add(address)
+        for address in self.backends.keys() - addresses:
+            self._remove(address)
+        self._notify()
+
+    def _add(self, address: str) -> None:
+        channel = grpc.aio.insecure_channel(address, options=grpc_options())
+        backend = Backend(address, channel, generate_pb2_grpc.MineDraftStub(channel))
+        backend.watcher = asyncio.get_running_loop().create_task(self._watch(backend))
+        self.backends[address] = backend
+        log.info("engine group %s added", address)
+
+    def _remove(self, address: str) -> None:
+        backend = self.backends.pop(address)
+        backend.serving = False
+        if backend.watcher is not None:
+            backend.watcher.cancel()
+        # in-flight streams on it keep their channel until they end; close it once they have
+        asyncio.get_running_loop().create_task(backend.channel.close(grace=None if not backend.requests else 30))
+        log.info("engine group %s removed", address)
+
+    async def _watch(self, backend: Backend) -> None:
+        health = health_pb2_grpc.HealthStub(backend.channel)
+        while True:
+            try:
+                async for reply in health.Watch(health_pb2.HealthCheckRequest(service=PUBLIC_SERVICE)):
+                    self._set_serving(backend, reply.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.aio.AioRpcError:
+                pass
+            self._set_serving(backend, False)
+            await asyncio.sleep(_REWATCH_S)
+
+    def _set_serving(self, backend: Backend, serving: bool) -> None:
+        if backend.serving != serving:
+            log.info("engine group %s is %s", backend.address, "SERVING" if serving else "NOT_SERVING")
+        backend.serving = serving
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for callback in self.on_change:
+            callback(self.any_serving)
+
+    @property
+    def any_serving(self) -> bool:
+        return any(b.serving for b in self.backends.values())
+
+    def pick(self, avoid: set[str]) -> Backend | None:
+        """The serving group with the least outstanding work, preferring those not in `avoid`."""
+        serving = [b for b in self.backends.values() if b.serving]
+        preferred = [b for b in serving if b.address not in avoid] or serving
+        return min(preferred, key=lambda b: b.load, default=None)
+
+    async def acquire(self, deadline: float, avoid: set[str], tokens: int) -> Backend:
+        """Wait (until `deadline`, time.monotonic()) for a serving group; count the request on it."""
+        while (backend := self.pick(avoid)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoBackend(f"no engine group is serving ({len(self.backends)} known)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+        backend.requests += 1
+        backend.tokens += tokens
+        return backend
+
+    @staticmethod
+    def release(backend: Backend, tokens: int) -> None:
+        backend.requests -= 1
+        backend.tokens -= tokens
+
+    async def close(self) -> None:
+        for backend in self.backends.values():
+            if backend.watcher is not None:
+                backend.watcher.cancel()
+            await backend.channel.close(grace=None)
+        self.backends.clear()
