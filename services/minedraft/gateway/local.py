@@ -30,14 +30,17 @@ class GatewayStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         placement_timeout_s: float = 60.0,
+        metrics_ports: list[int] | None = None,
     ) -> None:
         if groups < 1:
             raise ValueError(f"engine groups must be >= 1, got {groups}")
         self.config = config
+        # group i's scheduler serves Prometheus metrics on metrics_ports[i], else metrics_port + i (0 = off)
+        metrics_ports = metrics_ports or [metrics_port + i if metrics_port else 0 for i in range(groups)]
         self.groups = [
             LocalStack(
                 config, max_waiting=max_waiting, log_level=log_level, log_dir=_group_dir(log_dir, i),
-                startup_timeout_s=startup_timeout_s, metrics_port=metrics_port + i if metrics_port else 0,
+                startup_timeout_s=startup_timeout_s, metrics_port=metrics_ports[i],
             )  # fmt: skip
             for i in range(groups)
         ]

@@ -130,7 +130,9 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
     async def _run(self, migration: Migration, context: grpc.aio.ServicerContext) -> AsyncIterator:
         """Submit to a group; on UNAVAILABLE mid-way, resubmit what is left to another, until finished."""
         remaining = context.time_remaining()
-        deadline = time.monotonic() + (self.placement_timeout_s if remaining is None else remaining)
+        # answer UNAVAILABLE a little before the client's own deadline would turn it into DEADLINE_EXCEEDED
+        wait = self.placement_timeout_s if remaining is None else remaining - min(0.5, remaining / 10)
+        deadline = time.monotonic() + wait
         avoid: set[str] = set()
         while not migration.mirror.finished:
             try:

@@ -1,0 +1,196 @@
+"""Two engine groups behind `minedraft gateway`, as real local processes.
+
+Greedy output through the gateway must equal the offline autoregressive output token for token and text
+byte for byte (stop strings included), when both groups serve and when one whole group is SIGKILLed
+mid-stream (its requests migrate to the other). Strict kernels: a migrated request is re-prefilled.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from minedraft.client import Client, RetryPolicy
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.gateway.local import GatewayStack
+from minedraft.launcher import free_port
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+
+NUM_STREAMS = 32
+MAX_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=5)
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=5)
+    return str(target), str(draft)
+
+
+def _config(pair, speculative: bool = True) -> EngineConfig:
+    target, draft = pair
+    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
+    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=16, max_model_len=128, device="cpu",
+                        batch_invariant=True)  # fmt: skip
+
+
+def _prompts() -> list[list[int]]:
+    return [[(11 * i + j) % 300 + 1 for j in range(1 + i % 5)] for i in range(NUM_STREAMS)]
+
+
+def _offline(pair, prompts, stops) -> list[tuple[list[int], str, str]]:
+    engine = LLMEngine.local(_config(pair, speculative=False))
+    requests = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=s))
+        for p, s in zip(prompts, stops, strict=True)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    return [(r.output_ids, r.text, r.finish_reason) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def cases(pair) -> list[tuple[list[int], list[str] | None, tuple[list[int], str, str]]]:
+    """(prompt, stop strings, offline output): every other stream stops on 3 characters of its own text
+    taken late in it, so that the stop often comes after a migration or spans its seam."""
+    prompts = _prompts()
+    plain = _offline(pair, prompts, [None] * NUM_STREAMS)
+    stops = []
+    for i, (_, text, _) in enumerate(plain):
+        at = int(len(text) * 0.7)
+        stops.append([text[at : at + 3]] if i % 2 and len(text) > 10 else None)
+    expected = _offline(pair, prompts, stops)
+    assert sum(1 for _, _, reason in expected if reason == "stop") >= NUM_STREAMS // 4  # stops are exercised
+    assert any(ord(c) > 127 for _, text, _ in expected for c in text)  # so are multi-byte characters
+    return list(zip(prompts, stops, expected, strict=True))
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("gateway-logs")
+    with GatewayStack(_config(pair), 2, metrics_ports=[free_port(), free_port()], log_dir=log_dir) as stack:
+        yield stack
+
+
+class Load:
+    """NUM_STREAMS greedy streams in the background; `wait_for_tokens` lets a test strike mid-stream."""
+
+    def __init__(self, address: str, cases, retries: RetryPolicy | int = 0) -> None:
+        self.tokens = 0
+        self._lock = threading.Lock()
+        self._client = Client(address, timeout=240, retries=retries)
+        self._pool = ThreadPoolExecutor(len(cases))
+        self._results = [self._pool.submit(self._one, prompt, stop) for prompt, stop, _ in cases]
+
+    def _one(self, prompt: list[int], stop: list[str] | None) -> tuple[list[int], str, str]:
+        ids: list[int] = []
+        text = ""
+        reason = ""
+        for delta in self._client.stream(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stop=stop):
+            ids += delta.token_ids
+            text += delta.text
+            reason = delta.finish_reason or reason
+            with self._lock:
+                self.tokens += len(delta.token_ids)
+        return ids, text, reason
+
+    def wait_for_tokens(self, n: int, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.tokens < n:
+            assert time.monotonic() < deadline, f"only {self.tokens} tokens after {timeout_s}s"
+            time.sleep(0.01)
+
+    def results(self) -> list[tuple[list[int], str, str]]:
+        try:
+            return [r.result(timeout=300) for r in self._results]
+        finally:
+            self._pool.shutdown()
+            self._client.close()
+
+
+def _finished_requests(metrics_port: int) -> float:
+    """minedraft:request_success_total of one group's scheduler, all finish reasons."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("minedraft:request_success_total"))
+
+
+def test_output_equals_offline_and_load_lands_on_both_groups(stack, cases) -> None:
+    before = [_finished_requests(g.metrics_port) for g in stack.groups]
+    assert Load(stack.address, cases).results() == [expected for _, _, expected in cases]
+    served = [_finished_requests(g.metrics_port) - b for g, b in zip(stack.groups, before, strict=True)]
+    assert sum(served) == NUM_STREAMS
+    assert min(served) >= NUM_STREAMS // 4, f"requests per group: {served}"
+
+
+def test_bad_input_is_refused_at_the_gateway(stack) -> None:
+    with Client(stack.address, timeout=30, retries=0) as client:
+        for kwargs in ({"temperature": -1.0}, {"top_k": 0}):
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate([1, 2, 3], max_tokens=4, **kwargs)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate("", max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in info.value.details()
+        # an error of the group (the prompt does not fit its max_model_len) passes through unchanged
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(list(range(1, 200)), max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in info.value.details()
+        assert client.server_info().max_model_len == 128  # forwarded from a group
+
+
+def test_sdk_retry_carries_requests_over_a_gateway_restart(stack, cases) -> None:
+    stack.gateway.kill()
+    stack.gateway.wait()
+    restart = threading.Timer(1.0, stack.start_gateway)
+    restart.start()
+    retries = RetryPolicy(max_attempts=30, initial_backoff=0.1, max_backoff=1.0)
+    results = Load(stack.address, cases[:8], retries=retries).results()
+    restart.join()
+    assert results == [expected for _, _, expected in cases[:8]]
+
+
+def test_a_request_that_cannot_be_placed_fails_with_unavailable(pair) -> None:
+    """A gateway whose only group never serves: UNAVAILABLE before the client's deadline, saying why."""
+    port = free_port()
+    gateway = subprocess.Popen([
+        sys.executable, "-m", "minedraft", "gateway", "--tokenizer", pair[0], "--host", "127.0.0.1",
+        "--port", str(port), "--backend", f"127.0.0.1:{free_port()}",
+    ])  # fmt: skip
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=4, retries=0) as client:
+            deadline = time.monotonic() + 60
+            while True:  # until the gateway listens: then the request waits for a group, in vain
+                with pytest.raises(grpc.RpcError) as info:
+                    client.generate([1, 2, 3], max_tokens=4)
+                if "not placed" in info.value.details() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no engine group is serving" in info.value.details()
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)
+
+
+def test_a_whole_group_sigkilled_mid_stream_loses_no_request(stack, cases) -> None:
+    """Last: it leaves one group. 32 streams, group 0 SIGKILLed (scheduler, verifier, drafter) mid-stream:
+    its requests continue on group 1 and every stream equals the offline output."""
+    before = _finished_requests(stack.groups[1].metrics_port)
+    load = Load(stack.address, cases)
+    load.wait_for_tokens(NUM_STREAMS * 25)
+    stack.kill_group(0)
+    assert load.results() == [expected for _, _, expected in cases]
+    # group 1 finished its own share and the migrated ones (more than half of all)
+    assert _finished_requests(stack.groups[1].metrics_port) - before > NUM_STREAMS // 2
