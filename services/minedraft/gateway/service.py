@@ -87,6 +87,8 @@ class Migration:
 
     def take(self, reply: generate_pb2.GenerateResponse) -> generate_pb2.GenerateResponse | None:
         """Apply one message of a group; return the message for the client (None when it has nothing new)."""
+        if self.mirror.finished:  # a stop the group did not see (it spans the seam): the rest is dropped
+            return None
         self.mirror.append_tokens(list(reply.token_ids))
         if reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self.stats.merge(stats_from_proto(reply.spec_decode_stats))
