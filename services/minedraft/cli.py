@@ -297,7 +297,7 @@ def _bench_target(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def _bench_k8s(args: argparse.Namespace, prompts: list[str]) -> int:
-    """The --target benchmark through a port-forward to the scheduler Service, closed afterwards."""
+    """The --target benchmark through a port-forward to the release's public Service, closed afterwards."""
     from minedraft.bench.k8s import SCHEDULER_PORT, port_forward
 
     with port_forward(args.service, args.namespace, method=args.port_forward) as target:
@@ -458,11 +458,16 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft server at this address")
     how.add_argument("--launch", action="store_true", help="start a local stack per mode and benchmark each")
     how.add_argument(
-        "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its scheduler"
+        "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its gateway"
     )
     k8s = bench.add_argument_group("kubernetes (--k8s)")
     k8s.add_argument("--namespace", default="default", help="namespace of the release")
-    k8s.add_argument("--service", default="minedraft-scheduler", help="the scheduler Service (<release>-scheduler)")
+    k8s.add_argument(
+        "--service",
+        default="minedraft-gateway",
+        help="the release's public Service: <release>-gateway (the chart's default), or <release>-scheduler "
+        "where the gateway is off",
+    )
     k8s.add_argument(
         "--port-forward",
         choices=("kubectl", "client"),
