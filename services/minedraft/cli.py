@@ -404,10 +404,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _backends(value: list[str] | str | None) -> list[str]:
     """--backend (repeatable), or MINEDRAFT_BACKEND as a comma-separated list."""
     items = value.split(",") if isinstance(value, str) else value or []
+    from minedraft.gateway.service import parse_backend
+
     backends = [b.strip() for b in items if b.strip()]
     for backend in backends:
-        if ":" not in backend:
-            raise ValueError(f"--backend must be HOST:PORT, got {backend!r}")
+        parse_backend(backend)  # ValueError: printed by main()
     return backends
 
 
@@ -550,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
         "client's stream continues. Stateless: run as many replicas as you like.",
     )
     _add_listen_args(gateway, port=50050)
-    _add(gateway, "--backend", None, action="append", help="a scheduler's HOST:PORT (repeatable; the variable: "
-         "comma-separated)")  # fmt: skip
+    _add(gateway, "--backend", None, action="append", help="a scheduler's HOST:PORT, or HOST:PORT@METRICS_PORT to "
+         "route by its queue too (repeatable; the variable: comma-separated)")  # fmt: skip
     _add(gateway, "--k8s-service", None, help="discover the schedulers from this Service's EndpointSlices instead")
     _add(gateway, "--namespace", "default", help="namespace of --k8s-service")
     _add(gateway, "--port-name", "grpc", help="the scheduler port's name in the EndpointSlices")

@@ -21,6 +21,7 @@ log = logging.getLogger("minedraft.gateway")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _WATCH_TIMEOUT_S = 300  # the server ends a watch after this; it is then resumed from the last version
 _RETRY_S = 2.0
+METRICS_PORT_NAME = "metrics"
 
 
 def load_api_client() -> client.ApiClient:
@@ -32,17 +33,20 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
-def slice_addresses(endpoint_slice, port_name: str) -> set[str]:
-    """host:port of every ready endpoint of one EndpointSlice, on the port named `port_name`."""
-    ports = [p.port for p in endpoint_slice.ports or [] if p.name == port_name and p.port]
-    if not ports:
-        return set()
-    addresses = set()
+def slice_addresses(endpoint_slice, port_name: str) -> dict[str, str | None]:
+    """host:port of every ready endpoint of one EndpointSlice, on the port named `port_name`, with the
+    scheduler's /metrics URL when the slice has a port named "metrics"."""
+    ports = {p.name: p.port for p in endpoint_slice.ports or [] if p.port}
+    if port_name not in ports:
+        return {}
+    addresses = {}
     for endpoint in endpoint_slice.endpoints or []:
         conditions = endpoint.conditions
         if conditions is not None and conditions.ready is False:  # unset means ready
             continue
-        addresses.update(_join(address, ports[0]) for address in endpoint.addresses or [])
+        for host in endpoint.addresses or []:
+            metrics = f"http://{_join(host, ports[METRICS_PORT_NAME])}/metrics" if METRICS_PORT_NAME in ports else None
+            addresses[_join(host, ports[port_name])] = metrics
     return addresses
 
 
@@ -54,13 +58,13 @@ class EndpointSliceWatcher:
     """Keeps {slice name: ready addresses} of one Service and reports their union on every change."""
 
     def __init__(self, api: client.ApiClient, service: str, namespace: str, port_name: str,
-                 on_addresses: Callable[[set[str]], None]) -> None:  # fmt: skip
+                 on_addresses: Callable[[dict[str, str | None]], None]) -> None:  # fmt: skip
         self._discovery = client.DiscoveryV1Api(api)
         self._service = service
         self._namespace = namespace
         self._port_name = port_name
         self._on_addresses = on_addresses
-        self._slices: dict[str, set[str]] = {}
+        self._slices: dict[str, dict[str, str | None]] = {}
         self._stop = threading.Event()
         self._watch: watch.Watch | None = None
 
@@ -109,7 +113,7 @@ class EndpointSliceWatcher:
         return endpoint_slice.metadata.resource_version
 
     def _report(self) -> None:
-        self._on_addresses(set().union(*self._slices.values()))
+        self._on_addresses({a: m for addresses in self._slices.values() for a, m in addresses.items()})
 
 
 async def watch_endpoint_slices(

@@ -60,7 +60,7 @@ class GatewayStack:
         self.stop()
 
     def gateway_command(self) -> list[str]:
-        backends = [arg for group in self.groups for arg in ("--backend", group.address)]
+        backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
         host, port = self.address.rsplit(":", 1)
         return [
             sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(self.config.target_path), *backends,
@@ -105,6 +105,10 @@ class GatewayStack:
                 self.gateway.wait()
         for group in self.groups:
             group.stop()
+
+
+def _backend_spec(group: LocalStack) -> str:
+    return f"{group.address}@{group.metrics_port}" if group.metrics_port else group.address
 
 
 def _group_dir(log_dir: Path | None, index: int) -> Path | None:

@@ -189,6 +189,15 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             await context.abort(exc.code(), exc.details())
 
 
+def parse_backend(spec: str) -> tuple[str, str | None]:
+    """'HOST:PORT' or 'HOST:PORT@METRICS_PORT' -> (address, the scheduler's /metrics URL or None)."""
+    address, _, metrics_port = spec.partition("@")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or (metrics_port and not metrics_port.isdigit()):
+        raise ValueError(f"a backend is HOST:PORT or HOST:PORT@METRICS_PORT, got {spec!r}")
+    return address, f"http://{host}:{metrics_port}/metrics" if metrics_port else None
+
+
 def _ended_early(backend: Backend) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -241,7 +250,7 @@ async def serve_gateway(
         log.info("gateway on %s:%d, engine groups from the EndpointSlices of %s/%s", host, bound, namespace,
                  k8s_service)  # fmt: skip
     else:
-        pool.set_addresses(set(backends))
+        pool.set_addresses(dict(parse_backend(b) for b in backends))
         log.info("gateway on %s:%d in front of %s", host, bound, ", ".join(backends))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
