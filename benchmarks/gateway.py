@@ -115,6 +115,7 @@ def main() -> int:
                           batch_invariant=True)  # fmt: skip
     prompts = load_prompts(None, limit=args.num_prompts)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="minedraft-gateway-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     if not args.skip_throughput:
         print(throughput(config, prompts, args, log_dir), flush=True)
     if not args.skip_failover:

@@ -47,6 +47,8 @@ class GatewayStack:
         self.port = port or free_port()
         self.address = f"{host}:{self.port}"
         self._log_dir = log_dir
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
         self._log_level = log_level
         self._placement_timeout_s = placement_timeout_s
         self._startup_timeout_s = startup_timeout_s
