@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import tempfile
 import time
@@ -55,7 +56,9 @@ class Streams:
 
     def _one(self, index: int, prompt: str) -> list[int]:
         ids: list[int] = []
-        for delta in self._client.stream(prompt, max_tokens=self._max_tokens, temperature=0, ignore_eos=True):
+        stream = self._client.stream(prompt, max_tokens=self._max_tokens, temperature=0, ignore_eos=True,
+                                     request_id=f"r{index}")  # fmt: skip
+        for delta in stream:
             ids += delta.token_ids
             self.arrivals[index].extend([time.monotonic()] * len(delta.token_ids))
         return ids
@@ -88,17 +91,29 @@ def failover(config: EngineConfig, prompts: list[str], args: argparse.Namespace,
         duration = max(t for a in streams.arrivals for t in a[-1:]) - killed_at
     lost = sum(isinstance(r, Exception) for r in wild)
     changed = sum(1 for a, b in zip(calm, wild, strict=True) if not isinstance(b, Exception) and a != b)
-    # streams that were mid-flight at the kill: the wait from the kill to their next token
-    waits = [next(t for t in a if t > killed_at) - killed_at for a in streams.arrivals
-             if a and a[0] < killed_at < a[-1]]  # fmt: skip
-    gaps = [b - a for arr in streams.arrivals for a, b in zip(arr, arr[1:], strict=False) if b < killed_at and b > a]
-    migrated = (log_dir / "failover" / "gateway.log").read_text().count("resubmitting")
+    log = (log_dir / "failover" / "gateway.log").read_text()
+    migrated = {int(i) for i in re.findall(r"request r(\d+): group .* resubmitting", log)}
+    # streams mid-flight at the kill: the wait from the kill to their next token, migrated or not
+    waits = {i: next(t for t in a if t > killed_at) - killed_at for i, a in enumerate(streams.arrivals)
+             if a and a[0] < killed_at < a[-1]}  # fmt: skip
+    moved = [w for i, w in waits.items() if i in migrated]
+    stayed = [w for i, w in waits.items() if i not in migrated]
     return "\n".join([
-        f"requests: {len(prompts)}, lost: {lost}, outputs changed: {changed}, resubmitted by the gateway: {migrated}",
-        f"streams mid-flight at the kill: {len(waits)}; kill -> next token: median {statistics.median(waits):.3f}s, "
-        f"max {max(waits):.3f}s (median gap between deltas before the kill: {statistics.median(gaps):.3f}s)",
+        f"requests: {len(prompts)}, lost: {lost}, outputs changed: {changed}, migrated: {len(migrated)}",
+        f"kill -> next token of a migrated stream: median {_median(moved)}, max {_max(moved)} "
+        f"({len(moved)} streams)",
+        f"kill -> next token of a stream on the surviving group: median {_median(stayed)}, max {_max(stayed)} "
+        f"({len(stayed)} streams)",
         f"kill -> last token of the run: {duration:.1f}s",
     ])  # fmt: skip
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f}s" if values else "-"
+
+
+def _max(values: list[float]) -> str:
+    return f"{max(values):.3f}s" if values else "-"
 
 
 def main() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from minedraft.config import EngineConfig
@@ -95,7 +96,13 @@ class GatewayStack:
             process.wait()
 
     def wait(self) -> None:
-        self.groups[0].wait()
+        """Block until a service of any group, or the gateway, exits, or Ctrl-C."""
+        processes = [p for g in self.groups for _, p in g._processes] + [self.gateway]
+        try:
+            while all(p is not None and p.poll() is None for p in processes):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
 
     def stop(self) -> None:
         if self.gateway is not None and self.gateway.poll() is None:
@@ -122,8 +129,6 @@ def _group_dir(log_dir: Path | None, index: int) -> Path | None:
 
 
 def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:
-    import time
-
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -134,6 +134,9 @@ class Pool:
     def any_serving(self) -> bool:
         return any(b.serving for b in self.backends.values())
 
+    def serving_addresses(self) -> set[str]:
+        return {b.address for b in self.backends.values() if b.serving}
+
     def pick(self, avoid: set[str]) -> Backend | None:
         """The serving group with the least outstanding work, preferring those not in `avoid`."""
         serving = [b for b in self.backends.values() if b.serving]

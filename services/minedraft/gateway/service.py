@@ -136,16 +136,22 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         wait = self.placement_timeout_s if remaining is None else remaining - min(0.5, remaining / 10)
         deadline = time.monotonic() + wait
         avoid: set[str] = set()
+        full: set[str] = set()  # groups that refused it for a full queue
         while not migration.mirror.finished:
             try:
-                backend = await self.pool.acquire(deadline, avoid, migration.remaining)
+                backend = await self.pool.acquire(deadline, avoid | full, migration.remaining)
             except NoBackend as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; request {migration.request_id} not placed")
             try:
                 async for response in self._attempt(backend, migration, deadline):
                     yield response
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.add(backend.address)
+                    if self.pool.serving_addresses() <= full:  # every group is full: the client backs off
+                        await context.abort(exc.code(), exc.details())
+                    continue
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     await context.abort(exc.code(), exc.details())
                 avoid = {backend.address}
                 self._note_failure(migration, backend, exc)
