@@ -162,6 +162,23 @@ def test_sdk_retry_carries_requests_over_a_gateway_restart(stack, cases) -> None
     assert results == [expected for _, _, expected in cases[:8]]
 
 
+def test_two_gateways_side_by_side(stack, cases) -> None:
+    """A second replica in front of the same groups: both serve, and both balance over both groups."""
+    port = free_port()
+    second = subprocess.Popen(stack.gateway_command(port=port))
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=120, retries=RetryPolicy(max_attempts=60, max_backoff=0.5)) as c:
+            assert c.server_info().max_model_len == 128  # up (the SDK retries until it listens)
+        before = [_finished_requests(g.metrics_port) for g in stack.groups]
+        loads = [Load(stack.address, cases[::2]), Load(f"127.0.0.1:{port}", cases[1::2])]
+        assert [load.results() for load in loads] == [[e for _, _, e in cases[::2]], [e for _, _, e in cases[1::2]]]
+        served = [_finished_requests(g.metrics_port) - b for g, b in zip(stack.groups, before, strict=True)]
+        assert sum(served) == NUM_STREAMS and min(served) >= NUM_STREAMS // 4, f"requests per group: {served}"
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+
+
 def test_a_request_that_cannot_be_placed_fails_with_unavailable(pair) -> None:
     """A gateway whose only group never serves: UNAVAILABLE before the client's deadline, saying why."""
     port = free_port()

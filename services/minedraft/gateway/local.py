@@ -62,9 +62,11 @@ class GatewayStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def gateway_command(self) -> list[str]:
+    def gateway_command(self, port: int | None = None) -> list[str]:
+        """The gateway's command line; another `port` gives a second replica in front of the same groups."""
         backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
-        host, port = self.address.rsplit(":", 1)
+        host, own_port = self.address.rsplit(":", 1)
+        port = str(port or own_port)
         return [
             sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(self.config.target_path), *backends,
             "--host", host, "--port", port, "--log-level", self._log_level,
