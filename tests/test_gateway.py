@@ -7,6 +7,7 @@ mid-stream (its requests migrate to the other). Strict kernels: a migrated reque
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -211,3 +213,37 @@ def test_a_whole_group_sigkilled_mid_stream_loses_no_request(stack, cases) -> No
     assert load.results() == [expected for _, _, expected in cases]
     # group 1 finished its own share and the migrated ones (more than half of all)
     assert _finished_requests(stack.groups[1].metrics_port) - before > NUM_STREAMS // 2
+
+
+def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything(pair) -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "minedraft", "up", "--engine-groups", "2", "--model", pair[0], "--port", str(port),
+         "--metrics-port", "0", "--speculative-config", json.dumps({"num_speculative_tokens": 3, "is_parallel": True,
+         "model": pair[1]}), "--device", "cpu"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "2 engine groups behind a gateway) is serving on 127.0.0.1:" in up.stdout.readline()
+        services = _children(up.pid)
+        assert len(services) == 7  # two groups of verifier, drafter, scheduler, and the gateway
+        with Client(f"127.0.0.1:{port}", timeout=60) as client:
+            assert client.generate([1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True).usage.completion_tokens == 8
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=90) == 0
+        assert [pid for pid in services if Path(f"/proc/{pid}").exists()] == [], "services outlived minedraft up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
