@@ -29,7 +29,7 @@ def _load_renderer():
 renderer = _load_renderer()
 GROUPS = {"engineGroups": 3}
 AUTOSCALED = {"engineGroups": 2, "autoscaling": {"enabled": True, "maxGroups": 6, "waitingRequestsPerGroup": 4},
-              "serviceMonitor": {"enabled": True}}  # fmt: skip
+              "serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}}  # fmt: skip
 COMBINATIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "cpu": renderer.profile_values("cpu"),
@@ -172,6 +172,12 @@ def test_autoscaling_is_a_keda_scaled_object_on_queue_depth() -> None:
     groups = one(objs, "Service", "minedraft-groups")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= groups["metadata"]["labels"].items()
     assert not [o for o in render("default") if o["kind"] == "ScaledObject"]  # off by default
+    budget = one(objs, "PodDisruptionBudget", "minedraft-group")  # drains take one group at a time
+    assert {b["metadata"]["name"] for b in objs if b["kind"] == "PodDisruptionBudget"} == {
+        "minedraft-group", "minedraft-gateway",
+    }  # fmt: skip
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= target["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_the_gateway_can_be_switched_off() -> None:

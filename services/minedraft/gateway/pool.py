@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,7 +67,7 @@ class Pool:
     def __init__(self) -> None:
         self.backends: dict[str, Backend] = {}
         self._changed = asyncio.Event()
-        self.on_change: list = []  # callbacks(serving: bool) when the pool goes from none to some serving
+        self.on_change: list[Callable[[bool], None]] = []  # called with `any_serving` after every change
 
     def set_addresses(self, addresses: dict[str, str | None]) -> None:
         """Add new groups (watched from now on), drop the ones discovery no longer lists.

@@ -112,7 +112,6 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         self.pool = pool
         self.tokenizer = tokenizer
         self.placement_timeout_s = placement_timeout_s
-        self.migrations = 0  # requests resubmitted after their group failed (a counter for logs and tests)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
@@ -176,9 +175,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             call.cancel()  # a no-op once finished; frees the group's KV when the client went away
             Pool.release(backend, owed)
 
-    def _note_failure(self, migration: Migration, backend: Backend, exc: grpc.aio.AioRpcError) -> None:
-        if migration.mirror.output_ids:
-            self.migrations += 1
+    @staticmethod
+    def _note_failure(migration: Migration, backend: Backend, exc: grpc.aio.AioRpcError) -> None:
         log.warning(
             "request %s: group %s failed (%s: %s) after %d output tokens; resubmitting to another group",
             migration.request_id, backend.address, exc.code().name, exc.details(), len(migration.mirror.output_ids),
