@@ -89,10 +89,10 @@ def stack(pair, tmp_path_factory):
 class Load:
     """NUM_STREAMS greedy streams in the background; `wait_for_tokens` lets a test strike mid-stream."""
 
-    def __init__(self, address: str, cases, retries: RetryPolicy | int = 0) -> None:
+    def __init__(self, address: str, cases, retries: RetryPolicy | int = 0, timeout: float | None = 240) -> None:
         self.tokens = 0
         self._lock = threading.Lock()
-        self._client = Client(address, timeout=240, retries=retries)
+        self._client = Client(address, timeout=timeout, retries=retries)
         self._pool = ThreadPoolExecutor(len(cases))
         self._results = [self._pool.submit(self._one, prompt, stop) for prompt, stop, _ in cases]
 
@@ -165,14 +165,15 @@ def test_sdk_retry_carries_requests_over_a_gateway_restart(stack, cases) -> None
 
 
 def test_two_gateways_side_by_side(stack, cases) -> None:
-    """A second replica in front of the same groups: both serve, and both balance over both groups."""
+    """A second replica in front of the same groups: both serve, and both balance over both groups. Its
+    requests carry no deadline and last longer than its placement timeout, which bounds placement only."""
     port = free_port()
-    second = subprocess.Popen(stack.gateway_command(port=port))
+    second = subprocess.Popen(stack.gateway_command(port=port, placement_timeout_s=0.2))
     try:
         with Client(f"127.0.0.1:{port}", timeout=120, retries=RetryPolicy(max_attempts=60, max_backoff=0.5)) as c:
             assert c.server_info().max_model_len == 128  # up (the SDK retries until it listens)
         before = [_finished_requests(g.metrics_port) for g in stack.groups]
-        loads = [Load(stack.address, cases[::2]), Load(f"127.0.0.1:{port}", cases[1::2])]
+        loads = [Load(stack.address, cases[::2]), Load(f"127.0.0.1:{port}", cases[1::2], timeout=None)]
         assert [load.results() for load in loads] == [[e for _, _, e in cases[::2]], [e for _, _, e in cases[1::2]]]
         served = [_finished_requests(g.metrics_port) - b for g, b in zip(stack.groups, before, strict=True)]
         assert sum(served) == NUM_STREAMS and min(served) >= NUM_STREAMS // 4, f"requests per group: {served}"

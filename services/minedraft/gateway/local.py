@@ -62,7 +62,7 @@ class GatewayStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def gateway_command(self, port: int | None = None) -> list[str]:
+    def gateway_command(self, port: int | None = None, placement_timeout_s: float | None = None) -> list[str]:
         """The gateway's command line; another `port` gives a second replica in front of the same groups."""
         backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
         host, own_port = self.address.rsplit(":", 1)
@@ -70,7 +70,7 @@ class GatewayStack:
         return [
             sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(self.config.target_path), *backends,
             "--host", host, "--port", port, "--log-level", self._log_level,
-            "--placement-timeout", str(self._placement_timeout_s),
+            "--placement-timeout", str(placement_timeout_s or self._placement_timeout_s),
         ]  # fmt: skip
 
     def start(self) -> None:

@@ -70,7 +70,6 @@ class Migration:
         )  # fmt: skip
         self.stats = SpecDecodeStats()
         self.sent_tokens = 0  # output tokens already streamed to the client
-        self.attempts = 0
 
     @property
     def remaining(self) -> int:
@@ -130,19 +129,15 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
 
     async def _run(self, migration: Migration, context: grpc.aio.ServicerContext) -> AsyncIterator:
         """Submit to a group; on UNAVAILABLE mid-way, resubmit what is left to another, until finished."""
-        remaining = context.time_remaining()
-        # answer UNAVAILABLE a little before the client's own deadline would turn it into DEADLINE_EXCEEDED
-        wait = self.placement_timeout_s if remaining is None else remaining - min(0.5, remaining / 10)
-        deadline = time.monotonic() + wait
         avoid: set[str] = set()
         full: set[str] = set()  # groups that refused it for a full queue
         while not migration.mirror.finished:
             try:
-                backend = await self.pool.acquire(deadline, avoid | full, migration.remaining)
+                backend = await self.pool.acquire(self._placement_deadline(context), avoid | full, migration.remaining)
             except NoBackend as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; request {migration.request_id} not placed")
             try:
-                async for response in self._attempt(backend, migration, deadline):
+                async for response in self._attempt(backend, migration, context.time_remaining()):
                     yield response
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -156,10 +151,18 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                 self._note_failure(migration, backend, exc)
                 await asyncio.sleep(_RETRY_PAUSE_S)
 
-    async def _attempt(self, backend: Backend, migration: Migration, deadline: float) -> AsyncIterator:
+    def _placement_deadline(self, context: grpc.aio.ServicerContext) -> float:
+        """Until when (time.monotonic()) a request may wait for a serving group, at each placement: a little
+        before the client's deadline (which would turn UNAVAILABLE into DEADLINE_EXCEEDED), else
+        --placement-timeout."""
+        remaining = context.time_remaining()
+        wait = self.placement_timeout_s if remaining is None else remaining - min(0.5, remaining / 10)
+        return time.monotonic() + wait
+
+    async def _attempt(self, backend: Backend, migration: Migration, timeout: float | None) -> AsyncIterator:
+        """One submission to one group, for the client's remaining time (none: no deadline)."""
         owed = migration.remaining
-        call = backend.stub.Generate(migration.submission(), timeout=max(0.001, deadline - time.monotonic()))
-        migration.attempts += 1
+        call = backend.stub.Generate(migration.submission(), timeout=timeout)
         try:
             async for reply in call:
                 response = migration.take(reply)
