@@ -180,6 +180,13 @@ def test_autoscaling_is_a_keda_scaled_object_on_queue_depth() -> None:
     assert budget["spec"]["selector"]["matchLabels"].items() <= target["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_cpu_profile_keeps_the_gateway_on_the_development_nodes() -> None:
+    for name in ("cpu", "groups-cpu"):
+        spec = one(render(name), "Deployment", "minedraft-gateway")["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {"minedraft/pool": "cpu"}
+        assert spec["containers"][0]["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+
+
 def test_the_gateway_can_be_switched_off() -> None:
     objs = render("no-gateway")
     assert not [o for o in objs if "gateway" in o["metadata"]["name"]]
