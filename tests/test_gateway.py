@@ -204,6 +204,26 @@ def test_a_request_that_cannot_be_placed_fails_with_unavailable(pair) -> None:
         gateway.wait(timeout=30)
 
 
+def test_overload_spills_to_the_other_group_then_is_resource_exhausted(pair, tmp_path) -> None:
+    """Groups of 2 running + 4 waiting requests each: a burst of 40 fills both groups (more than one group
+    holds), the rest are turned away with RESOURCE_EXHAUSTED, none with another code."""
+    config = EngineConfig(model=pair[0], max_num_seqs=2, max_model_len=128, device="cpu")
+    with GatewayStack(config, 2, max_waiting=4, log_dir=tmp_path) as small, \
+            Client(small.address, timeout=120, retries=0) as client:  # fmt: skip
+
+        def one(_: int) -> str:
+            try:
+                client.generate([9, 9], max_tokens=100, temperature=0, ignore_eos=True)
+                return "ok"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+        with ThreadPoolExecutor(40) as pool:
+            codes = list(pool.map(one, range(40)))
+    assert set(codes) == {"ok", "RESOURCE_EXHAUSTED"}
+    assert codes.count("ok") > 2 + 4, codes
+
+
 def test_a_whole_group_sigkilled_mid_stream_loses_no_request(stack, cases) -> None:
     """Last: it leaves one group. 32 streams, group 0 SIGKILLed (scheduler, verifier, drafter) mid-stream:
     its requests continue on group 1 and every stream equals the offline output."""
