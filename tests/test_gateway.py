@@ -236,16 +236,20 @@ def test_a_whole_group_sigkilled_mid_stream_loses_no_request(stack, cases) -> No
     assert _finished_requests(stack.groups[1].metrics_port) - before > NUM_STREAMS // 2
 
 
-def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything(pair) -> None:
+def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything(pair, tmp_path) -> None:
     port = free_port()
+    errors = open(tmp_path / "up.log", "w")  # noqa: SIM115 (the services' logs, shown if start-up fails)
     up = subprocess.Popen(
         [sys.executable, "-m", "minedraft", "up", "--engine-groups", "2", "--model", pair[0], "--port", str(port),
          "--metrics-port", "0", "--speculative-config", json.dumps({"num_speculative_tokens": 3, "is_parallel": True,
          "model": pair[1]}), "--device", "cpu"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=errors, text=True,
     )  # fmt: skip
     try:
-        assert "2 engine groups behind a gateway) is serving on 127.0.0.1:" in up.stdout.readline()
+        line = up.stdout.readline()
+        assert "2 engine groups behind a gateway) is serving on 127.0.0.1:" in line, (
+            f"{line!r}\n{(tmp_path / 'up.log').read_text()[-3000:]}"
+        )
         services = _children(up.pid)
         assert len(services) == 7  # two groups of verifier, drafter, scheduler, and the gateway
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
@@ -256,6 +260,7 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
     finally:
         if up.poll() is None:
             up.kill()
+        errors.close()
 
 
 def _children(pid: int) -> list[int]:
