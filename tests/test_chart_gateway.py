@@ -38,8 +38,12 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "groups-autoregressive": {**GROUPS, "speculativeConfig": None},
     "groups-claim-download": {
         **GROUPS,
-        "models": {"target": "t", "draft": "d", "volume": {"type": "createClaim", "accessModes": ["ReadWriteMany"]},
-                   "download": {"enabled": True, "target": "org/t", "draft": "org/d"}},
+        "models": {
+            "target": "t",
+            "draft": "d",
+            "volume": {"type": "createClaim", "accessModes": ["ReadWriteMany"]},
+            "download": {"enabled": True, "target": "org/t", "draft": "org/d"},
+        },
     },  # fmt: skip
     "autoscaled": AUTOSCALED,
     "no-gateway": {"gateway": {"enabled": False}},

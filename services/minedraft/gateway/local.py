@@ -40,8 +40,12 @@ class GatewayStack:
         metrics_ports = metrics_ports or [metrics_port + i if metrics_port else 0 for i in range(groups)]
         self.groups = [
             LocalStack(
-                config, max_waiting=max_waiting, log_level=log_level, log_dir=_group_dir(log_dir, i),
-                startup_timeout_s=startup_timeout_s, metrics_port=metrics_ports[i],
+                config,
+                max_waiting=max_waiting,
+                log_level=log_level,
+                log_dir=_group_dir(log_dir, i),
+                startup_timeout_s=startup_timeout_s,
+                metrics_port=metrics_ports[i],
             )  # fmt: skip
             for i in range(groups)
         ]

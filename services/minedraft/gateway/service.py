@@ -251,9 +251,7 @@ async def serve_gateway(
     )
     watcher = None
     if k8s_service:
-        watcher = asyncio.get_running_loop().create_task(
-            watch_endpoint_slices(pool, k8s_service, namespace, port_name)
-        )
+        watcher = asyncio.get_running_loop().create_task(watch_endpoint_slices(pool, k8s_service, namespace, port_name))
         log.info("gateway on %s:%d, engine groups from the EndpointSlices of %s/%s", host, bound, namespace,
                  k8s_service)  # fmt: skip
     else:
