@@ -270,6 +270,8 @@ def test_drafter_is_pinned_to_the_verifier_node(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(COMBINATIONS))
 def test_gpu_workloads_are_recreated_not_rolled(name: str) -> None:
     for deployment in find(render(name), "Deployment"):
+        if deployment["metadata"]["name"].endswith("-gateway"):  # no GPU, stateless: rolled (test_chart_gateway)
+            continue
         assert deployment["spec"]["strategy"] == {"type": "Recreate"}, deployment["metadata"]["name"]
         assert deployment["spec"]["replicas"] == 1
 
@@ -329,7 +331,8 @@ def test_security_context(name: str) -> None:
     for deployment in find(render(name), "Deployment"):
         spec = deployment["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
-        assert spec["automountServiceAccountToken"] is False
+        # only the gateway calls the Kubernetes API (it watches EndpointSlices)
+        assert spec["automountServiceAccountToken"] is deployment["metadata"]["name"].endswith("-gateway")
         assert spec["enableServiceLinks"] is False  # no MINEDRAFT_<SERVICE>_PORT=tcp://... in the env
         for container in spec["containers"] + spec.get("initContainers", []):
             context = container["securityContext"]
@@ -493,7 +496,7 @@ def test_network_policies() -> None:
 
 def test_pod_disruption_budgets_and_service_monitor() -> None:
     objs = render("extras")
-    budgets = find(objs, "PodDisruptionBudget")
+    budgets = [b for b in find(objs, "PodDisruptionBudget") if not b["metadata"]["name"].endswith("-gateway")]
     assert sorted(b["metadata"]["name"] for b in budgets) == [
         "minedraft-drafter", "minedraft-scheduler", "minedraft-verifier",
     ]  # fmt: skip
@@ -577,9 +580,10 @@ def test_cert_manager_certificate_names_the_service() -> None:
 def test_notes_print_the_port_forward_and_bench_commands() -> None:
     with helm.Chart.load(renderer.CHART_DIR) as chart:
         notes = chart.render(name="minedraft", namespace="default")["minedraft/templates/NOTES.txt"]
-    assert "kubectl --namespace default port-forward svc/minedraft-scheduler 50051:50051" in notes
+    assert "kubectl --namespace default port-forward svc/minedraft-gateway 50051:50051" in notes
     assert "minedraft bench --target 127.0.0.1:50051" in notes
     assert "curl http://127.0.0.1:8000/v1/models" in notes
+    assert "minedraft bench --k8s --namespace default --service minedraft-gateway" in notes
 
 
 # --- bad values fail the install with a message --------------------------------------------------------------

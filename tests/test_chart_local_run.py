@@ -62,7 +62,12 @@ def render_cpu_profile() -> list[dict]:
 
 
 def _deployments(objs: list[dict]) -> dict[str, dict]:
-    return {o["metadata"]["labels"]["app.kubernetes.io/component"]: o for o in objs if o["kind"] == "Deployment"}
+    """The engine group's Deployments. Not the gateway: it discovers the schedulers through the Kubernetes
+    API (tests/test_gateway_discovery.py runs that against an API double) and shares the scheduler's port."""
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    by_component = {o["metadata"]["labels"]["app.kubernetes.io/component"]: o for o in deployments}
+    by_component.pop("gateway", None)
+    return by_component
 
 
 def _service_hosts(objs: list[dict]) -> set[str]:
@@ -229,7 +234,8 @@ def test_cpu_profile_runs_as_rendered(tmp_path, expected_tokens, monkeypatch, ca
         monkeypatch.setenv("FAKE_KUBECTL_UPSTREAM", str(scheduler_port))
         dataset = tmp_path / "prompts.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT, "import os\n")))
-        argv = ["bench", "--k8s", "--dataset", str(dataset), "--max-tokens", "8", "--concurrency", "2", "--warmup", "0"]
+        argv = ["bench", "--k8s", "--service", "minedraft-scheduler", "--dataset", str(dataset), "--max-tokens", "8",
+                "--concurrency", "2", "--warmup", "0"]  # fmt: skip
         assert main(argv) == 0, capsys.readouterr()
         assert recorded(tmp_path / "kubectl.json")["argv"][:6] == [
             "port-forward", "--namespace", "default", "--address", "127.0.0.1", "svc/minedraft-scheduler",

@@ -328,7 +328,7 @@ def _bench_target(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def _bench_k8s(args: argparse.Namespace, prompts: list[str]) -> int:
-    """The --target benchmark through a port-forward to the scheduler Service, closed afterwards."""
+    """The --target benchmark through a port-forward to the release's public Service, closed afterwards."""
     from minedraft.bench.k8s import SCHEDULER_PORT, port_forward
 
     with port_forward(args.service, args.namespace, method=args.port_forward) as target:
@@ -406,34 +406,68 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from minedraft.gateway.local import GatewayStack
     from minedraft.launcher import LocalStack
 
     config = _engine_config(args, base=UP_DEFAULTS)  # validate first
+    if args.engine_groups < 1:
+        raise ValueError(f"--engine-groups must be >= 1, got {args.engine_groups}")
     # SIGTERM (and SIGINT, even when a non-interactive shell started us with it ignored) stop the stack
     # through the context manager, so no service process is left behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     api = _public_api(args)  # validate before starting anything
-    with LocalStack(
-        config,
-        host=args.host,
-        port=args.port,
-        max_waiting=args.max_waiting_requests,
-        log_level=args.log_level,
-        metrics_port=args.metrics_port,
-        http_port=api.http_port,
-        api_keys=api.api_keys.keys,
-        tls_cert=api.tls_cert,
-        tls_key=api.tls_key,
-        served_model_name=api.served_model_name,
-        max_prompt_bytes=api.max_prompt_bytes,
-    ) as stack:
-        print(f"MineDraft ({config.mode.value}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
-        if api.http_port:
+    options = {"host": args.host, "port": args.port, "max_waiting": args.max_waiting_requests,
+               "log_level": args.log_level, "metrics_port": args.metrics_port}  # fmt: skip
+    if args.engine_groups > 1:
+        if api.http_port or api.api_keys.keys or api.tls_cert:
+            raise ValueError("--engine-groups > 1 serves gRPC through the gateway only: no --http-port, API keys or "
+                             "TLS there yet")
+        stack = GatewayStack(config, args.engine_groups, **options)
+    else:
+        stack = LocalStack(
+            config, **options, http_port=api.http_port, api_keys=api.api_keys.keys, tls_cert=api.tls_cert,
+            tls_key=api.tls_key, served_model_name=api.served_model_name, max_prompt_bytes=api.max_prompt_bytes,
+        )  # fmt: skip
+    with stack:
+        groups = f", {args.engine_groups} engine groups behind a gateway" if args.engine_groups > 1 else ""
+        print(f"MineDraft ({config.mode.value}{groups}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
+        if api.http_port and args.engine_groups == 1:
             print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
         if args.metrics_port:
-            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
+            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics"
+                  + (" (group i: port + i)" if args.engine_groups > 1 else ""), flush=True)  # fmt: skip
         stack.wait()
+    return 0
+
+
+def _backends(value: list[str] | str | None) -> list[str]:
+    """--backend (repeatable), or MINEDRAFT_BACKEND as a comma-separated list."""
+    items = value.split(",") if isinstance(value, str) else value or []
+    from minedraft.gateway.service import parse_backend
+
+    backends = [b.strip() for b in items if b.strip()]
+    for backend in backends:
+        parse_backend(backend)  # ValueError: printed by main()
+    return backends
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from minedraft.config import EngineConfig
+    from minedraft.gateway.service import serve_gateway
+    from minedraft.serving import configure_logging
+
+    if bool(_backends(args.backend)) == bool(args.k8s_service):
+        raise ValueError("give the engine groups either as --backend HOST:PORT (repeatable) or as --k8s-service")
+    configure_logging(args.log_level)
+    asyncio.run(
+        serve_gateway(
+            tokenizer_path=args.tokenizer or str(EngineConfig().target_path), host=args.host, port=args.port,
+            backends=_backends(args.backend),
+            k8s_service=args.k8s_service, namespace=args.namespace, port_name=args.port_name,
+            placement_timeout_s=args.placement_timeout,
+        )
+    )  # fmt: skip
     return 0
 
 
@@ -465,11 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft server at this address")
     how.add_argument("--launch", action="store_true", help="start a local stack per mode and benchmark each")
     how.add_argument(
-        "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its scheduler"
+        "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its gateway"
     )
     k8s = bench.add_argument_group("kubernetes (--k8s)")
     k8s.add_argument("--namespace", default="default", help="namespace of the release")
-    k8s.add_argument("--service", default="minedraft-scheduler", help="the scheduler Service (<release>-scheduler)")
+    k8s.add_argument(
+        "--service",
+        default="minedraft-gateway",
+        help="the release's public Service: <release>-gateway (the chart's default), or <release>-scheduler "
+        "where the gateway is off",
+    )
     k8s.add_argument(
         "--port-forward",
         choices=("kubectl", "client"),
@@ -538,7 +577,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_listen_args(up, port=50051, host="127.0.0.1", public=True)
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
+    _add(
+        up, "--engine-groups", 1, type=int,
+        help="engine groups (verifier, drafter, scheduler each); above 1 a gateway serves at --port in front of them",
+    )  # fmt: skip
     up.set_defaults(func=cmd_up)
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="run the gateway: the public gRPC API in front of N engine groups, with request migration",
+        description="Routes each request to the serving engine group (scheduler) with the least outstanding work "
+        "and, when that group fails mid-request, resubmits prompt + tokens streamed so far to another one; the "
+        "client's stream continues. Stateless: run as many replicas as you like.",
+    )
+    _add_listen_args(gateway, port=50050)
+    _add(gateway, "--backend", None, action="append", help="a scheduler's HOST:PORT, or HOST:PORT@METRICS_PORT to "
+         "route by its queue too (repeatable; the variable: comma-separated)")  # fmt: skip
+    _add(gateway, "--k8s-service", None, help="discover the schedulers from this Service's EndpointSlices instead")
+    _add(gateway, "--namespace", "default", help="namespace of --k8s-service")
+    _add(gateway, "--port-name", "grpc", help="the scheduler port's name in the EndpointSlices")
+    _add(gateway, "--tokenizer", None, help="folder of the target's tokenizer.json (text is "
+         "derived at the gateway, exact across a migration); default: the bundled target")  # fmt: skip
+    _add(
+        gateway, "--placement-timeout", 60.0, type=float,
+        help="seconds a request without a deadline may wait for a serving group; then UNAVAILABLE",
+    )  # fmt: skip
+    gateway.set_defaults(func=cmd_gateway)
 
     verifier = sub.add_parser("verifier", help="run the verifier service (all tensor-parallel ranks), as a pod does")
     _add_engine_args(verifier)

@@ -1,6 +1,6 @@
-"""`minedraft bench --k8s`: reach a release's scheduler Service through a port-forward, then benchmark it.
+"""`minedraft bench --k8s`: reach a release's public Service (its gateway) through a port-forward, then benchmark it.
 
-    with port_forward("minedraft-scheduler", "default") as target:   # "127.0.0.1:<free port>"
+    with port_forward("minedraft-gateway", "default") as target:   # "127.0.0.1:<free port>"
         run_online_bench(target, prompts, ...)
 
 Two ways to forward: `kubectl port-forward svc/<service>` as a subprocess (the default: it uses the
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 DEFAULT_NAMESPACE = "default"
-DEFAULT_SERVICE = "minedraft-scheduler"  # <release>-scheduler with the release name "minedraft"
+DEFAULT_SERVICE = "minedraft-gateway"  # <release>-gateway with the release name "minedraft"
 SCHEDULER_PORT = 50051
 METHODS = ("kubectl", "client")
 

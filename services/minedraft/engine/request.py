@@ -173,6 +173,14 @@ class Request:
         """What a worker holds for the request when it is (re-)admitted: prompt and output so far."""
         return self.prompt_ids + self.output_ids
 
+    def finish_as(self, reason: str) -> None:
+        """Finish for a reason decided elsewhere (a mirror of a request that ran on another engine, e.g. its
+        EOS): the held-back text is final, and a stop string it completes still wins."""
+        if self.finished:
+            return
+        self._append_text(self.detokenizer.flush())
+        self._finish(reason)
+
     def restart(self) -> None:
         """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight):
         after a preemption, or when the workers lost every request."""

@@ -1,0 +1,1 @@
+"""A stateless router over engine groups: the public API in, schedulers out (see service.py)."""

@@ -1,0 +1,154 @@
+"""N engine groups and a gateway in front, as local processes (`minedraft up --engine-groups N`, tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from minedraft.config import EngineConfig
+from minedraft.launcher import LocalStack, free_port
+
+
+class GatewayStack:
+    """Start `groups` engine groups (each a `LocalStack`) and one `minedraft gateway` before them.
+
+    `address` is the gateway's; `groups[i].address` a group's scheduler. `kill_group(i)` SIGKILLs every
+    process of one group, as a lost node would.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        groups: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_waiting: int = 256,
+        log_level: str = "INFO",
+        log_dir: Path | None = None,
+        startup_timeout_s: float = 300.0,
+        metrics_port: int = 0,
+        placement_timeout_s: float = 60.0,
+        metrics_ports: list[int] | None = None,
+    ) -> None:
+        if groups < 1:
+            raise ValueError(f"engine groups must be >= 1, got {groups}")
+        self.config = config
+        # group i's scheduler serves Prometheus metrics on metrics_ports[i], else metrics_port + i (0 = off)
+        metrics_ports = metrics_ports or [metrics_port + i if metrics_port else 0 for i in range(groups)]
+        self.groups = [
+            LocalStack(
+                config,
+                max_waiting=max_waiting,
+                log_level=log_level,
+                log_dir=_group_dir(log_dir, i),
+                startup_timeout_s=startup_timeout_s,
+                metrics_port=metrics_ports[i],
+            )  # fmt: skip
+            for i in range(groups)
+        ]
+        self.port = port or free_port()
+        self.address = f"{host}:{self.port}"
+        self._log_dir = log_dir
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_level = log_level
+        self._placement_timeout_s = placement_timeout_s
+        self._startup_timeout_s = startup_timeout_s
+        self.gateway: subprocess.Popen | None = None
+
+    def __enter__(self) -> GatewayStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def gateway_command(self, port: int | None = None, placement_timeout_s: float | None = None) -> list[str]:
+        """The gateway's command line; another `port` gives a second replica in front of the same groups."""
+        backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
+        host, own_port = self.address.rsplit(":", 1)
+        port = str(port or own_port)
+        return [
+            sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(self.config.target_path), *backends,
+            "--host", host, "--port", port, "--log-level", self._log_level,
+            "--placement-timeout", str(placement_timeout_s or self._placement_timeout_s),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        try:
+            for group in self.groups:
+                group.start()
+            self.start_gateway()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_gateway(self) -> None:
+        """Start the gateway (again, after it died) and wait until it reports SERVING."""
+        out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
+        self.gateway = subprocess.Popen(self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None)
+        _wait_serving(self.address, self.gateway, self._startup_timeout_s)
+
+    def kill_group(self, index: int) -> None:
+        for name in ("scheduler", "drafter", "verifier"):
+            try:
+                process = self.groups[index].process(name)
+            except KeyError:
+                continue
+            process.kill()
+            process.wait()
+
+    def wait(self) -> None:
+        """Block until a service of any group, or the gateway, exits, or Ctrl-C."""
+        processes = [p for g in self.groups for _, p in g._processes] + [self.gateway]
+        try:
+            while all(p is not None and p.poll() is None for p in processes):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+
+    def stop(self) -> None:
+        if self.gateway is not None and self.gateway.poll() is None:
+            self.gateway.terminate()
+            try:
+                self.gateway.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+                self.gateway.wait()
+        for group in self.groups:
+            group.stop()
+
+
+def _backend_spec(group: LocalStack) -> str:
+    return f"{group.address}@{group.metrics_port}" if group.metrics_port else group.address
+
+
+def _group_dir(log_dir: Path | None, index: int) -> Path | None:
+    if log_dir is None:
+        return None
+    path = log_dir / f"group-{index}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            if process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with code {process.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not become SERVING within {timeout_s:.0f}s")
+            time.sleep(0.25)

@@ -1,0 +1,217 @@
+"""The chart's gateway, engine groups and autoscaling: rendered with the Helm library, every object strictly
+validated against the Kubernetes schemas (KEDA's ScaledObject, a CRD, checked field by field)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from minedraft.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBE_VERSION = "1.35.0"
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location("render_manifests", ROOT / "scripts" / "render_manifests.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["render_manifests"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+renderer = _load_renderer()
+GROUPS = {"engineGroups": 3}
+AUTOSCALED = {"engineGroups": 2, "autoscaling": {"enabled": True, "maxGroups": 6, "waitingRequestsPerGroup": 4},
+              "serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}}  # fmt: skip
+COMBINATIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "cpu": renderer.profile_values("cpu"),
+    "groups": GROUPS,
+    "groups-cpu": {**renderer.profile_values("cpu"), **GROUPS},
+    "groups-autoregressive": {**GROUPS, "speculativeConfig": None},
+    "groups-claim-download": {
+        **GROUPS,
+        "models": {
+            "target": "t",
+            "draft": "d",
+            "volume": {"type": "createClaim", "accessModes": ["ReadWriteMany"]},
+            "download": {"enabled": True, "target": "org/t", "draft": "org/d"},
+        },
+    },  # fmt: skip
+    "autoscaled": AUTOSCALED,
+    "no-gateway": {"gateway": {"enabled": False}},
+}
+
+
+def render(name: str) -> list[dict[str, Any]]:
+    return [m.obj for m in renderer.render(COMBINATIONS[name])]
+
+
+def one(objs: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_every_object_validates(name: str) -> None:
+    for obj in render(name):
+        if obj["kind"] in ("ServiceMonitor", "ScaledObject"):  # CRDs: checked below
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message}")
+
+
+@pytest.mark.parametrize("values", [COMBINATIONS["groups"], AUTOSCALED], ids=["groups", "autoscaled"])
+def test_lint_is_clean(values) -> None:
+    report = helm.lint(renderer.CHART_DIR, values=values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert not [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+
+
+def _gateway_args(objs: list[dict]) -> dict[str, str]:
+    container = one(objs, "Deployment", "minedraft-gateway")["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[0] == "gateway"
+    parsed = build_parser().parse_args(args)  # the rendered command line is one the CLI accepts
+    return vars(parsed)
+
+
+def test_gateway_by_default_in_front_of_the_one_group() -> None:
+    objs = render("default")
+    gateway = one(objs, "Deployment", "minedraft-gateway")
+    assert gateway["spec"]["replicas"] == 2
+    spec = gateway["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "minedraft-gateway" and spec["automountServiceAccountToken"] is True
+    assert spec["containers"][0]["readinessProbe"]["grpc"]["port"] == 50051
+    args = _gateway_args(objs)
+    assert (args["k8s_service"], args["namespace"], args["port_name"]) == ("minedraft-scheduler", "default", "grpc")
+    scheduler_ports = {p["name"] for p in one(objs, "Service", "minedraft-scheduler")["spec"]["ports"]}
+    assert "grpc" in scheduler_ports  # the port the gateway looks for in the EndpointSlices
+    service = one(objs, "Service", "minedraft-gateway")
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    assert service["spec"]["ports"][0]["port"] == 50051  # what `minedraft bench --k8s` forwards to
+    budget = one(objs, "PodDisruptionBudget", "minedraft-gateway")
+    assert budget["spec"]["maxUnavailable"] == 1
+    role = one(objs, "Role", "minedraft-gateway")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["list", "watch"]}]  # fmt: skip
+    binding = one(objs, "RoleBinding", "minedraft-gateway")
+    assert binding["subjects"][0]["name"] == "minedraft-gateway" and binding["roleRef"]["name"] == "minedraft-gateway"
+    assert not [o for o in objs if o["metadata"]["name"] in ("minedraft-group", "minedraft-groups")]
+    assert build_parser().parse_args(["bench", "--k8s"]).service == "minedraft-gateway"
+
+
+def test_engine_groups_are_pods_spread_over_nodes() -> None:
+    objs = render("groups")
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert not names & {("Deployment", "minedraft-scheduler"), ("Deployment", "minedraft-verifier"),
+                        ("Deployment", "minedraft-drafter")}  # fmt: skip
+    group = one(objs, "Deployment", "minedraft-group")
+    assert group["spec"]["replicas"] == 3
+    assert group["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    spec = group["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert list(containers) == ["scheduler", "verifier", "drafter"]
+    env = {e["name"]: e.get("value") for e in containers["scheduler"]["env"]}
+    assert env["MINEDRAFT_VERIFIER"] == "127.0.0.1:50061" and env["MINEDRAFT_DRAFTER"] == "127.0.0.1:50062"
+    for worker in ("verifier", "drafter"):
+        assert {e["name"]: e.get("value") for e in containers[worker]["env"]}["MINEDRAFT_DIST_ADDR"] == "127.0.0.1"
+    assert containers["verifier"]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert containers["drafter"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in containers["scheduler"]["resources"].get("limits", {})
+    spread = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "group"
+    service = one(objs, "Service", "minedraft-groups")
+    assert service["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+    assert _gateway_args(objs)["k8s_service"] == "minedraft-groups"
+
+
+def test_groups_without_speculation_have_no_drafter_and_cpu_groups_no_gpu() -> None:
+    containers = one(render("groups-autoregressive"), "Deployment", "minedraft-group")["spec"]["template"]["spec"]
+    assert [c["name"] for c in containers["containers"]] == ["scheduler", "verifier"]
+    env = {e["name"] for e in containers["containers"][0]["env"]}
+    assert "MINEDRAFT_DRAFTER" not in env
+    cpu = one(render("groups-cpu"), "Deployment", "minedraft-group")["spec"]["template"]["spec"]
+    assert not [c for c in cpu["containers"] if "nvidia.com/gpu" in c["resources"].get("limits", {})]
+
+
+def test_groups_download_their_models_and_the_gateway_its_tokenizer() -> None:
+    objs = render("groups-claim-download")
+    group = one(objs, "Deployment", "minedraft-group")["spec"]["template"]["spec"]
+    assert [c["name"] for c in group["initContainers"]] == ["download-target", "download-draft"]
+    gateway = one(objs, "Deployment", "minedraft-gateway")["spec"]["template"]["spec"]
+    assert [c["name"] for c in gateway["initContainers"]] == ["download-tokenizer"]
+    assert _gateway_args(objs)["tokenizer"] == "/models/t"
+
+
+def test_autoscaling_is_a_keda_scaled_object_on_queue_depth() -> None:
+    objs = render("autoscaled")
+    scaled = one(objs, "ScaledObject", "minedraft-group")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    target = one(objs, "Deployment", spec["scaleTargetRef"]["name"])  # scales the engine-group Deployment
+    assert target["metadata"]["name"] == "minedraft-group" and spec["scaleTargetRef"]["kind"] == "Deployment"
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 6)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["query"] == (
+        'sum(minedraft:num_requests_waiting{namespace="default",service="minedraft-groups"})'
+    )
+    assert trigger["metadata"]["threshold"] == "4"  # KEDA reads trigger metadata as strings
+    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+                         "cooldownPeriod", "triggers"}  # fmt: skip
+    # the metric is scraped from the groups' Service
+    monitor = one(objs, "ServiceMonitor", "minedraft-scheduler")
+    groups = one(objs, "Service", "minedraft-groups")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= groups["metadata"]["labels"].items()
+    assert not [o for o in render("default") if o["kind"] == "ScaledObject"]  # off by default
+    budget = one(objs, "PodDisruptionBudget", "minedraft-group")  # drains take one group at a time
+    assert {b["metadata"]["name"] for b in objs if b["kind"] == "PodDisruptionBudget"} == {
+        "minedraft-group", "minedraft-gateway",
+    }  # fmt: skip
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= target["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_cpu_profile_keeps_the_gateway_on_the_development_nodes() -> None:
+    for name in ("cpu", "groups-cpu"):
+        spec = one(render(name), "Deployment", "minedraft-gateway")["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {"minedraft/pool": "cpu"}
+        assert spec["containers"][0]["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+
+
+def test_the_gateway_can_be_switched_off() -> None:
+    objs = render("no-gateway")
+    assert not [o for o in objs if "gateway" in o["metadata"]["name"]]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"engineGroups": 0}, "at '/engineGroups': minimum: got 0, want 1"),
+        ({"gateway": {"replicas": 0}}, "at '/gateway/replicas': minimum: got 0, want 1"),
+        ({"gateway": {"port": "x"}}, "at '/gateway/port': got string, want integer"),
+        ({"autoscaling": {"minGroups": 0}}, "at '/autoscaling/minGroups'"),
+        ({"autoscaling": {"scaler": "hpa"}}, "'scaler' not allowed"),
+    ],
+)
+def test_schema_rejects_bad_values(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as error:
+        renderer.render(values)
+    assert message in str(error.value)
+
+
+def test_autoscaling_needs_groups() -> None:
+    with pytest.raises(helm.HelmError, match="set engineGroups to 2 or more"):
+        renderer.render({"autoscaling": {"enabled": True}})
