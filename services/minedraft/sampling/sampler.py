@@ -1,9 +1,8 @@
 """Turning logits into tokens: the request's logits processing, plain sampling and draft sampling.
 
-Every random draw comes from the request's own ``torch.Generator`` (the global RNG when it is None),
-one float64 uniform per sampled token, so a seeded request gives the same tokens whatever else is in
-the batch. Uniforms are drawn on the generator's device and moved to the logits' device, so a CPU
-generator also works with CUDA logits.
+Every random draw is a float64 uniform keyed by the row's request seed and output position
+(``streams.RowKeys``), one per sampled token, so a request gives the same tokens whatever else is in
+the batch and whatever ran before (a re-admitted request draws what it would have drawn).
 
 Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logits, then top-p keeps
 the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
@@ -18,15 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Generator, Tensor
+from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
-
-
-def draw_uniforms(generator: Generator | None, count: int, device: torch.device) -> Tensor:
-    """``count`` float64 uniforms in [0, 1) from the request's stream, on ``device``."""
-    source = generator.device if generator is not None else device
-    return torch.rand(count, generator=generator, device=source, dtype=torch.float64).to(device)
+from minedraft.sampling.streams import DRAFT, FINAL, RowKeys
 
 
 def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -86,9 +80,9 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     return probs
 
 
-def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], generators: Sequence) -> None:
-    if not logits.shape[0] == len(params_list) == len(generators):
-        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(generators)} generators")
+def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], keys: RowKeys) -> None:
+    if not logits.shape[0] == len(params_list) == len(keys):
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(keys)} random keys")
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -97,16 +91,16 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return processed_probs(logits, [params] * logits.shape[0])
 
 
-def sample_next(logits: Tensor, params_list: list[SamplingParams], generators: list[Generator | None]) -> list[int]:
-    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``."""
-    _check_batch(logits, params_list, generators)
+def sample_next(logits: Tensor, params_list: list[SamplingParams], keys: RowKeys) -> list[int]:
+    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``, drawn
+    as the verifier draws a final token at that position."""
+    _check_batch(logits, params_list, keys)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         probs = processed_probs(logits[index], [params_list[i] for i in rows])
-        uniforms = torch.cat([draw_uniforms(generators[i], 1, logits.device) for i in rows])
-        tokens[index] = sample_from(probs, uniforms)
+        tokens[index] = sample_from(probs, keys.select(index).draw(FINAL, logits.device))
     return tokens.tolist()
 
 
@@ -171,7 +165,7 @@ class SparseProbs:
 def draft_sample(
     logits: Tensor,
     params_list: list[SamplingParams],
-    generators: list[Generator | None],
+    keys: RowKeys,
     support_size: int,
 ) -> tuple[list[int], list[float], SparseProbs]:
     """One draft token per row of ``logits`` [B, V].
@@ -183,7 +177,7 @@ def draft_sample(
     SparseProbs always has exactly ``support_size`` columns (padded with probability 0 when the
     vocabulary is smaller).
     """
-    _check_batch(logits, params_list, generators)
+    _check_batch(logits, params_list, keys)
     if support_size < 1:
         raise ValueError("support_size must be >= 1")
     batch, vocab = logits.shape
@@ -205,8 +199,7 @@ def draft_sample(
         index = torch.tensor(rows, device=device)
         top = processed_probs(logits[index], [params_list[i] for i in rows]).topk(width, dim=-1)
         q = top.values / top.values.sum(dim=-1, keepdim=True)
-        uniforms = torch.cat([draw_uniforms(generators[i], 1, device) for i in rows])
-        pick = sample_from(q, uniforms)[:, None]
+        pick = sample_from(q, keys.select(index).draw(DRAFT, device))[:, None]
         tokens[index] = top.indices.gather(1, pick).squeeze(1)
         token_probs[index] = q.gather(1, pick).squeeze(1)
         ids[index, :width] = top.indices
