@@ -84,12 +84,26 @@ def _add_dist_args(parser: argparse.ArgumentParser) -> None:
     _add(group, "--dist-addr", "127.0.0.1", help="verifier rank 0's address (rendezvous)")
     _add(group, "--dist-port", 29500, type=int, help="rendezvous port on verifier rank 0")
     _add(group, "--dist-backend", "auto", help="auto (NCCL on CUDA, gloo on CPU), nccl, gloo")
+    _add(
+        group,
+        "--idle-reset",
+        300.0,
+        type=float,
+        help="seconds without a step plan after which the worker drops every request's state, as when a new "
+        "scheduler connects (0 = never)",
+    )
 
 
 def _dist_config(args: argparse.Namespace):
     from minedraft.config import DistributedConfig
 
-    return DistributedConfig(master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend)
+    return DistributedConfig(
+        master_addr=args.dist_addr,
+        master_port=args.dist_port,
+        backend=args.dist_backend,
+        idle_reset_s=args.idle_reset,
+        store_host=args.host,  # the rendezvous store listens where the gRPC server does
+    )
 
 
 def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0") -> None:

@@ -161,6 +161,12 @@ class DistributedConfig(BaseModel):
     master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
     timeout_s: float = Field(1800.0, gt=0, description="How long a collective may wait for its peers.")
+    store_host: str | None = Field(
+        None, description="Interface verifier rank 0's rendezvous store listens on (None: all interfaces)."
+    )
+    idle_reset_s: float = Field(
+        300.0, ge=0, description="Drop every request's state after this long without a plan (0 = never)."
+    )
 
 
 def num_batches(config: EngineConfig) -> int:

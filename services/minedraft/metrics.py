@@ -43,6 +43,9 @@ class Metrics:
         )
         self.waiting = Gauge("minedraft:num_requests_waiting", "Requests waiting for a batch", registry=r)
         self.running = Gauge("minedraft:num_requests_running", "Requests in a batch", registry=r)
+        self.kv_usage = Gauge(
+            "minedraft:kv_cache_usage_perc", "Fraction of the workers' KV-cache slots in use (1 = full)", registry=r
+        )
         self.step_seconds = Histogram("minedraft:step_seconds", "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             "minedraft:draft_step_seconds", "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
@@ -58,11 +61,17 @@ class Metrics:
         )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        start_http_server(port, addr=addr.strip("[]"), registry=self.registry)
 
-    def record_step(self, result: StepResult, waiting: int, running: int) -> None:
+    def record_load(self, waiting: int, running: int, num_slots: int) -> None:
+        """Queue depth, running requests and KV usage: after each step, and when the engine goes idle
+        (so that an idle server does not keep reporting its last step's load)."""
         self.waiting.set(waiting)
         self.running.set(running)
+        self.kv_usage.set(running / num_slots if num_slots else 0.0)
+
+    def record_step(self, result: StepResult, waiting: int, running: int, num_slots: int = 0) -> None:
+        self.record_load(waiting, running, num_slots)
         self.step_seconds.observe(result.step_seconds)
         if result.draft_seconds:
             self.draft_seconds.observe(result.draft_seconds)

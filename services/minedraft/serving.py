@@ -108,6 +108,17 @@ class NodeServicer:
             return
         set_status(self._health, WORKER_SERVICE, serving=True)
         log.info("worker ready")
+        self._watch_idle()
+
+    def _watch_idle(self) -> None:
+        """Drop all request state once the scheduler is silent for the node's idle-reset time."""
+        from minedraft.scheduler_watch import watch_idle
+        from minedraft.worker_node import drop_all_requests
+
+        watch = getattr(self.node, "watch", None)
+        if watch is not None and watch.idle_reset_s is not None:
+            watch.step_done()  # the silence counts from readiness
+            watch_idle(watch, self._lock, lambda reason: drop_all_requests(self.node.worker, reason))
 
     def _ready_node(self, context: grpc.ServicerContext):
         if self.node is None:

@@ -3,11 +3,16 @@ themselves to the scheduler."""
 
 from __future__ import annotations
 
+import logging
+
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import load_model_config
+from minedraft.scheduler_watch import SchedulerWatch
 from minedraft.transport.groups import Topology, WorldGroups, init_world
+
+log = logging.getLogger("minedraft.worker")
 
 
 def topology_of(config: EngineConfig) -> Topology:
@@ -28,7 +33,22 @@ def join_world(config: EngineConfig, dist: DistributedConfig, rank: int, device:
         device=device,
         backend=None if dist.backend == "auto" else dist.backend,
         timeout_s=dist.timeout_s,
+        store_host=dist.store_host,
     )
+
+
+def drop_all_requests(worker: DraftWorker | VerifyWorker, reason: str) -> None:
+    """Forget every request (KV slots free): their scheduler is gone."""
+    if worker.num_active:
+        log.warning("dropping the state of %d requests: %s", worker.num_active, reason)
+    worker.release(list(worker.sequences))
+
+
+def begin_plan(watch: SchedulerWatch, worker: DraftWorker | VerifyWorker, plan: worker_pb2.StepPlan) -> None:
+    """Before applying a plan: drop all state if it comes from a new scheduler or after a long silence."""
+    reason = watch.on_plan(plan.scheduler_id)
+    if reason is not None:
+        drop_all_requests(worker, reason)
 
 
 def worker_info(

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from minedraft.api import generate_pb2 as minedraft_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/worker.proto\x12\x0cminedraft.v1\x1a\x1bminedraft/v1/generate.proto\"\x86\x01\n\x0cSequenceSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\r\"L\n\tDraftTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontinue_window\x18\x03 \x01(\x08\"4\n\nVerifyTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nkeep_bonus\x18\x02 \x01(\x08\"\xe9\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x05\x61\x64mit\x18\x02 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x0f\n\x07release\x18\x03 \x03(\t\x12\x11\n\thas_draft\x18\x04 \x01(\x08\x12&\n\x05\x64raft\x18\x05 \x03(\x0b\x32\x17.minedraft.v1.DraftTask\x12\x17\n\x0ftetris_capacity\x18\x06 \x01(\r\x12\x12\n\nhas_verify\x18\x07 \x01(\x08\x12(\n\x06verify\x18\x08 \x03(\x0b\x32\x18.minedraft.v1.VerifyTask\"a\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\"\xdc\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08verified\x18\x02 \x03(\x0b\x32\x16.minedraft.v1.Verified\x12\x35\n\x07\x64rafted\x18\x03 \x03(\x0b\x32$.minedraft.v1.StepReply.DraftedEntry\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x1a.\n\x0c\x44raftedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x16\n\x14GetWorkerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x16\n\x0enum_free_slots\x18\x04 \x01(\r\x12\x1c\n\x14num_active_sequences\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nworld_rank\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r2\x90\x01\n\x06Worker\x12\x37\n\x04Step\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply\x12M\n\rGetWorkerInfo\x12\".minedraft.v1.GetWorkerInfoRequest\x1a\x18.minedraft.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/worker.proto\x12\x0cminedraft.v1\x1a\x1bminedraft/v1/generate.proto\"\x86\x01\n\x0cSequenceSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\r\"L\n\tDraftTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontinue_window\x18\x03 \x01(\x08\"4\n\nVerifyTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nkeep_bonus\x18\x02 \x01(\x08\"\xff\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x05\x61\x64mit\x18\x02 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x0f\n\x07release\x18\x03 \x03(\t\x12\x11\n\thas_draft\x18\x04 \x01(\x08\x12&\n\x05\x64raft\x18\x05 \x03(\x0b\x32\x17.minedraft.v1.DraftTask\x12\x17\n\x0ftetris_capacity\x18\x06 \x01(\r\x12\x12\n\nhas_verify\x18\x07 \x01(\x08\x12(\n\x06verify\x18\x08 \x03(\x0b\x32\x18.minedraft.v1.VerifyTask\x12\x14\n\x0cscheduler_id\x18\t \x01(\t\"a\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\"\xdc\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08verified\x18\x02 \x03(\x0b\x32\x16.minedraft.v1.Verified\x12\x35\n\x07\x64rafted\x18\x03 \x03(\x0b\x32$.minedraft.v1.StepReply.DraftedEntry\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x1a.\n\x0c\x44raftedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x16\n\x14GetWorkerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x16\n\x0enum_free_slots\x18\x04 \x01(\r\x12\x1c\n\x14num_active_sequences\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nworld_rank\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r2\x90\x01\n\x06Worker\x12\x37\n\x04Step\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply\x12M\n\rGetWorkerInfo\x12\".minedraft.v1.GetWorkerInfoRequest\x1a\x18.minedraft.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYTASK']._serialized_start=287
   _globals['_VERIFYTASK']._serialized_end=339
   _globals['_STEPPLAN']._serialized_start=342
-  _globals['_STEPPLAN']._serialized_end=575
-  _globals['_VERIFIED']._serialized_start=577
-  _globals['_VERIFIED']._serialized_end=674
-  _globals['_STEPREPLY']._serialized_start=677
-  _globals['_STEPREPLY']._serialized_end=897
-  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_start=851
-  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_end=897
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=899
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=921
-  _globals['_WORKERINFO']._serialized_start=924
-  _globals['_WORKERINFO']._serialized_end=1154
-  _globals['_WORKER']._serialized_start=1157
-  _globals['_WORKER']._serialized_end=1301
+  _globals['_STEPPLAN']._serialized_end=597
+  _globals['_VERIFIED']._serialized_start=599
+  _globals['_VERIFIED']._serialized_end=696
+  _globals['_STEPREPLY']._serialized_start=699
+  _globals['_STEPREPLY']._serialized_end=919
+  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_start=873
+  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_end=919
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=921
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=943
+  _globals['_WORKERINFO']._serialized_start=946
+  _globals['_WORKERINFO']._serialized_end=1176
+  _globals['_WORKER']._serialized_start=1179
+  _globals['_WORKER']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)

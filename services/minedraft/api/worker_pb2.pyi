@@ -41,7 +41,7 @@ class VerifyTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keep_bonus: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify")
+    __slots__ = ("step_id", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "scheduler_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class StepPlan(_message.Message):
     TETRIS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HAS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     admit: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
     release: _containers.RepeatedScalarFieldContainer[str]
@@ -58,7 +59,8 @@ class StepPlan(_message.Message):
     tetris_capacity: int
     has_verify: bool
     verify: _containers.RepeatedCompositeFieldContainer[VerifyTask]
-    def __init__(self, step_id: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, step_id: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class Verified(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_draft_tokens", "num_accepted")

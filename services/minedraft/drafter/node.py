@@ -8,9 +8,10 @@ from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.executor import draft_runner
 from minedraft.engine.workers import DraftWorker
+from minedraft.scheduler_watch import SchedulerWatch
 from minedraft.transport.channel import StepChannel
 from minedraft.wire import plan_from_proto
-from minedraft.worker_node import join_world, max_model_len_of, topology_of, worker_info
+from minedraft.worker_node import begin_plan, join_world, max_model_len_of, topology_of, worker_info
 
 
 class DrafterNode:
@@ -23,9 +24,11 @@ class DrafterNode:
         self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), device)
         self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
+        self.watch = SchedulerWatch(dist.idle_reset_s)
 
     def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         """Draft, then the step-end exchange: results in first, then the still-valid drafts out."""
+        begin_plan(self.watch, self.worker, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
         self.worker.admit(admit)
@@ -41,6 +44,7 @@ class DrafterNode:
             self.channel.send_drafts([t.request_id for t in draft.tasks], windows)
             for request_id, window in windows.items():
                 reply.drafted[request_id] = len(window.tokens)
+        self.watch.step_done()
         return reply
 
     def info(self) -> worker_pb2.WorkerInfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import grpc
@@ -44,6 +45,7 @@ class RemoteExecutor:
         self._admit: list[SequenceSpec] = []
         self._release: list[str] = []
         self._step_id = 0
+        self.scheduler_id = uuid.uuid4().hex  # this incarnation: workers drop older incarnations' requests
         self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-call")
 
     @property
@@ -67,6 +69,10 @@ class RemoteExecutor:
     def release(self, request_ids: list[str]) -> None:
         self._release.extend(request_ids)
 
+    def announce(self) -> None:
+        """An empty step: tells the workers this scheduler's id, so that they drop any older one's requests."""
+        self.step(None, None)
+
     def flush(self) -> None:
         if self._admit or self._release:
             self.step(None, None)
@@ -75,6 +81,7 @@ class RemoteExecutor:
         start = time.perf_counter()
         self._step_id += 1
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        plan.scheduler_id = self.scheduler_id
         self._admit, self._release = [], []
         calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.workers}
         # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minedraft.config import num_slots
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.request import Request
 from minedraft.metrics import Metrics
@@ -100,6 +101,7 @@ class EngineLoop:
             idle = not self.engine.has_unfinished()
             if idle:
                 self._safe(self.engine.executor.flush)  # release the KV of finished/aborted requests now
+                self._record_load()
             if not self._apply_commands(block=idle):
                 return
             if self.engine.has_unfinished():
@@ -144,7 +146,7 @@ class EngineLoop:
         batches = self.engine.pipeline.batches
         self.num_waiting = len(batches.waiting)
         if self.metrics and self.engine.last_step is not None:
-            self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
+            self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running, self._num_slots)
         for request in touched:
             sink = self._sinks.get(request.request_id)
             if sink is None:
@@ -160,6 +162,15 @@ class EngineLoop:
                     self.metrics.record_finished(request)
             if text or new_ids or request.finished:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
+
+    @property
+    def _num_slots(self) -> int:
+        return num_slots(self.engine.config)
+
+    def _record_load(self) -> None:
+        if self.metrics is not None:
+            batches = self.engine.pipeline.batches
+            self.metrics.record_load(len(batches.waiting), batches.num_running, self._num_slots)
 
     def _safe(self, fn) -> None:
         """A failed step is fatal for the engine group: a worker died or the drafter and the verifier fell

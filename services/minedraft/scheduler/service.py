@@ -125,6 +125,7 @@ def build_engine(
     """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
     executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
     executor.wait_until_serving(startup_timeout_s)
+    executor.announce()  # workers drop the requests of a scheduler this one replaces, before any arrive
     info = executor.verifier_info()
     return LLMEngine(config, executor, tokenizer, list(info.eos_token_ids), info.max_model_len)
 
@@ -159,7 +160,7 @@ async def serve_scheduler(
 
     metrics = Metrics()
     if metrics_port:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, addr=host)
     engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
     event_loop = asyncio.get_running_loop()
 

@@ -110,17 +110,22 @@ def init_world(
     device: str | torch.device = "cpu",
     backend: str | None = None,
     timeout_s: float = 600,
+    store_host: str | None = None,
 ) -> WorldGroups:
     """Join the world (every rank calls this, the drafter too) and build the TP group.
 
     `backend=None` lets the ranks agree on one (see the module docstring); an explicit backend must be the
     same on every rank. Errors about the arguments are raised before anything touches the network.
+    Rank 0's rendezvous store listens on `store_host` only (None: on every interface, torch's default).
     """
     _check_args(rank, topology, master_addr, master_port, backend, timeout_s)
     torch_device = _resolve_device(device)
     timeout = timedelta(seconds=timeout_s)
     # Our own store (not init_method="tcp://...") so the backend can be agreed on before the group exists.
-    store = dist.TCPStore(master_addr, master_port, topology.world_size, is_master=rank == 0, timeout=timeout)
+    listen_fd = _bound_socket(store_host, master_port) if rank == 0 and store_host else None
+    store = dist.TCPStore(
+        master_addr, master_port, topology.world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )
     chosen = _agree_on_backend(store, rank, topology.world_size, torch_device, backend)
     comm_device = torch_device if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
@@ -139,6 +144,23 @@ def init_world(
         tp_group=tp_group if rank in topology.verifier_ranks else None,
         _store=store,
     )
+
+
+def _bound_socket(host: str, port: int) -> int:
+    """A listening socket on host:port, as a file descriptor the TCPStore takes over (and closes).
+    torch's own store server binds every interface; a socket bound here keeps it to the one asked for."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"the rendezvous store cannot listen on {host}:{port}: {exc}") from exc
+    return sock.detach()
 
 
 def _check_args(

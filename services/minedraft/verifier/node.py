@@ -13,9 +13,10 @@ from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_batches, num_slots
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
+from minedraft.scheduler_watch import SchedulerWatch
 from minedraft.transport.channel import StepChannel
 from minedraft.wire import plan_from_proto, verified_to_proto
-from minedraft.worker_node import join_world, max_model_len_of, worker_info
+from minedraft.worker_node import begin_plan, join_world, max_model_len_of, worker_info
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -38,6 +39,7 @@ class VerifierNode:
         self.worker = VerifyWorker(self.runner)
         self.channel = StepChannel(self.groups, support_size=config.draft_support_size)
         self.rank = rank
+        self.watch = SchedulerWatch(dist.idle_reset_s)
 
     @property
     def is_leader(self) -> bool:
@@ -64,6 +66,7 @@ class VerifierNode:
             self.channel.broadcast_plan(b"")
 
     def run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        begin_plan(self.watch, self.worker, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
         self.worker.admit(admit)
@@ -82,6 +85,7 @@ class VerifierNode:
             reply.verified.extend(verified_to_proto(results))
         if draft is not None and self.groups.topology.has_drafter:
             self.worker.receive_drafts(self.channel.recv_drafts([t.request_id for t in draft.tasks]))
+        self.watch.step_done()
         return reply
 
     def _shares_results(self) -> bool:

@@ -1,0 +1,199 @@
+"""Failures of real processes: scheduler loss, a hung worker, draining on SIGTERM, supervision by
+`minedraft up`. Every service is a separate process started with the command a pod runs; failures are
+real signals (SIGKILL, SIGSTOP, SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.client import Client
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.launcher import engine_flags, free_port
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+
+MAX_MODEL_LEN = 256
+SPEC = {"num_speculative_tokens": 3, "is_parallel": True}  # minedraft
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("healing")
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
+    return str(target), str(draft)
+
+
+def _config(pair, spec=SPEC, **overrides) -> EngineConfig:
+    target, draft = pair
+    kwargs = {"model": target, "max_num_seqs": 16, "max_model_len": MAX_MODEL_LEN, "device": "cpu",
+              "batch_invariant": True, **overrides}  # fmt: skip
+    return EngineConfig(**kwargs, speculative_config={**spec, "model": draft} if spec else None)
+
+
+def _workload(n: int = 32) -> list[tuple[list[int], int]]:
+    rng = random.Random(7)
+    return [([rng.randrange(320) for _ in range(rng.choice([1, 3, 9]))], rng.choice([1, 5, 12])) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[list[int]]:
+    """Offline autoregressive output of the target for `_workload()`."""
+    engine = LLMEngine.local(_config(pair, None))
+    requests = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=m)) for p, m in _workload()]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+class Services:
+    """Verifier, drafter and scheduler as separate processes, each restartable with its own command."""
+
+    def __init__(self, config: EngineConfig, worker_flags: list[str] = (), scheduler_flags: list[str] = ()) -> None:
+        engine = engine_flags(config)
+        self.port, verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.workers = {"verifier": f"127.0.0.1:{verifier_port}", "drafter": f"127.0.0.1:{drafter_port}"}
+        dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), "--host", "127.0.0.1", *worker_flags]
+        self.commands = {
+            "verifier": ["verifier", *engine, *dist, "--port", str(verifier_port)],
+            "drafter": ["drafter", *engine, *dist, "--port", str(drafter_port)],
+            "scheduler": ["scheduler", *engine, "--host", "127.0.0.1", "--port", str(self.port),
+                          "--verifier", self.workers["verifier"], "--drafter", self.workers["drafter"],
+                          "--metrics-port", "0", *scheduler_flags],
+        }  # fmt: skip
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> subprocess.Popen:
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "minedraft", *self.commands[name]])
+        return self.processes[name]
+
+    def __enter__(self) -> Services:
+        for name in self.commands:
+            self.start(name)
+        wait_health(self.address, "SERVING", timeout_s=180)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_health(address: str, want: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (status := health(address)) != want:
+        assert time.monotonic() < deadline, f"{address} is {status}, not {want}"
+        time.sleep(0.2)
+
+
+def worker_info(address: str) -> worker_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+
+
+def wait_active(services: Services, at_least: int, timeout_s: float = 60) -> None:
+    """Until both workers hold at least `at_least` requests."""
+    deadline = time.monotonic() + timeout_s
+    while min(worker_info(a).num_active_sequences for a in services.workers.values()) < at_least:
+        assert time.monotonic() < deadline, "the workers never held the requests"
+        time.sleep(0.1)
+
+
+def long_streams(address: str, n: int, max_tokens: int = 200) -> list:
+    """Start n long streams in the background; the futures give "ok" or the gRPC status name."""
+
+    def one(i: int) -> str:
+        with Client(address, retries=0, timeout=300) as client:
+            try:
+                client.generate([1 + i, 2, 3], max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+            except grpc.RpcError as exc:
+                return exc.code().name
+            return "ok"
+
+    pool = ThreadPoolExecutor(n)
+    futures = [pool.submit(one, i) for i in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def generate_concurrently(address: str, work) -> list[list[int]]:
+    with Client(address, timeout=120) as client, ThreadPoolExecutor(len(work)) as pool:
+        return list(pool.map(lambda w: client.generate(w[0], max_tokens=w[1], temperature=0).token_ids, work))
+
+
+def assert_all_slots_free(services: Services) -> None:
+    for role, address in services.workers.items():
+        info = worker_info(address)
+        assert (info.num_active_sequences, info.num_free_slots) == (0, info.num_slots), (role, info)
+
+
+def test_a_restarted_scheduler_finds_every_kv_slot_free(pair, expected) -> None:
+    with Services(_config(pair)) as services:
+        streams = long_streams(services.address, 24)
+        wait_active(services, 16)
+        services.processes["scheduler"].kill()
+        services.processes["scheduler"].wait()
+        assert {f.result(timeout=60) for f in streams} == {"UNAVAILABLE"}
+        # The workers still hold the dead scheduler's requests until a new scheduler announces itself.
+        assert min(worker_info(a).num_active_sequences for a in services.workers.values()) >= 16
+        services.start("scheduler")
+        wait_health(services.address, "SERVING", timeout_s=120)
+        assert_all_slots_free(services)
+        assert generate_concurrently(services.address, _workload()) == expected
+
+
+def test_workers_drop_state_after_a_silent_scheduler(pair) -> None:
+    with Services(_config(pair), worker_flags=["--idle-reset", "3"]) as services:
+        streams = long_streams(services.address, 16)
+        wait_active(services, 16)
+        os.kill(services.processes["scheduler"].pid, signal.SIGKILL)
+        assert {f.result(timeout=60) for f in streams} == {"UNAVAILABLE"}
+        deadline = time.monotonic() + 30
+        while any(worker_info(a).num_active_sequences for a in services.workers.values()):
+            assert time.monotonic() < deadline, "the workers kept the silent scheduler's requests"
+            time.sleep(0.5)
+        assert_all_slots_free(services)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc/<pid>/stat: the field after the command's closing paren)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
