@@ -23,6 +23,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import engine_flags, free_port
 from minedraft.sampling.params import SamplingParams
+from minedraft.scheduler.step_deadline import StepDeadline
 
 from tiny_models import make_tiny_checkpoint
 
@@ -184,6 +185,34 @@ def test_workers_drop_state_after_a_silent_scheduler(pair) -> None:
             assert time.monotonic() < deadline, "the workers kept the silent scheduler's requests"
             time.sleep(0.5)
         assert_all_slots_free(services)
+
+
+@pytest.mark.parametrize("role", ["drafter", "verifier"])
+def test_a_stopped_worker_fails_the_step_at_the_deadline(pair, role) -> None:
+    """SIGSTOP: the worker neither answers nor dies. The step deadline (floor 5 s here, not the old 600 s)
+    fails its requests with UNAVAILABLE and the scheduler turns NOT_SERVING, as for a dead worker."""
+    with Services(_config(pair), scheduler_flags=["--step-deadline-floor", "5"]) as services:
+        streams = long_streams(services.address, 16, max_tokens=240)
+        wait_active(services, 16)
+        os.kill(services.processes[role].pid, signal.SIGSTOP)
+        try:
+            assert {f.result(timeout=60) for f in streams} == {"UNAVAILABLE"}
+            wait_health(services.address, "NOT_SERVING", timeout_s=10)
+        finally:
+            os.kill(services.processes[role].pid, signal.SIGCONT)
+
+
+def test_step_deadline_follows_observed_steps() -> None:
+    deadline = StepDeadline(floor_s=5.0, factor=10.0, percentile=0.99)
+    assert deadline.seconds() == 5.0  # nothing observed yet: the floor
+    for _ in range(100):
+        deadline.observe(0.02)
+    assert deadline.seconds() == 5.0  # 10 x 20 ms is below the floor
+    for _ in range(100):
+        deadline.observe(2.0)
+    assert deadline.seconds() == 20.0  # slow steps raise it
+    with pytest.raises(ValueError):
+        StepDeadline(floor_s=0)
 
 
 def _children(pid: int) -> list[int]:

@@ -316,6 +316,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting_requests,
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
+            step_deadline_floor_s=args.step_deadline_floor,
         )
     )
     return 0
@@ -463,6 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(scheduler, "--max-waiting-requests", 256, type=int, help="queued requests beyond this: RESOURCE_EXHAUSTED")
     _add(scheduler, "--metrics-port", 9090, type=int, help="Prometheus port (0 = off)")
     _add(scheduler, "--startup-timeout", 1800.0, type=float, help="seconds to wait for the workers to load")
+    _add(
+        scheduler,
+        "--step-deadline-floor",
+        60.0,
+        type=float,
+        help="a step that takes longer than max(this, 10 x the 99th percentile of recent steps) counts as a hung "
+        "worker: its requests fail with UNAVAILABLE and the scheduler turns NOT_SERVING",
+    )
     scheduler.set_defaults(func=cmd_scheduler)
     return parser
 

@@ -11,8 +11,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.engine.plans import DraftPlan, SequenceSpec, StepResult, VerifyPlan
+from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import grpc_options
 from minedraft.wire import plan_to_proto, result_from_replies
+
+# The step deadline before any step was observed: room for warm-up and a first long prefill.
+DEFAULT_STEP_DEADLINE_FLOOR_S = 60.0
 
 
 class WorkerClient:
@@ -38,10 +42,10 @@ class RemoteExecutor:
     """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
     worker; `flush` sends them when the engine has nothing else to run (freeing KV slots promptly)."""
 
-    def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
+    def __init__(self, verifier: str, drafter: str | None, step_deadline: StepDeadline | None = None) -> None:
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
-        self.step_timeout_s = step_timeout_s
+        self.deadline = step_deadline or StepDeadline(floor_s=DEFAULT_STEP_DEADLINE_FLOOR_S)
         self._admit: list[SequenceSpec] = []
         self._release: list[str] = []
         self._step_id = 0
@@ -83,23 +87,31 @@ class RemoteExecutor:
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
         plan.scheduler_id = self.scheduler_id
         self._admit, self._release = [], []
-        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.workers}
+        timeout = self.deadline.seconds()
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=timeout): w for w in self.workers}
         # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
         done, _ = wait(calls, return_when=FIRST_EXCEPTION)
         for call in done:
-            if call.exception() is not None:
-                worker = calls[call]
-                raise RuntimeError(
-                    f"the {worker.role} at {worker.address} failed step {self._step_id}: {_describe(call.exception())}"
-                ) from call.exception()
+            if (exc := call.exception()) is not None:
+                raise RuntimeError(_failure(calls[call], self._step_id, exc, timeout)) from exc
         result = result_from_replies([c.result() for c in calls])
         result.step_seconds = time.perf_counter() - start
+        self.deadline.observe(result.step_seconds)
         return result
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)
         for worker in self.workers:
             worker.close()
+
+
+def _failure(worker: WorkerClient, step_id: int, exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (
+            f"the {worker.role} at {worker.address} did not finish step {step_id} within the step deadline "
+            f"({timeout:.1f}s): it is hung or cut off"
+        )
+    return f"the {worker.role} at {worker.address} failed step {step_id}: {_describe(exc)}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -20,8 +20,9 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.executor import RemoteExecutor
+from minedraft.scheduler.executor import DEFAULT_STEP_DEADLINE_FLOOR_S, RemoteExecutor
 from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
+from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 from minedraft.wire import sampling_from_proto, stats_to_proto
 
@@ -120,10 +121,16 @@ class MineDraftServicer(generate_pb2_grpc.MineDraftServicer):
 
 
 def build_engine(
-    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float
+    config: EngineConfig,
+    tokenizer: Tokenizer,
+    verifier: str,
+    drafter: str | None,
+    startup_timeout_s: float,
+    step_deadline_floor_s: float = DEFAULT_STEP_DEADLINE_FLOOR_S,
 ) -> LLMEngine:
     """Wait for the workers, then build the engine over them (the scheduler holds no model)."""
-    executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
+    drafter = drafter if config.speculative_config is not None else None
+    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=step_deadline_floor_s))
     executor.wait_until_serving(startup_timeout_s)
     executor.announce()  # workers drop the requests of a scheduler this one replaces, before any arrive
     info = executor.verifier_info()
@@ -140,6 +147,7 @@ async def serve_scheduler(
     max_waiting: int,
     metrics_port: int | None,
     startup_timeout_s: float,
+    step_deadline_floor_s: float = DEFAULT_STEP_DEADLINE_FLOOR_S,
 ) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
@@ -161,7 +169,9 @@ async def serve_scheduler(
     metrics = Metrics()
     if metrics_port:
         metrics.serve(metrics_port, addr=host)
-    engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, startup_timeout_s)
+    engine = await asyncio.to_thread(
+        build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, step_deadline_floor_s
+    )
     event_loop = asyncio.get_running_loop()
 
     def not_serving(reason: str) -> None:  # called from the step-loop thread
