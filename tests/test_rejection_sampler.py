@@ -25,7 +25,7 @@ from minedraft.sampling import rejection
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample, target_probs
-from minedraft.sampling.streams import RowKeys
+from minedraft.sampling.streams import DRAFT, RowKeys
 
 ALPHA = 1e-4
 
@@ -41,6 +41,11 @@ def _one_thread() -> Iterator[None]:
 
 def keys(seeds: list[int], positions: list[int] | None = None) -> RowKeys:
     return RowKeys.of(seeds, positions if positions is not None else [0] * len(seeds))
+
+
+def draws(seeds: list[int], positions: list[int] | None = None) -> torch.Tensor:
+    """Draft uniforms, one per row."""
+    return keys(seeds, positions).draw(DRAFT, torch.device("cpu"))
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -168,7 +173,7 @@ def filtered_slot(seed: int = 2, n: int = 5, vocab: int = 10) -> Slot:
     """Target with temperature, top-k and top-p; q drafted from the raw logits with a top-6 support."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n + 1, vocab, generator=gen) * 1.5
-    _, _, q = draft_sample(torch.randn(n, vocab, generator=gen), [SamplingParams(1.3)] * n, keys(list(range(n))), 6)
+    _, _, q = draft_sample(torch.randn(n, vocab, generator=gen), [SamplingParams(1.3)] * n, draws(list(range(n))), 6)
     return Slot(logits, SamplingParams(0.7, top_p=0.8, top_k=5), q=q)
 
 
@@ -243,7 +248,7 @@ def test_identical_p_and_q_always_accept() -> None:
     assert all(len(out) == 4 for out in outputs)
     assert chi2_pvalue([out[3] for out in outputs], reference_probs(logits, params)[3]) > ALPHA
     # Drafted by draft_sample from the same logits and params (renormalised in float32): still accepted.
-    tokens, _, sparse_q = draft_sample(logits[:3], [params] * 3, keys([1] * 3, [0, 1, 2]), support_size=12)
+    tokens, _, sparse_q = draft_sample(logits[:3], [params] * 3, draws([1] * 3, [0, 1, 2]), support_size=12)
     out = rejection_sample(logits, [tokens], [sparse_q], [params], keys([1]))
     assert out[0][:3] == tokens
 
@@ -280,7 +285,7 @@ def speculative_generate(
         for step in range(num_drafts):
             last = [(drafts[i] or seqs[t])[-1] for i, t in enumerate(live)]
             draft_keys = RowKeys.of([seeds[t] for t in live], [s + step for s in starts], starts)
-            tokens, _, q = draft_sample(drafter(last), [params] * len(live), draft_keys, support)
+            tokens, _, q = draft_sample(drafter(last), [params] * len(live), draft_keys.draw(DRAFT, "cpu"), support)
             for i, token in enumerate(tokens):
                 drafts[i].append(token)
                 qs[i].append(q[i])

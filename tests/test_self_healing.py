@@ -4,6 +4,7 @@ real signals (SIGKILL, SIGSTOP, SIGTERM)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -213,6 +214,99 @@ def test_step_deadline_follows_observed_steps() -> None:
     assert deadline.seconds() == 20.0  # slow steps raise it
     with pytest.raises(ValueError):
         StepDeadline(floor_s=0)
+
+
+def test_sigterm_drains_the_scheduler(pair) -> None:
+    """SIGTERM: NOT_SERVING, new requests get UNAVAILABLE ("draining"), the 16 running ones finish."""
+    with Services(_config(pair)) as services:
+        streams = long_streams(services.address, 16, max_tokens=60)
+        wait_active(services, 16)
+        scheduler = services.processes["scheduler"]
+        scheduler.send_signal(signal.SIGTERM)
+        wait_health(services.address, "NOT_SERVING", timeout_s=10)
+        with Client(services.address, retries=0, timeout=30) as client, pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 2], max_tokens=4, temperature=0)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+        assert [f.result(timeout=60) for f in streams] == ["ok"] * 16
+        assert scheduler.wait(timeout=30) == 0
+
+
+def test_drain_timeout_cuts_off_what_is_left(pair) -> None:
+    with Services(_config(pair), scheduler_flags=["--drain-timeout", "0.5"]) as services:
+        streams = long_streams(services.address, 16, max_tokens=240)
+        wait_active(services, 16)
+        services.processes["scheduler"].send_signal(signal.SIGTERM)
+        assert {f.result(timeout=60) for f in streams} == {"UNAVAILABLE"}
+        assert services.processes["scheduler"].wait(timeout=30) == 0
+
+
+def _up(pair, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(port), "--metrics-port", "0",
+         "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu", "--max-num-seqs", "16",
+         "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_health(f"127.0.0.1:{port}", "SERVING", timeout_s=180)
+    return up, f"127.0.0.1:{port}"
+
+
+def _services_of(up: subprocess.Popen) -> dict[str, int]:
+    """The service processes of `minedraft up`, by role (from their command lines)."""
+    services = {}
+    for pid in _children(up.pid):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        services[args[args.index(b"minedraft") + 1].decode()] = pid
+    return services
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent may be gone and not yet reaped it)
+
+
+def test_up_drains_on_sigterm(pair) -> None:
+    up, address = _up(pair)
+    try:
+        services = _services_of(up)
+        streams = long_streams(address, 16, max_tokens=60)
+        time.sleep(1.0)  # the streams are running
+        up.send_signal(signal.SIGTERM)
+        assert [f.result(timeout=60) for f in streams] == ["ok"] * 16
+        assert up.wait(timeout=90) == 0
+        assert not [pid for pid in services.values() if _alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_services_die_with_a_sigkilled_up(pair) -> None:
+    up, _ = _up(pair)
+    services = _services_of(up)
+    assert set(services) == {"verifier", "drafter", "scheduler"}
+    up.kill()
+    up.wait()
+    deadline = time.monotonic() + 60
+    while alive := [name for name, pid in services.items() if _alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after minedraft up was SIGKILLed: {alive}"
+        time.sleep(0.2)
+
+
+def test_up_exits_non_zero_when_a_service_dies(pair) -> None:
+    up, _ = _up(pair)
+    try:
+        services = _services_of(up)
+        os.kill(services["drafter"], signal.SIGKILL)
+        assert up.wait(timeout=90) == 1
+        assert "the drafter was killed by SIGKILL" in up.stderr.read()
+        assert not [pid for pid in services.values() if _alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.kill()
 
 
 def _children(pid: int) -> list[int]:

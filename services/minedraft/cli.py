@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from minedraft.supervision import watch_parent_from_env
+
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
 OFFLINE_MODES = ",".join(MODE_NAMES)
@@ -317,6 +319,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
             step_deadline_floor_s=args.step_deadline_floor,
+            drain_timeout_s=args.drain_timeout,
         )
     )
     return 0
@@ -341,12 +344,21 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting_requests,
         log_level=args.log_level,
         metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
     ) as stack:
         print(f"MineDraft ({config.mode.value}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
         if args.metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
         stack.wait()
-    return 0
+        return _report_exited(stack.exited())
+
+
+def _report_exited(exited: list[tuple[str, int]]) -> int:
+    """`minedraft up`'s exit code: 0 after a signal, 1 when a service died on its own (named on stderr)."""
+    for name, code in exited:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"minedraft up: the {name} {how}; stopping the other services", file=sys.stderr, flush=True)
+    return 1 if exited else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_listen_args(up, port=50051, host="127.0.0.1")
     _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
     _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
+    _add(
+        up,
+        "--drain-timeout",
+        30.0,
+        type=float,
+        help="on SIGTERM/SIGINT: seconds the scheduler gets to finish the running requests before the workers stop",
+    )
     up.set_defaults(func=cmd_up)
 
     verifier = sub.add_parser("verifier", help="run the verifier service (all tensor-parallel ranks), as a pod does")
@@ -466,6 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(scheduler, "--startup-timeout", 1800.0, type=float, help="seconds to wait for the workers to load")
     _add(
         scheduler,
+        "--drain-timeout",
+        30.0,
+        type=float,
+        help="on SIGTERM: stop admitting (NOT_SERVING, new requests get UNAVAILABLE) and give the running "
+        "requests this many seconds to finish; the rest then get UNAVAILABLE",
+    )
+    _add(
+        scheduler,
         "--step-deadline-floor",
         60.0,
         type=float,
@@ -478,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    watch_parent_from_env()  # a service started by `minedraft up` stops when it is gone
     try:
         return args.func(args)
     except ValidationError as exc:

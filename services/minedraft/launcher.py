@@ -18,6 +18,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.config import EngineConfig, Mode
+from minedraft.supervision import PARENT_ENV, die_with_parent
+
+# How long the scheduler may take to drain on SIGTERM (its --drain-timeout default) and to exit after.
+DRAIN_TIMEOUT_S = 30.0
+_EXIT_MARGIN_S = 15.0
 
 
 def free_port() -> int:
@@ -58,7 +63,10 @@ def threads_per_worker(config: EngineConfig, cores: int) -> int:
 
 
 class LocalStack:
-    """Start the services, wait until the scheduler reports SERVING, stop them all on exit."""
+    """Start the services, wait until the scheduler reports SERVING, stop them all on exit.
+
+    The services die with this process even when it is SIGKILLed (see `supervision`); on Linux that is
+    tied to the thread that starts them, so start the stack from a thread that outlives it."""
 
     def __init__(
         self,
@@ -72,8 +80,10 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         metrics_port: int = 0,
         workers_only: bool = False,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> None:
         self.config = config
+        self.drain_timeout_s = drain_timeout_s
         self.port = port or free_port()
         self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
         self.address = f"{host}:{self.port}"
@@ -92,6 +102,7 @@ class LocalStack:
                 "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
                 "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
                 "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
+                "--drain-timeout", str(drain_timeout_s),
             ]),
         ]  # fmt: skip
         if config.speculative_config is not None:
@@ -121,6 +132,7 @@ class LocalStack:
     def _start(self) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
+        env[PARENT_ENV] = str(os.getpid())
         for name, args in self._commands:
             out = open(self._log_dir / f"{name}.log", "w") if self._log_dir else None  # noqa: SIM115
             process = subprocess.Popen(
@@ -128,6 +140,8 @@ class LocalStack:
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
+                preexec_fn=die_with_parent,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only us: we stop the services in order
             )
             self._processes.append((name, process))
         self._wait_serving()
@@ -164,15 +178,29 @@ class LocalStack:
         except KeyboardInterrupt:
             pass
 
+    def exited(self) -> list[tuple[str, int]]:
+        """The services that have exited, with their exit codes (negative: killed by that signal)."""
+        return [(name, p.returncode) for name, p in self._processes if p.poll() is not None]
+
     def stop(self) -> None:
-        """SIGTERM in reverse start order (scheduler first), then SIGKILL what does not exit."""
-        for _, process in reversed(self._processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for _, process in reversed(self._processes):
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Drain first: SIGTERM the scheduler and give it the drain timeout to finish its requests; then
+        SIGTERM the workers. SIGKILL what does not exit in time."""
+        scheduler = [p for name, p in self._processes if name == "scheduler"]
+        workers = [p for name, p in self._processes if name != "scheduler"]
+        _terminate(scheduler, self.drain_timeout_s + _EXIT_MARGIN_S)
+        _terminate(workers, 20.0)
         self._processes.clear()
+
+
+def _terminate(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM all at once, wait up to `timeout_s` for them together, then SIGKILL the rest."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

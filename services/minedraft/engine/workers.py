@@ -18,7 +18,7 @@ from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
-from minedraft.sampling.streams import RowKeys
+from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
 from minedraft.sampling.tetris import tetris_select
 
 _TAIL_SCAN = 64
@@ -120,11 +120,13 @@ class DraftWorker(_Worker):
         bases = [self._base(t) for t in tasks]
         drafts = [Drafts() for _ in tasks]
         inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
-        for step in range(max((t.num_tokens for t in tasks), default=0)):
+        width = max((t.num_tokens for t in tasks), default=0)
+        draws = self._window_draws(seqs, bases, width)
+        for step in range(width):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
             logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live])
             tokens, token_probs, q = draft_sample(
-                logits, [seqs[i].params for i in live], self._keys(seqs, bases, live, step), self.support_size
+                logits, [seqs[i].params for i in live], draws[live, step], self.support_size
             )
             for row, i in enumerate(live):
                 start, written = inputs[i]
@@ -144,15 +146,12 @@ class DraftWorker(_Worker):
             if task.num_tokens <= 0:  # nothing to draft: the verifier will decode one token plainly
                 self._windows[task.request_id] = (self._base(task), Drafts())
 
-    @staticmethod
-    def _keys(seqs: list[_Sequence], bases: list[list[int]], live: list[int], step: int) -> RowKeys:
-        """Draft draws: keyed by the output position and by where the window starts, so a window
-        redrafted after a rejection draws afresh, and a re-admitted request redraws the same."""
-        return RowKeys.of(
-            [seqs[i].seed for i in live],
-            [len(bases[i]) + step for i in live],
-            [len(bases[i]) for i in live],
-        )
+    def _window_draws(self, seqs: list[_Sequence], bases: list[list[int]], width: int) -> torch.Tensor:
+        """[tasks, width] uniforms for the whole window at once, keyed by the output position and by where
+        the window starts: a window redrafted after a rejection draws afresh, a re-admitted request the same."""
+        seeds = seed_tensor([seq.seed for seq in seqs], self.device)[:, None]
+        starts = torch.tensor([len(base) for base in bases], dtype=torch.int64, device=self.device)[:, None]
+        return uniforms(seeds, DRAFT, starts + torch.arange(width, device=self.device)[None, :], starts)
 
     def _base(self, task: DraftTask) -> list[int]:
         """The token sequence the task drafts after."""

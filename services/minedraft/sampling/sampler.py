@@ -1,8 +1,8 @@
 """Turning logits into tokens: the request's logits processing, plain sampling and draft sampling.
 
-Every random draw is a float64 uniform keyed by the row's request seed and output position
-(``streams.RowKeys``), one per sampled token, so a request gives the same tokens whatever else is in
-the batch and whatever ran before (a re-admitted request draws what it would have drawn).
+Every random draw is a float64 uniform that the caller passes in, one per row; the workers key them by
+the request's seed and output position (``streams``), so a request gives the same tokens whatever else
+is in the batch and whatever ran before (a re-admitted request draws what it would have drawn).
 
 Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logits, then top-p keeps
 the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
-from minedraft.sampling.streams import DRAFT, FINAL, RowKeys
 
 
 def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -80,9 +79,9 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     return probs
 
 
-def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], keys: RowKeys) -> None:
-    if not logits.shape[0] == len(params_list) == len(keys):
-        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(keys)} random keys")
+def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], uniforms: Tensor) -> None:
+    if not logits.shape[0] == len(params_list) == uniforms.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {uniforms.shape[0]} uniforms")
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -91,16 +90,16 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return processed_probs(logits, [params] * logits.shape[0])
 
 
-def sample_next(logits: Tensor, params_list: list[SamplingParams], keys: RowKeys) -> list[int]:
-    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``, drawn
-    as the verifier draws a final token at that position."""
-    _check_batch(logits, params_list, keys)
+def sample_next(logits: Tensor, params_list: list[SamplingParams], uniforms: Tensor) -> list[int]:
+    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]`` with
+    ``uniforms[i]`` (greedy rows ignore theirs)."""
+    _check_batch(logits, params_list, uniforms)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         probs = processed_probs(logits[index], [params_list[i] for i in rows])
-        tokens[index] = sample_from(probs, keys.select(index).draw(FINAL, logits.device))
+        tokens[index] = sample_from(probs, uniforms.to(logits.device)[index])
     return tokens.tolist()
 
 
@@ -165,19 +164,19 @@ class SparseProbs:
 def draft_sample(
     logits: Tensor,
     params_list: list[SamplingParams],
-    keys: RowKeys,
+    uniforms: Tensor,
     support_size: int,
 ) -> tuple[list[int], list[float], SparseProbs]:
     """One draft token per row of ``logits`` [B, V].
 
-    Random rows sample from q = the request's processed distribution truncated to its top
+    Random row i samples, with ``uniforms[i]``, from q = the request's processed distribution truncated to its top
     ``support_size`` tokens and renormalised, so q can travel sparsely; the returned probability is
     q(chosen) under that q. Greedy rows take the argmax; their probability is softmax(logits)[argmax]
     (the drafter's confidence, for Tetris) and their q is one-hot on the argmax. The returned
     SparseProbs always has exactly ``support_size`` columns (padded with probability 0 when the
     vocabulary is smaller).
     """
-    _check_batch(logits, params_list, keys)
+    _check_batch(logits, params_list, uniforms)
     if support_size < 1:
         raise ValueError("support_size must be >= 1")
     batch, vocab = logits.shape
@@ -199,7 +198,7 @@ def draft_sample(
         index = torch.tensor(rows, device=device)
         top = processed_probs(logits[index], [params_list[i] for i in rows]).topk(width, dim=-1)
         q = top.values / top.values.sum(dim=-1, keepdim=True)
-        pick = sample_from(q, keys.select(index).draw(DRAFT, device))[:, None]
+        pick = sample_from(q, uniforms.to(device)[index])[:, None]
         tokens[index] = top.indices.gather(1, pick).squeeze(1)
         token_probs[index] = q.gather(1, pick).squeeze(1)
         ids[index, :width] = top.indices

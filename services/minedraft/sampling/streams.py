@@ -81,11 +81,6 @@ class RowKeys:
     def __len__(self) -> int:
         return self.seeds.shape[0]
 
-    def select(self, rows: Tensor) -> RowKeys:
-        counters = None if self.counters is None else self.counters[rows.to(self.counters.device)]
-        index = rows.to(self.seeds.device)
-        return RowKeys(self.seeds[index], self.positions[index], counters)
-
     def draw(self, stream: int, device: torch.device, offsets: Tensor | None = None) -> Tensor:
         """One uniform per row at its position [B]; with ``offsets`` [W], one per row and offset at
         ``position + offset`` [B, W]. On ``device``."""

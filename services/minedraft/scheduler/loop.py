@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +61,10 @@ class EngineFailed(RuntimeError):
     """The engine group is broken; requests fail with UNAVAILABLE until it is restarted."""
 
 
+class Draining(EngineFailed):
+    """The scheduler is shutting down: no new requests (UNAVAILABLE, so clients retry elsewhere)."""
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -75,6 +80,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopped = False
+        self.draining = False
         self.num_waiting = 0  # read by handlers for admission control (an int: safe to read across threads)
 
     def start(self) -> None:
@@ -124,7 +130,27 @@ class EngineLoop:
                 return True
         return False
 
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, then stop
+        the loop and fail what is left with UNAVAILABLE. Returns how many were cut off."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._busy() and time.monotonic() < deadline and self.failed is None:
+            time.sleep(0.05)
+        self.stop()
+        left = list(self._sinks.values())  # the loop thread has stopped: nobody else touches them now
+        for sink in left:
+            sink.put(Draining(f"the server is shutting down and did not finish this request within {timeout_s:g}s"))
+        self._sinks.clear()
+        return len(left)
+
+    def _busy(self) -> bool:
+        return bool(self._sinks) or not self._commands.empty()
+
     def _add(self, command: _Submit) -> None:
+        if self.draining:
+            command.sink.put(Draining("the server is draining (shutting down): it accepts no new requests"))
+            return
         if self.failed is not None:
             command.sink.put(EngineFailed(self.failed))
             return

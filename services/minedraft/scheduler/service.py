@@ -148,6 +148,7 @@ async def serve_scheduler(
     metrics_port: int | None,
     startup_timeout_s: float,
     step_deadline_floor_s: float = DEFAULT_STEP_DEADLINE_FLOOR_S,
+    drain_timeout_s: float = 30.0,
 ) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
@@ -189,8 +190,18 @@ async def serve_scheduler(
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await drain(health, loop, drain_timeout_s)
+    await server.stop(grace=5)  # lets the finished streams deliver their last message
+    engine.executor.close()
+
+
+async def drain(health: health_aio.HealthServicer, loop: EngineLoop, timeout_s: float) -> None:
+    """SIGTERM: NOT_SERVING (load balancers stop sending), refuse new requests, finish the running ones."""
+    loop.draining = True  # before NOT_SERVING shows: whoever sees that finds new requests refused
     for name in ("", PUBLIC_SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=5)
-    loop.stop()
-    engine.executor.close()
+    log.info("draining: finishing the requests in flight (at most %gs)", timeout_s)
+    cut = await asyncio.to_thread(loop.drain, timeout_s)
+    if cut:
+        log.warning("drain timeout: %d requests cut off with UNAVAILABLE", cut)
+    log.info("drained")

@@ -7,12 +7,14 @@ import multiprocessing as mp
 
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.supervision import die_with_parent
 from minedraft.verifier.node import VerifierNode
 
 log = logging.getLogger("minedraft.verifier")
 
 
 def _follower_main(config_json: str, dist_json: str, rank: int) -> None:
+    die_with_parent()  # a SIGKILLed rank 0 must not leave its followers behind
     node = VerifierNode(
         EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank
     )
