@@ -517,6 +517,9 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
           "speculativeConfig": {"model": "/elsewhere"}}, "not both"),
         ({"models": {"draft": "d", "volume": {"type": "existingClaim", "existingClaim": "c"}},
           "speculativeConfig": None}, "without speculation there is no drafter"),
+        ({"scheduler": {"terminationGracePeriodSeconds": 30}}, "killed while it drains"),
+        ({"scheduler": {"drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 130}},
+         r"verifier.terminationGracePeriodSeconds \(60\) must be"),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:

@@ -94,6 +94,14 @@ def _add_dist_args(parser: argparse.ArgumentParser) -> None:
         help="seconds without a step plan after which the worker drops every request's state, as when a new "
         "scheduler connects (0 = never)",
     )
+    _add(
+        group,
+        "--drain-timeout",
+        30.0,
+        type=float,
+        help="on SIGTERM: wait up to this long for the scheduler to stop sending steps (it drains its "
+        "requests first), then stop",
+    )
 
 
 def _dist_config(args: argparse.Namespace):
@@ -104,6 +112,7 @@ def _dist_config(args: argparse.Namespace):
         master_port=args.dist_port,
         backend=args.dist_backend,
         idle_reset_s=args.idle_reset,
+        drain_timeout_s=args.drain_timeout,
         store_host=args.host,  # the rendezvous store listens where the gRPC server does
     )
 

@@ -48,6 +48,7 @@ def serve_verifier(config: EngineConfig, dist: DistributedConfig, host: str, por
     log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
 
     def stop() -> None:
+        servicer.wait_until_quiet(dist.drain_timeout_s)
         node = holder.get("node")
         if node is not None:
             node.stop_followers()
