@@ -8,9 +8,11 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -307,6 +309,44 @@ def test_up_exits_non_zero_when_a_service_dies(pair) -> None:
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on `port` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian 32-bit words
+                text = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words))
+                found.add(text.removeprefix("::ffff:"))  # an IPv4-mapped address is the IPv4 one
+    return found
+
+
+def _gauges(metrics_port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    names = ("minedraft:num_requests_waiting", "minedraft:num_requests_running", "minedraft:kv_cache_usage_perc")
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in names}
+
+
+def test_listeners_bind_the_host_and_gauges_settle_when_idle(pair) -> None:
+    metrics_port = free_port()
+    with Services(_config(pair), scheduler_flags=["--metrics-port", str(metrics_port)]) as services:
+        dist_port = int(services.commands["verifier"][services.commands["verifier"].index("--dist-port") + 1])
+        for port in (metrics_port, dist_port, services.port):
+            assert _listening(port) == {"127.0.0.1"}, port
+        streams = long_streams(services.address, 16, max_tokens=60)
+        wait_active(services, 16)
+        busy = _gauges(metrics_port)
+        assert busy["minedraft:num_requests_running"] > 0 and busy["minedraft:kv_cache_usage_perc"] > 0
+        assert [f.result(timeout=60) for f in streams] == ["ok"] * 16
+        deadline = time.monotonic() + 10
+        while any(_gauges(metrics_port).values()):
+            assert time.monotonic() < deadline, f"gauges stuck at the last step's load: {_gauges(metrics_port)}"
+            time.sleep(0.2)
 
 
 def _children(pid: int) -> list[int]:
