@@ -194,7 +194,8 @@ def test_workers_drop_state_after_a_silent_scheduler(pair) -> None:
 def test_a_stopped_worker_fails_the_step_at_the_deadline(pair, role) -> None:
     """SIGSTOP: the worker neither answers nor dies. The step deadline (floor 5 s here, not the old 600 s)
     fails its requests with UNAVAILABLE and the scheduler turns NOT_SERVING, as for a dead worker."""
-    with Services(_config(pair), scheduler_flags=["--step-deadline-floor", "5"]) as services:
+    flags = {"scheduler_flags": ["--step-deadline-floor", "5"], "worker_flags": ["--drain-timeout", "2"]}
+    with Services(_config(pair), **flags) as services:
         streams = long_streams(services.address, 16, max_tokens=240)
         wait_active(services, 16)
         os.kill(services.processes[role].pid, signal.SIGSTOP)

@@ -39,24 +39,33 @@ def _padded_drafts(
     width: int,
     device: torch.device,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Drafts [R, width] and their sparse q (ids, probs) [R, width, S], zero-padded. Deterministic
-    drafts (q None) and greedy requests get q one-hot on each draft."""
-    support = max([q.support_size for q, p in zip(draft_probs, params_list) if q is not None and not p.greedy] or [1])
-    tokens = torch.zeros(len(draft_tokens), width, dtype=torch.long)
-    ids = torch.zeros(len(draft_tokens), width, support, dtype=torch.long, device=device)
-    probs = torch.zeros(len(draft_tokens), width, support, device=device)
-    for r, (drafts, q, params) in enumerate(zip(draft_tokens, draft_probs, params_list)):
-        n = len(drafts)
-        if n == 0:
-            continue
-        tokens[r, :n] = torch.tensor(drafts, dtype=torch.long)
-        if q is None or params.greedy:
-            q = SparseProbs.one_hot(tokens[r, :n])
-        if len(q) != n:
-            raise ValueError(f"request {r}: {n} drafts but {len(q)} draft distributions")
-        ids[r, :n, : q.support_size] = q.token_ids.to(device)
-        probs[r, :n, : q.support_size] = q.probs.to(device).float()
-    return tokens.to(device), ids, probs
+    """Drafts [R, width] and their sparse q (ids, probs) [R, width, S], zero-padded, filled with one
+    copy each. Deterministic drafts (q None) and greedy requests get q one-hot on each draft."""
+    tokens = torch.tensor([d + [0] * (width - len(d)) for d in draft_tokens], dtype=torch.long, device=device)
+    qs = [_q_of(r, d, q, p, tokens) for r, (d, q, p) in enumerate(zip(draft_tokens, draft_probs, params_list))]
+    support = max((q.support_size for q in qs if q is not None), default=1)
+    ids = torch.zeros(len(draft_tokens) * width, support, dtype=torch.long, device=device)
+    probs = torch.zeros(len(draft_tokens) * width, support, device=device)
+    present = [(r, q) for r, q in enumerate(qs) if q is not None]
+    if present:
+        rows = torch.cat([torch.arange(len(q), device=device) + r * width for r, q in present])
+        pad = lambda t: torch.nn.functional.pad(t.to(device), (0, support - t.shape[1]))  # noqa: E731
+        ids[rows] = torch.cat([pad(q.token_ids) for _, q in present])
+        probs[rows] = torch.cat([pad(q.probs.float()) for _, q in present])
+    return tokens, ids.view(len(draft_tokens), width, support), probs.view(len(draft_tokens), width, support)
+
+
+def _q_of(
+    r: int, drafts: list[int], q: SparseProbs | None, params: SamplingParams, tokens: Tensor
+) -> SparseProbs | None:
+    """Request r's draft distributions, one row per draft (None without drafts)."""
+    if not drafts:
+        return None
+    if q is None or params.greedy:
+        return SparseProbs.one_hot(tokens[r, : len(drafts)])
+    if len(q) != len(drafts):
+        raise ValueError(f"request {r}: {len(drafts)} drafts but {len(q)} draft distributions")
+    return q
 
 
 def _check_shapes(
