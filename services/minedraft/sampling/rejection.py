@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
-from minedraft.sampling.sampler import SparseProbs, processed_probs, sample_from
+from minedraft.sampling.sampler import SparseProbs, processed_prob_of, processed_probs, sample_from
 from minedraft.sampling.streams import ACCEPT, FINAL, RowKeys
 
 
@@ -102,32 +102,61 @@ def rejection_sample(
     num_drafts = torch.tensor(counts, device=device) - 1
     offsets = torch.arange(width + 1, device=device)
     rows = starts[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [R, width + 1]
-    p = processed_probs(target_logits, [params for params, n in zip(params_list, counts) for _ in range(n)])
     drafts, q_ids, q_probs = _padded_drafts(draft_tokens, draft_probs, params_list, width, device)
     # u < p/q, written without the division: q(d) = 0 (a draft q could not have produced) accepts
     # whenever p(d) > 0, and p >= q always accepts.
-    p_draft = p[rows[:, :width], drafts].double()
+    p_draft = _draft_target_probs(target_logits, rows[:, :width], draft_tokens, params_list)
     q_draft = (q_probs * (q_ids == drafts[..., None])).sum(dim=-1).double()
     accept = keys.draw(ACCEPT, device, offsets[:width]) * q_draft < p_draft
     accept &= offsets[None, :width] < num_drafts[:, None]
     accepted = accept.long().cumprod(dim=1).sum(dim=1)  # leading accepts
-    final = _final_distribution(p, rows, accepted, num_drafts, q_ids, q_probs)
-    last = sample_from(final, _final_uniforms(keys, accepted))
+    final_rows, uniforms = rows.gather(1, accepted[:, None]).squeeze(1), _final_uniforms(keys, accepted)
+    last = torch.cat(
+        [
+            sample_from(
+                _final_distribution(
+                    processed_probs(target_logits[final_rows[b]], params_list[b]),
+                    accepted[b], num_drafts[b], q_ids[b], q_probs[b],
+                ),
+                uniforms[b],
+            )
+            for b in row_blocks(len(params_list), target_logits)
+        ]
+    )  # fmt: skip
     accepted_list, last_list = accepted.tolist(), last.tolist()
     return [d[:a] + [t] for d, a, t in zip(draft_tokens, accepted_list, last_list)]
 
 
-def _final_distribution(
-    p: Tensor, rows: Tensor, accepted: Tensor, num_drafts: Tensor, q_ids: Tensor, q_probs: Tensor
+def _draft_target_probs(
+    target_logits: Tensor, rows: Tensor, draft_tokens: list[list[int]], params_list: list[SamplingParams]
 ) -> Tensor:
-    """Per request [R, V]: the residual at the first rejected draft, or p of the bonus row."""
-    p_final = p[rows.gather(1, accepted[:, None]).squeeze(1)]
-    rejected = accepted < num_drafts
+    """p(d) [R, width] float64 at every draft (``rows``: each draft's target logits row). Computed on
+    every logits row, each request's bonus row too (token 0 there, unused): no copy of the logits."""
+    tokens = torch.tensor([t for d in draft_tokens for t in (*d, 0)], dtype=torch.long, device=rows.device)
+    row_params = [params for params, d in zip(params_list, draft_tokens) for _ in range(len(d) + 1)]
+    return processed_prob_of(target_logits, tokens, row_params).double()[rows]
+
+
+def _final_distribution(
+    p_final: Tensor, accepted: Tensor, num_drafts: Tensor, q_ids: Tensor, q_probs: Tensor
+) -> Tensor:
+    """Per request [R, V]: the residual at the first rejected draft, or p (``p_final``: the target's
+    processed row there) at the bonus row. Requests that rejected nothing get q = 0, whose residual is p."""
     if q_ids.shape[1] == 0:
         return p_final
     at = accepted.clamp(max=q_ids.shape[1] - 1)[:, None, None].expand(-1, 1, q_ids.shape[2])
-    q_dense = torch.zeros_like(p_final).scatter_add_(1, q_ids.gather(1, at)[:, 0], q_probs.gather(1, at)[:, 0])
-    return torch.where(rejected[:, None], correction_distribution(p_final, q_dense), p_final)
+    rejected = (accepted < num_drafts).float()[:, None]
+    q_dense = torch.zeros_like(p_final).scatter_add_(
+        1, q_ids.gather(1, at)[:, 0], q_probs.gather(1, at)[:, 0] * rejected
+    )
+    return correction_distribution(p_final, q_dense)
+
+
+def row_blocks(rows: int, like: Tensor) -> list[slice]:
+    """Row ranges to process [rows, V] work in: on CPU about 1 MiB of float32 each, so that the several
+    passes over a block run in cache; elsewhere one block (batching is what a GPU wants)."""
+    block = max(1, (1 << 18) // like.shape[-1]) if like.device.type == "cpu" else max(rows, 1)
+    return [slice(i, i + block) for i in range(0, rows, block)]
 
 
 def _final_uniforms(keys: RowKeys, accepted: Tensor) -> Tensor:

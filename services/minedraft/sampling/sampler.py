@@ -79,6 +79,42 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     return probs
 
 
+def processed_prob_of(logits: Tensor, tokens: Tensor, params_list: Sequence[SamplingParams]) -> Tensor:
+    """p_i(tokens[i]) [m] float32 for each row of ``logits`` [m, V]: ``processed_probs(...)[i, tokens[i]]``
+    up to rounding, without the whole distribution's extra passes where no top-k/top-p asks for it
+    (one fused log-softmax; greedy rows: 1 at the argmax, else 0)."""
+    logits, device = logits.float(), logits.device
+    out = torch.zeros(len(params_list), device=device)
+    tokens = tokens.to(device)
+    groups = {"plain": [], "greedy": [], "filtered": []}
+    for i, p in enumerate(params_list):
+        groups["greedy" if p.greedy else "filtered" if _uses_filter(p) else "plain"].append(i)
+    if groups["plain"]:
+        index = torch.tensor(groups["plain"], device=device)
+        temps = torch.tensor([params_list[i].temperature for i in groups["plain"]], device=device)[:, None]
+        rows = logits if len(index) == len(params_list) else logits[index]  # no copy when all rows are plain
+        out[index] = _log_softmax_at(rows, temps, tokens[index]).exp()
+    if groups["greedy"]:
+        index = torch.tensor(groups["greedy"], device=device)
+        out[index] = (logits[index].argmax(dim=-1) == tokens[index]).float()
+    if groups["filtered"]:
+        index = torch.tensor(groups["filtered"], device=device)
+        probs = processed_probs(logits[index], [params_list[i] for i in groups["filtered"]])
+        out[index] = probs.gather(1, tokens[index, None]).squeeze(1)
+    return out
+
+
+def _log_softmax_at(logits: Tensor, temps: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits / temps)[tokens], row by row. On CPU in blocks of about 1 MiB, so that each
+    block's passes run in cache instead of streaming the whole batch from memory several times."""
+    block = max(1, (1 << 18) // logits.shape[-1]) if logits.device.type == "cpu" else logits.shape[0]
+    parts = [
+        (logits[i : i + block] / temps[i : i + block]).log_softmax(dim=-1).gather(1, tokens[i : i + block, None])
+        for i in range(0, logits.shape[0], block)
+    ]
+    return torch.cat(parts).squeeze(1)
+
+
 def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], uniforms: Tensor) -> None:
     if not logits.shape[0] == len(params_list) == uniforms.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {uniforms.shape[0]} uniforms")
