@@ -629,6 +629,9 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
         ({"tls": {"existingSecret": "t", "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}},
          "not both"),
         ({"tls": {"certManager": {"enabled": True}}}, "needs tls.certManager.issuerRef.name"),
+        ({"scheduler": {"terminationGracePeriodSeconds": 30}}, "killed while it drains"),
+        ({"scheduler": {"drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 130}},
+         r"verifier.terminationGracePeriodSeconds \(60\) must be"),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:

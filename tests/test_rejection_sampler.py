@@ -25,6 +25,7 @@ from minedraft.sampling import rejection
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample, target_probs
+from minedraft.sampling.streams import DRAFT, RowKeys
 
 ALPHA = 1e-4
 
@@ -36,6 +37,15 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def keys(seeds: list[int], positions: list[int] | None = None) -> RowKeys:
+    return RowKeys.of(seeds, positions if positions is not None else [0] * len(seeds))
+
+
+def draws(seeds: list[int], positions: list[int] | None = None) -> torch.Tensor:
+    """Draft uniforms, one per row."""
+    return keys(seeds, positions).draw(DRAFT, torch.device("cpu"))
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -106,7 +116,7 @@ def run_trials(slots: list[Slot], trials: int, seed: int) -> list[list[list[int]
         [drafts[s][t] for t, s in order],
         [slots[s].q if slots[s].shipped_q is None else slots[s].shipped_q for _, s in order],
         [slots[s].params for _, s in order],
-        [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(len(order))],
+        keys([seed * 1_000_003 + i for i in range(len(order))]),
     )
     grouped: list[list[list[int]]] = [[] for _ in slots]
     for (_, s), tokens in zip(order, outputs):
@@ -163,7 +173,7 @@ def filtered_slot(seed: int = 2, n: int = 5, vocab: int = 10) -> Slot:
     """Target with temperature, top-k and top-p; q drafted from the raw logits with a top-6 support."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n + 1, vocab, generator=gen) * 1.5
-    _, _, q = draft_sample(torch.randn(n, vocab, generator=gen), [SamplingParams(1.3)] * n, [None] * n, 6)
+    _, _, q = draft_sample(torch.randn(n, vocab, generator=gen), [SamplingParams(1.3)] * n, draws(list(range(n))), 6)
     return Slot(logits, SamplingParams(0.7, top_p=0.8, top_k=5), q=q)
 
 
@@ -238,8 +248,8 @@ def test_identical_p_and_q_always_accept() -> None:
     assert all(len(out) == 4 for out in outputs)
     assert chi2_pvalue([out[3] for out in outputs], reference_probs(logits, params)[3]) > ALPHA
     # Drafted by draft_sample from the same logits and params (renormalised in float32): still accepted.
-    tokens, _, sparse_q = draft_sample(logits[:3], [params] * 3, [gen] * 3, support_size=12)
-    out = rejection_sample(logits, [tokens], [sparse_q], [params], [gen])
+    tokens, _, sparse_q = draft_sample(logits[:3], [params] * 3, draws([1] * 3, [0, 1, 2]), support_size=12)
+    out = rejection_sample(logits, [tokens], [sparse_q], [params], keys([1]))
     assert out[0][:3] == tokens
 
 
@@ -264,15 +274,18 @@ def speculative_generate(
     support: int,
 ) -> list[list[int]]:
     """Generate ``length`` tokens after token 0 for every trial: draft with draft_sample, verify with
-    rejection_sample, repeat."""
-    generators = [torch.Generator().manual_seed(seed + t) for t in range(trials)]
+    rejection_sample, repeat. Random keys as the workers use them: the drafter's by position and
+    window start, the verifier's by position."""
+    seeds = [seed + t for t in range(trials)]
     seqs = [[0] for _ in range(trials)]
     while live := [t for t in range(trials) if len(seqs[t]) <= length]:
         drafts: list[list[int]] = [[] for _ in live]
         qs: list[list[SparseProbs]] = [[] for _ in live]
-        for _ in range(num_drafts):
+        starts = [len(seqs[t]) for t in live]
+        for step in range(num_drafts):
             last = [(drafts[i] or seqs[t])[-1] for i, t in enumerate(live)]
-            tokens, _, q = draft_sample(drafter(last), [params] * len(live), [generators[t] for t in live], support)
+            draft_keys = RowKeys.of([seeds[t] for t in live], [s + step for s in starts], starts)
+            tokens, _, q = draft_sample(drafter(last), [params] * len(live), draft_keys.draw(DRAFT, "cpu"), support)
             for i, token in enumerate(tokens):
                 drafts[i].append(token)
                 qs[i].append(q[i])
@@ -282,7 +295,7 @@ def speculative_generate(
             drafts,
             [SparseProbs.cat(q) if q else None for q in qs],
             [params] * len(live),
-            [generators[t] for t in live],
+            keys([seeds[t] for t in live], starts),
         )
         for t, out in zip(live, outputs):
             seqs[t].extend(out)
@@ -317,40 +330,42 @@ def test_greedy_speculative_decoding_equals_argmax_decoding() -> None:
         assert seq == expected[1:]
 
 
-def test_seeded_requests_are_batch_independent_and_draw_n_plus_one_uniforms() -> None:
+def test_results_depend_on_seed_and_position_not_on_the_batch() -> None:
     slot = dense_slot(8, n=4)
     drafts = slot.q.token_ids[:, 0].tolist()
     other = dense_slot(9, n=2)
-    alone = rejection_sample(slot.target_logits, [drafts], [slot.q], [slot.params], [torch.Generator().manual_seed(42)])
-    g = torch.Generator().manual_seed(42)
+    alone = rejection_sample(slot.target_logits, [drafts], [slot.q], [slot.params], keys([42], [17]))
     batch = rejection_sample(
         torch.cat([other.target_logits, slot.target_logits, other.target_logits[:1]]),
         [[1, 2], drafts, []],
         [other.q, slot.q, None],
         [other.params, slot.params, SamplingParams(0.0)],
-        [torch.Generator().manual_seed(1), g, None],
+        keys([1, 42, 0], [3, 17, 0]),
     )
     assert batch[1] == alone[0]
-    replay = torch.Generator().manual_seed(42)
-    torch.rand(len(drafts) + 1, generator=replay, dtype=torch.float64)
-    assert torch.equal(g.get_state(), replay.get_state())
+    # Other positions (or seeds) draw other numbers: over a few of them the outcome changes.
+    outcomes = {
+        tuple(rejection_sample(slot.target_logits, [drafts], [slot.q], [slot.params], keys([42], [x]))[0])
+        for x in range(30)
+    }
+    assert len(outcomes) > 1
 
 
 def test_rejects_inconsistent_shapes() -> None:
     logits = torch.randn(3, 5)
     params = SamplingParams(1.0)
     with pytest.raises(ValueError):
-        rejection_sample(logits, [[1]], [None], [params], [None])  # 2 rows expected
+        rejection_sample(logits, [[1]], [None], [params], keys([0]))  # 2 rows expected
     with pytest.raises(ValueError):
-        rejection_sample(logits, [[1, 2]], [dense(torch.full((1, 5), 0.2))], [params], [None])
+        rejection_sample(logits, [[1, 2]], [dense(torch.full((1, 5), 0.2))], [params], keys([0]))
     with pytest.raises(ValueError):
-        rejection_sample(logits, [[1, 2]], [None], [params, params], [None])
+        rejection_sample(logits, [[1, 2]], [None], [params, params], keys([0]))
 
 
 def test_outputs_with_drafts_are_accepted_prefix_plus_one() -> None:
     # Direct check of the return shape for a small hand-made case: greedy, all drafts accepted.
     logits = torch.eye(4) * 5
-    out = rejection_sample(logits, [[0, 1, 2]], [None], [SamplingParams(0.0)], [None])
+    out = rejection_sample(logits, [[0, 1, 2]], [None], [SamplingParams(0.0)], keys([0]))
     assert out == [[0, 1, 2, 3]]
 
 
@@ -363,6 +378,5 @@ def test_correction_distribution() -> None:
     # A draft that q says it could not produce (q(d) = 0) is accepted whenever p(d) > 0.
     q_elsewhere = SparseProbs.one_hot(torch.tensor([0]))
     for seed in range(20):
-        generator = torch.Generator().manual_seed(seed)
-        out = rejection_sample(torch.log(p).repeat(2, 1), [[1]], [q_elsewhere], [SamplingParams(1.0)], [generator])
+        out = rejection_sample(torch.log(p).repeat(2, 1), [[1]], [q_elsewhere], [SamplingParams(1.0)], keys([seed]))
         assert out[0][0] == 1 and len(out[0]) == 2

@@ -16,6 +16,7 @@ from minedraft.sampling.sampler import (
     sample_next,
     target_probs,
 )
+from minedraft.sampling.streams import DRAFT, FINAL, RowKeys, seed_tensor, uniforms
 
 # p = [0.1, 0.2, 0.3, 0.4]: hand-checkable top-k / top-p cut-offs.
 LOGITS_1234 = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
@@ -25,8 +26,10 @@ def probs_of(logits: torch.Tensor, *args: float, **kwargs: float) -> list[float]
     return target_probs(logits, SamplingParams(*args, **kwargs))[0].tolist()
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def draws(seeds: list[int], positions: list[int] | None = None) -> torch.Tensor:
+    """One uniform per row, keyed by (seed, position) as the workers key theirs."""
+    keys = RowKeys.of(seeds, positions if positions is not None else [0] * len(seeds))
+    return keys.draw(FINAL, torch.device("cpu"))
 
 
 def test_temperature_scales_logits() -> None:
@@ -110,22 +113,24 @@ def test_rows_with_different_params_are_processed_independently() -> None:
 
 def test_sample_next_greedy_rows_take_argmax() -> None:
     logits = torch.randn(5, 50)
-    assert sample_next(logits, [SamplingParams(0.0)] * 5, [None] * 5) == logits.argmax(-1).tolist()
+    assert sample_next(logits, [SamplingParams(0.0)] * 5, draws([0] * 5)) == logits.argmax(-1).tolist()
 
 
-def test_sample_next_seeded_rows_are_batch_independent() -> None:
+def test_sample_next_draws_are_a_function_of_seed_and_position() -> None:
     torch.manual_seed(1)
     logits = torch.randn(4, 1000)
     params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.8, 0.9, 50), SamplingParams(1.2)]
-    batch = [sample_next(logits, params, [gen(7), None, gen(8), gen(9)]) for _ in range(2)]
+    batch = [sample_next(logits, params, draws([7, 0, 8, 9], [3, 0, 4, 5])) for _ in range(2)]
     assert batch[0] == batch[1]
-    alone = [sample_next(logits[i : i + 1], [params[i]], [gen(s)])[0] for i, s in [(0, 7), (2, 8), (3, 9)]]
+    alone = [
+        sample_next(logits[i : i + 1], [params[i]], draws([s], [x]))[0] for i, s, x in [(0, 7, 3), (2, 8, 4), (3, 9, 5)]
+    ]
     assert [batch[0][i] for i in (0, 2, 3)] == alone
-    # A generator continues its stream: successive draws from one generator equal a fresh replay.
-    g, replay = gen(3), gen(3)
-    first = [sample_next(logits[:1], params[:1], [g])[0] for _ in range(20)]
-    assert first == [sample_next(logits[:1], params[:1], [replay])[0] for _ in range(20)]
+    # Positions of one request draw different numbers; replaying a position draws the same one.
+    first = [sample_next(logits[:1], params[:1], draws([3], [x]))[0] for x in range(20)]
+    assert first == [sample_next(logits[:1], params[:1], draws([3], [x]))[0] for x in range(20)]
     assert len(set(first)) > 1
+    assert [sample_next(logits[:1], params[:1], draws([4], [x]))[0] for x in range(20)] != first
 
 
 def test_sample_next_distribution_and_support() -> None:
@@ -135,7 +140,9 @@ def test_sample_next_distribution_and_support() -> None:
     logits = torch.randn(1, vocab).repeat(rows, 1)
     params = SamplingParams(0.9, top_k=4)
     expected = target_probs(logits[:1], params)[0]
-    counts = torch.bincount(torch.tensor(sample_next(logits, [params] * rows, [None] * rows)), minlength=vocab)
+    counts = torch.bincount(
+        torch.tensor(sample_next(logits, [params] * rows, draws(list(range(rows))))), minlength=vocab
+    )
     assert counts[expected == 0].sum() == 0
     support = expected > 0
     assert stats.chisquare(counts[support].numpy(), expected[support].double().numpy() * rows).pvalue > 1e-4
@@ -145,7 +152,7 @@ def test_draft_sample_truncates_and_renormalises() -> None:
     vocab, support = 10, 3
     logits = torch.log(torch.arange(1, vocab + 1, dtype=torch.float32) / 55).repeat(400, 1)
     params = [SamplingParams(1.0)] * 400
-    tokens, token_probs, q = draft_sample(logits, params, [gen(i) for i in range(400)], support)
+    tokens, token_probs, q = draft_sample(logits, params, draws(list(range(400))), support)
     assert q.token_ids.shape == q.probs.shape == (400, support)
     assert q.token_ids[0].tolist() == [9, 8, 7]
     assert q.probs[0].tolist() == pytest.approx([10 / 27, 9 / 27, 8 / 27])
@@ -157,7 +164,7 @@ def test_draft_sample_truncates_and_renormalises() -> None:
 
 def test_draft_sample_applies_request_params_before_truncating() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
-    _, _, q = draft_sample(logits, [SamplingParams(1.0, top_k=2)], [gen(0)], 3)
+    _, _, q = draft_sample(logits, [SamplingParams(1.0, top_k=2)], draws([0]), 3)
     # Top-k leaves two tokens; the third support entry is padding with probability 0.
     assert q.probs[0].tolist() == pytest.approx([4 / 7, 3 / 7, 0])
     assert q.token_ids[0, :2].tolist() == [3, 2]
@@ -166,7 +173,7 @@ def test_draft_sample_applies_request_params_before_truncating() -> None:
 def test_draft_sample_greedy_rows_and_padding() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 0.0, 0.5]])
     params = [SamplingParams(0.0), SamplingParams(1.0)]
-    tokens, token_probs, q = draft_sample(logits, params, [None, gen(1)], support_size=5)
+    tokens, token_probs, q = draft_sample(logits, params, draws([0, 1]), support_size=5)
     assert tokens[0] == 1
     assert token_probs[0] == pytest.approx(logits[0].softmax(-1)[1].item())
     assert q.probs.shape == q.token_ids.shape == (2, 5)
@@ -180,8 +187,8 @@ def test_draft_sample_seeded_rows_are_batch_independent() -> None:
     torch.manual_seed(3)
     logits = torch.randn(3, 500)
     params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.7, 0.95)]
-    batch = draft_sample(logits, params, [gen(5), None, gen(6)], 16)
-    alone = draft_sample(logits[2:], params[2:], [gen(6)], 16)
+    batch = draft_sample(logits, params, draws([5, 0, 6], [2, 0, 9]), 16)
+    alone = draft_sample(logits[2:], params[2:], draws([6], [9]), 16)
     assert batch[0][2] == alone[0][0]
     assert batch[1][2] == alone[1][0]
     assert torch.equal(batch[2].probs[2], alone[2].probs[0])
@@ -204,8 +211,38 @@ def test_sparse_probs_helpers() -> None:
 def test_batch_sizes_must_agree() -> None:
     logits = torch.randn(2, 5)
     with pytest.raises(ValueError):
-        sample_next(logits, [SamplingParams(1.0)], [None])
+        sample_next(logits, [SamplingParams(1.0)], draws([0]))
     with pytest.raises(ValueError):
-        draft_sample(logits, [SamplingParams(1.0)] * 2, [None], 3)
+        draft_sample(logits, [SamplingParams(1.0)] * 2, draws([0]), 3)
     with pytest.raises(ValueError):
-        draft_sample(logits, [SamplingParams(1.0)] * 2, [None] * 2, 0)
+        draft_sample(logits, [SamplingParams(1.0)] * 2, draws([0, 0]), 0)
+
+
+def _splitmix_reference(seed: int, stream: int, position: int, counter: int) -> float:
+    """The keyed draw in plain Python integers (mod 2^64), to check the int64 tensor version."""
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    x = mix((seed & mask) ^ ((stream * 0x9E3779B97F4A7C15) & mask))
+    x = mix(x ^ position)
+    x = mix(x ^ counter)
+    return (x >> 11) * 2.0**-53
+
+
+def test_keyed_uniforms_match_the_reference_and_are_uniform() -> None:
+    seeds, positions, counters = [0, 1, 2**63 + 5, -3, 2**64 - 1], [0, 7, 99, 3, 2**40], [1, 2, 3, 0, 5]
+    got = uniforms(seed_tensor(seeds), DRAFT, torch.tensor(positions), torch.tensor(counters)).tolist()
+    assert got == [_splitmix_reference(*key) for key in zip(seeds, [DRAFT] * 5, positions, counters)]
+    # One request's positions, and one position over many seeds: both look uniform (KS test).
+    along = uniforms(seed_tensor([42]), FINAL, torch.arange(50_000))
+    across = uniforms(seed_tensor(list(range(50_000))), FINAL, torch.tensor(3))
+    for sample in (along, across):
+        assert ((sample >= 0) & (sample < 1)).all()
+        assert stats.kstest(sample.numpy(), "uniform").pvalue > 1e-4
+    # Streams of one key are not the same numbers.
+    assert not torch.equal(along, uniforms(seed_tensor([42]), DRAFT, torch.arange(50_000)))

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+from minedraft.supervision import watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
@@ -127,13 +128,19 @@ def _add_dist_args(parser: argparse.ArgumentParser) -> None:
         group, "--dist-timeout", 120.0, type=float,
         help="seconds a collective waits for a peer; a hung peer is given up after this (forming a world too)",
     )  # fmt: skip
+    _add(
+        group, "--drain-timeout", 30.0, type=float,
+        help="on SIGTERM: wait up to this long for the scheduler to stop sending steps (it drains its requests "
+        "first), then stop",
+    )  # fmt: skip
 
 
 def _dist_config(args: argparse.Namespace):
     from minedraft.config import DistributedConfig
 
     return DistributedConfig(
-        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend, timeout_s=args.dist_timeout
+        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend, timeout_s=args.dist_timeout,
+        drain_timeout_s=args.drain_timeout, store_host=args.host,  # the store listens where the gRPC server does
     )
 
 
@@ -396,6 +403,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             startup_timeout_s=args.startup_timeout,
             recovery=Recovery(worker_wait_s=args.worker_wait, join_timeout_s=args.join_timeout),
+            step_deadline_floor_s=args.step_deadline_floor,
+            drain_timeout_s=args.drain_timeout,
         )
     )
     return 0
@@ -428,6 +437,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack = LocalStack(
             config, **options, http_port=api.http_port, api_keys=api.api_keys.keys, tls_cert=api.tls_cert,
             tls_key=api.tls_key, served_model_name=api.served_model_name, max_prompt_bytes=api.max_prompt_bytes,
+            drain_timeout_s=args.drain_timeout,
         )  # fmt: skip
     with stack:
         groups = f", {args.engine_groups} engine groups behind a gateway" if args.engine_groups > 1 else ""
@@ -438,7 +448,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics"
                   + (" (group i: port + i)" if args.engine_groups > 1 else ""), flush=True)  # fmt: skip
         stack.wait()
-    return 0
+        return _report_exited(stack.exited())
+
+
+def _report_exited(exited: list[tuple[str, int]]) -> int:
+    """`minedraft up`'s exit code: 0 after a signal, 1 when a service died on its own (named on stderr)."""
+    for name, code in exited:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"minedraft up: the {name} {how}; stopping the other services", file=sys.stderr, flush=True)
+    return 1 if exited else 0
 
 
 def _backends(value: list[str] | str | None) -> list[str]:
@@ -581,6 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
         up, "--engine-groups", 1, type=int,
         help="engine groups (verifier, drafter, scheduler each); above 1 a gateway serves at --port in front of them",
     )  # fmt: skip
+    _add(
+        up, "--drain-timeout", 30.0, type=float,
+        help="on SIGTERM/SIGINT: seconds the scheduler gets to finish the running requests before the workers stop",
+    )  # fmt: skip
     up.set_defaults(func=cmd_up)
 
     gateway = sub.add_parser(
@@ -630,12 +652,23 @@ def build_parser() -> argparse.ArgumentParser:
         "UNAVAILABLE",
     )  # fmt: skip
     _add(scheduler, "--join-timeout", 180.0, type=float, help="seconds the workers may take to form a new world")
+    _add(
+        scheduler, "--drain-timeout", 30.0, type=float,
+        help="on SIGTERM: stop admitting (NOT_SERVING, new requests get UNAVAILABLE) and give the running requests "
+        "this many seconds to finish; the rest then get UNAVAILABLE",
+    )  # fmt: skip
+    _add(
+        scheduler, "--step-deadline-floor", 60.0, type=float,
+        help="a step that takes longer than max(this, 10 x the 99th percentile of recent steps) counts as a hung "
+        "worker: the scheduler re-forms the group without it",
+    )  # fmt: skip
     scheduler.set_defaults(func=cmd_scheduler)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    watch_parent_from_env()  # a service started by `minedraft up` stops when it is gone
     try:
         return args.func(args)
     except ValidationError as exc:

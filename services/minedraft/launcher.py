@@ -20,6 +20,11 @@ import grpc
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.serving import is_serving
+from minedraft.supervision import PARENT_ENV, die_with_parent
+
+# How long the scheduler may take to drain on SIGTERM (its --drain-timeout default) and to exit after.
+DRAIN_TIMEOUT_S = 30.0
+_EXIT_MARGIN_S = 15.0
 
 
 def free_port() -> int:
@@ -57,7 +62,10 @@ def public_api_flags(
 
 
 class LocalStack:
-    """Start the services, wait until the scheduler reports SERVING, stop them all on exit."""
+    """Start the services, wait until the scheduler reports SERVING, stop them all on exit.
+
+    The services die with this process even when it is SIGKILLed (see `supervision`); on Linux that is
+    tied to the thread that starts them, so start the stack from a thread that outlives it."""
 
     def __init__(
         self,
@@ -78,10 +86,12 @@ class LocalStack:
         tls_key: str | None = None,
         served_model_name: str | None = None,
         max_prompt_bytes: int | None = None,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> None:
         """`http_port`: the OpenAI HTTP API's port, 0 = off, -1 = a free one. With TLS, the start-up
         health checks trust `tls_cert` (which must name `host`)."""
         self.config = config
+        self.drain_timeout_s = drain_timeout_s
         self.port = port or free_port()
         self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
         self.address = f"{host}:{self.port}"
@@ -108,6 +118,7 @@ class LocalStack:
                 "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
                 "--http-port", str(self.http_port), *public_api_flags(tls_cert, tls_key, served_model_name,
                                                                       max_prompt_bytes),
+                "--drain-timeout", str(drain_timeout_s),
             ]),
         ]  # fmt: skip
         if config.speculative_config is not None:
@@ -145,9 +156,12 @@ class LocalStack:
         if name == "scheduler":
             env = self._scheduler_env(env)
         out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
+        env[PARENT_ENV] = str(os.getpid())
         return subprocess.Popen(
-            [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
-        )
+            [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            preexec_fn=die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only us: we stop the services in order
+        )  # fmt: skip
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start a service again with its unchanged command (as Kubernetes restarts a pod), after it died."""
@@ -191,15 +205,29 @@ class LocalStack:
         except KeyboardInterrupt:
             pass
 
+    def exited(self) -> list[tuple[str, int]]:
+        """The services that have exited, with their exit codes (negative: killed by that signal)."""
+        return [(name, p.returncode) for name, p in self._processes if p.poll() is not None]
+
     def stop(self) -> None:
-        """SIGTERM in reverse start order (scheduler first), then SIGKILL what does not exit."""
-        for _, process in reversed(self._processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for _, process in reversed(self._processes):
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Drain first: SIGTERM the scheduler and give it the drain timeout to finish its requests; then
+        SIGTERM the workers. SIGKILL what does not exit in time."""
+        scheduler = [p for name, p in self._processes if name == "scheduler"]
+        workers = [p for name, p in self._processes if name != "scheduler"]
+        _terminate(scheduler, self.drain_timeout_s + _EXIT_MARGIN_S)
+        _terminate(workers, 20.0)
         self._processes.clear()
+
+
+def _terminate(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM all at once, wait up to `timeout_s` for them together, then SIGKILL the rest."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING
@@ -121,6 +122,27 @@ class NodeServicer:
             return
         set_status(self._health, WORKER_SERVICE, serving=True)
         log.info("worker ready")
+        self._watch_idle()
+
+    def _watch_idle(self) -> None:
+        """Drop all request state once the scheduler is silent for the node's idle-reset time."""
+        from minedraft.scheduler_watch import watch_idle
+        from minedraft.worker_node import drop_all_requests
+
+        watch = getattr(self.node, "watch", None)
+        if watch is not None and watch.idle_reset_s is not None:
+            watch.step_done()  # the silence counts from readiness
+            watch_idle(watch, self._lock, lambda reason: drop_all_requests(self.node.worker, reason))
+
+    def wait_until_quiet(self, timeout_s: float, quiet_s: float = 1.0) -> None:
+        """On SIGTERM: let a draining scheduler finish, i.e. wait until no step has run for `quiet_s`
+        (at most `timeout_s`), so that stopping this worker cuts off no request."""
+        watch = getattr(self.node, "watch", None)
+        deadline = time.monotonic() + timeout_s
+        while watch is not None and time.monotonic() < deadline:
+            if not self._lock.locked() and watch.silent_for() >= quiet_s:
+                return
+            time.sleep(0.1)
 
     def _ready_node(self, context: grpc.ServicerContext) -> WorkerNode:
         if self.node is None:

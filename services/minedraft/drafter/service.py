@@ -22,6 +22,7 @@ def serve_drafter(config: EngineConfig, dist: DistributedConfig, host: str, port
     )
 
     def stop() -> None:
+        servicer.wait_until_quiet(dist.drain_timeout_s)
         server.stop(grace=5).wait()
         if servicer.node is not None:
             servicer.node.close()

@@ -18,10 +18,9 @@ from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
+from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
 from minedraft.sampling.tetris import tetris_select
 
-# Drafter and verifier draw from different random streams of the same request seed.
-_DRAFT_SEED_SALT = 0x5EED_D4AF
 _TAIL_SCAN = 64
 
 
@@ -30,7 +29,7 @@ class _Sequence:
     slot: int  # the sequence's id in the runner's KV cache
     tokens: list[int]  # committed tokens (prompt + verified output), mirrored from the engine
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # with the output position, keys every random draw (sampling/streams.py)
     kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
 
     def pending(self, target: list[int]) -> tuple[int, list[int]]:
@@ -57,9 +56,8 @@ def sparse_q(drafts: Drafts) -> SparseProbs | None:
 
 
 class _Worker:
-    def __init__(self, runner: ModelRunner, seed_salt: int = 0) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._seed_salt = seed_salt
         self.sequences: dict[str, _Sequence] = {}
 
     @property
@@ -70,13 +68,11 @@ class _Worker:
         for spec in specs:
             if spec.request_id in self.sequences:
                 self.release([spec.request_id])  # re-admission rebuilds the request from scratch
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed((spec.seed ^ self._seed_salt) & 0x7FFF_FFFF_FFFF_FFFF)
             self.sequences[spec.request_id] = _Sequence(
                 slot=self.runner.allocate_slot(),
                 tokens=list(spec.token_ids),
                 params=spec.params,
-                generator=generator,
+                seed=spec.seed,
             )
 
     def release(self, request_ids: list[str]) -> None:
@@ -113,7 +109,7 @@ class DraftWorker(_Worker):
     """Proposes draft windows with the small model and hands them over at the step's end."""
 
     def __init__(self, runner: ModelRunner, support_size: int) -> None:
-        super().__init__(runner, seed_salt=_DRAFT_SEED_SALT)
+        super().__init__(runner)
         self.support_size = support_size
         self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
         self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
@@ -135,12 +131,13 @@ class DraftWorker(_Worker):
         num_steps = max((t.num_tokens for t in tasks), default=0)
         if prefill and not num_steps:
             self.runner.forward(prefill)
+        draws = self._window_draws(seqs, bases, num_steps)
         for step in range(num_steps):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
             chunks = prefill if step == 0 else []
             logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live] + chunks)
             tokens, token_probs, q = draft_sample(
-                logits, [seqs[i].params for i in live], [seqs[i].generator for i in live], self.support_size
+                logits, [seqs[i].params for i in live], draws[live, step], self.support_size
             )
             for row, i in enumerate(live):
                 start, written = inputs[i]
@@ -160,6 +157,13 @@ class DraftWorker(_Worker):
         for task in plan.tasks:
             if task.num_tokens <= 0:  # nothing to draft: the verifier will decode one token plainly
                 self._windows[task.request_id] = (self._base(task), Drafts())
+
+    def _window_draws(self, seqs: list[_Sequence], bases: list[list[int]], width: int) -> torch.Tensor:
+        """[tasks, width] uniforms for the whole window at once, keyed by the output position and by where
+        the window starts: a window redrafted after a rejection draws afresh, a re-admitted request the same."""
+        seeds = seed_tensor([seq.seed for seq in seqs], self.device)[:, None]
+        starts = torch.tensor([len(base) for base in bases], dtype=torch.int64, device=self.device)[:, None]
+        return uniforms(seeds, DRAFT, starts + torch.arange(width, device=self.device)[None, :], starts)
 
     def _base(self, task: DraftTask) -> list[int]:
         """The token sequence the task drafts after."""
@@ -231,7 +235,7 @@ class VerifyWorker(_Worker):
             [w.tokens for w in batch.windows],
             [sparse_q(w) for w in batch.windows],
             [seq.params for seq in batch.seqs],
-            [seq.generator for seq in batch.seqs],
+            RowKeys.of([seq.seed for seq in batch.seqs], [len(seq.tokens) for seq in batch.seqs]),
         )
         results = []
         for task, w, tokens in zip(batch.plan.tasks, batch.windows, new_tokens):

@@ -1,9 +1,8 @@
 """Turning logits into tokens: the request's logits processing, plain sampling and draft sampling.
 
-Every random draw comes from the request's own ``torch.Generator`` (the global RNG when it is None),
-one float64 uniform per sampled token, so a seeded request gives the same tokens whatever else is in
-the batch. Uniforms are drawn on the generator's device and moved to the logits' device, so a CPU
-generator also works with CUDA logits.
+Every random draw is a float64 uniform that the caller passes in, one per row; the workers key them by
+the request's seed and output position (``streams``), so a request gives the same tokens whatever else
+is in the batch and whatever ran before (a re-admitted request draws what it would have drawn).
 
 Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logits, then top-p keeps
 the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
@@ -18,15 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Generator, Tensor
+from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
-
-
-def draw_uniforms(generator: Generator | None, count: int, device: torch.device) -> Tensor:
-    """``count`` float64 uniforms in [0, 1) from the request's stream, on ``device``."""
-    source = generator.device if generator is not None else device
-    return torch.rand(count, generator=generator, device=source, dtype=torch.float64).to(device)
 
 
 def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -86,9 +79,45 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     return probs
 
 
-def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], generators: Sequence) -> None:
-    if not logits.shape[0] == len(params_list) == len(generators):
-        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(generators)} generators")
+def processed_prob_of(logits: Tensor, tokens: Tensor, params_list: Sequence[SamplingParams]) -> Tensor:
+    """p_i(tokens[i]) [m] float32 for each row of ``logits`` [m, V]: ``processed_probs(...)[i, tokens[i]]``
+    up to rounding, without the whole distribution's extra passes where no top-k/top-p asks for it
+    (one fused log-softmax; greedy rows: 1 at the argmax, else 0)."""
+    logits, device = logits.float(), logits.device
+    out = torch.zeros(len(params_list), device=device)
+    tokens = tokens.to(device)
+    groups = {"plain": [], "greedy": [], "filtered": []}
+    for i, p in enumerate(params_list):
+        groups["greedy" if p.greedy else "filtered" if _uses_filter(p) else "plain"].append(i)
+    if groups["plain"]:
+        index = torch.tensor(groups["plain"], device=device)
+        temps = torch.tensor([params_list[i].temperature for i in groups["plain"]], device=device)[:, None]
+        rows = logits if len(index) == len(params_list) else logits[index]  # no copy when all rows are plain
+        out[index] = _log_softmax_at(rows, temps, tokens[index]).exp()
+    if groups["greedy"]:
+        index = torch.tensor(groups["greedy"], device=device)
+        out[index] = (logits[index].argmax(dim=-1) == tokens[index]).float()
+    if groups["filtered"]:
+        index = torch.tensor(groups["filtered"], device=device)
+        probs = processed_probs(logits[index], [params_list[i] for i in groups["filtered"]])
+        out[index] = probs.gather(1, tokens[index, None]).squeeze(1)
+    return out
+
+
+def _log_softmax_at(logits: Tensor, temps: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits / temps)[tokens], row by row. On CPU in blocks of about 1 MiB, so that each
+    block's passes run in cache instead of streaming the whole batch from memory several times."""
+    block = max(1, (1 << 18) // logits.shape[-1]) if logits.device.type == "cpu" else logits.shape[0]
+    parts = [
+        (logits[i : i + block] / temps[i : i + block]).log_softmax(dim=-1).gather(1, tokens[i : i + block, None])
+        for i in range(0, logits.shape[0], block)
+    ]
+    return torch.cat(parts).squeeze(1)
+
+
+def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], uniforms: Tensor) -> None:
+    if not logits.shape[0] == len(params_list) == uniforms.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {uniforms.shape[0]} uniforms")
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -97,16 +126,16 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return processed_probs(logits, [params] * logits.shape[0])
 
 
-def sample_next(logits: Tensor, params_list: list[SamplingParams], generators: list[Generator | None]) -> list[int]:
-    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]``."""
-    _check_batch(logits, params_list, generators)
+def sample_next(logits: Tensor, params_list: list[SamplingParams], uniforms: Tensor) -> list[int]:
+    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]`` with
+    ``uniforms[i]`` (greedy rows ignore theirs)."""
+    _check_batch(logits, params_list, uniforms)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         probs = processed_probs(logits[index], [params_list[i] for i in rows])
-        uniforms = torch.cat([draw_uniforms(generators[i], 1, logits.device) for i in rows])
-        tokens[index] = sample_from(probs, uniforms)
+        tokens[index] = sample_from(probs, uniforms.to(logits.device)[index])
     return tokens.tolist()
 
 
@@ -171,19 +200,19 @@ class SparseProbs:
 def draft_sample(
     logits: Tensor,
     params_list: list[SamplingParams],
-    generators: list[Generator | None],
+    uniforms: Tensor,
     support_size: int,
 ) -> tuple[list[int], list[float], SparseProbs]:
     """One draft token per row of ``logits`` [B, V].
 
-    Random rows sample from q = the request's processed distribution truncated to its top
+    Random row i samples, with ``uniforms[i]``, from q = the request's processed distribution truncated to its top
     ``support_size`` tokens and renormalised, so q can travel sparsely; the returned probability is
     q(chosen) under that q. Greedy rows take the argmax; their probability is softmax(logits)[argmax]
     (the drafter's confidence, for Tetris) and their q is one-hot on the argmax. The returned
     SparseProbs always has exactly ``support_size`` columns (padded with probability 0 when the
     vocabulary is smaller).
     """
-    _check_batch(logits, params_list, generators)
+    _check_batch(logits, params_list, uniforms)
     if support_size < 1:
         raise ValueError("support_size must be >= 1")
     batch, vocab = logits.shape
@@ -205,8 +234,7 @@ def draft_sample(
         index = torch.tensor(rows, device=device)
         top = processed_probs(logits[index], [params_list[i] for i in rows]).topk(width, dim=-1)
         q = top.values / top.values.sum(dim=-1, keepdim=True)
-        uniforms = torch.cat([draw_uniforms(generators[i], 1, device) for i in rows])
-        pick = sample_from(q, uniforms)[:, None]
+        pick = sample_from(q, uniforms.to(device)[index])[:, None]
         tokens[index] = top.indices.gather(1, pick).squeeze(1)
         token_probs[index] = q.gather(1, pick).squeeze(1)
         ids[index, :width] = top.indices

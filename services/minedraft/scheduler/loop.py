@@ -77,6 +77,10 @@ class Recovery:
     drafter_check_s: float = 1.0  # how often a group without its drafter looks for it
 
 
+class Draining(EngineFailed):
+    """The scheduler is shutting down: no new requests (UNAVAILABLE, so clients retry elsewhere)."""
+
+
 class EngineLoop:
     """Steps the engine; when a step fails, re-forms the group instead of failing requests:
 
@@ -111,6 +115,7 @@ class EngineLoop:
         self._stopped = False
         self._preemptions_seen = 0
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
+        self.draining = False
 
     def start(self) -> None:
         self._thread.start()
@@ -156,7 +161,27 @@ class EngineLoop:
                 return True
         return False
 
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, then stop
+        the loop and fail what is left with UNAVAILABLE. Returns how many were cut off."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._busy() and time.monotonic() < deadline and self.failed is None:
+            time.sleep(0.05)
+        self.stop()
+        left = list(self._sinks.values())  # the loop thread has stopped: nobody else touches them now
+        for sink in left:
+            sink.put(Draining(f"the server is shutting down and did not finish this request within {timeout_s:g}s"))
+        self._sinks.clear()
+        return len(left)
+
+    def _busy(self) -> bool:
+        return bool(self._sinks) or not self._commands.empty()
+
     def _add(self, command: _Submit) -> None:
+        if self.draining:
+            command.sink.put(Draining("the server is draining (shutting down): it accepts no new requests"))
+            return
         if self.failed is not None:
             command.sink.put(EngineFailed(self.failed))
             return

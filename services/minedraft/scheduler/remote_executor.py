@@ -14,6 +14,7 @@ from minedraft.config import EngineConfig, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
+from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import grpc_options, is_serving
 from minedraft.wire import plan_to_proto, result_from_replies
 
@@ -45,10 +46,10 @@ class RemoteExecutor:
     one, so a new scheduler, or one whose worker died and came back, starts from free caches.
     """
 
-    def __init__(self, verifier: str, drafter: str | None, step_timeout_s: float = 600.0) -> None:
+    def __init__(self, verifier: str, drafter: str | None, step_deadline: StepDeadline | None = None) -> None:
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
-        self.step_timeout_s = step_timeout_s
+        self.deadline = step_deadline or StepDeadline(floor_s=60.0)
         self.members: list[WorkerClient] = []  # the workers of the current world
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
@@ -130,7 +131,8 @@ class RemoteExecutor:
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
         plan.epoch = self.epoch
         self._admit, self._release = [], []
-        calls = {self._calls.submit(w.stub.Step, plan, timeout=self.step_timeout_s): w for w in self.members}
+        timeout = self.deadline.seconds()
+        calls = {self._calls.submit(w.stub.Step, plan, timeout=timeout): w for w in self.members}
         # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
         done, _ = wait(calls, return_when=FIRST_EXCEPTION)
         for call in done:
@@ -141,6 +143,7 @@ class RemoteExecutor:
                 ) from call.exception()
         result = result_from_replies([c.result() for c in calls])
         result.step_seconds = time.perf_counter() - start
+        self.deadline.observe(result.step_seconds)
         return result
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import RemoteExecutor
+from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import MAX_MESSAGE_BYTES, PUBLIC_SERVICE
 
 log = logging.getLogger("minedraft.scheduler")
@@ -65,10 +66,12 @@ class PublicApi:
 def build_engine(
     config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float,
     recovery: Recovery,
+    step_deadline_floor_s: float = 60.0,
 ) -> LLMEngine:
     """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
     left), then build the engine over them (the scheduler holds no model)."""
-    executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None)
+    drafter = drafter if config.speculative_config is not None else None
+    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=step_deadline_floor_s))
     executor.wait_until_serving(startup_timeout_s)
     info = executor.check_config(config)
     executor.form_group(config, with_drafter=True, timeout_s=recovery.join_timeout_s)
@@ -153,6 +156,8 @@ async def serve_scheduler(
     metrics_port: int | None,
     startup_timeout_s: float,
     recovery: Recovery,
+    step_deadline_floor_s: float = 60.0,
+    drain_timeout_s: float = 30.0,
 ) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
@@ -164,7 +169,7 @@ async def serve_scheduler(
 
     metrics = Metrics(model_name=api.served_model_name or config.target_path.name)
     if metrics_port:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, addr=api.host)
     http = None
     if api.http_port:
         frontend = OpenAIFrontend(
@@ -180,7 +185,7 @@ async def serve_scheduler(
 
     try:
         engine = await asyncio.to_thread(
-            build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery
+            build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery, step_deadline_floor_s
         )
     except BaseException:
         await _stop_http(http)
@@ -201,10 +206,20 @@ async def serve_scheduler(
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await state.set(False)
+    await drain(state, loop, drain_timeout_s)
     if http is not None:
         http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
     await server.stop(grace=5)
     await _stop_http(http)
-    loop.stop()
     engine.executor.close()
+
+
+async def drain(state, loop: EngineLoop, timeout_s: float) -> None:
+    """SIGTERM: NOT_SERVING (load balancers stop sending), refuse new requests, finish the running ones."""
+    loop.draining = True  # before NOT_SERVING shows: whoever sees that finds new requests refused
+    await state.set(False)
+    log.info("draining: finishing the requests in flight (at most %gs)", timeout_s)
+    cut = await asyncio.to_thread(loop.drain, timeout_s)
+    if cut:
+        log.warning("drain timeout: %d requests cut off with UNAVAILABLE", cut)
+    log.info("drained")

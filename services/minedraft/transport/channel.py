@@ -101,15 +101,22 @@ class StepChannel:
             tokens += result.token_ids
         header[2] = len(tokens)
         messages = [self._ints(header + counts)] + ([self._ints(tokens)] if tokens else [])
-        # The drafter's copy goes asynchronously so that it overlaps with the TP broadcast.
-        pending = []
+        # The drafter's copy goes asynchronously so that it overlaps with the TP broadcast. The other verifier
+        # ranks get theirs even when the drafter is gone: they must stay in step with rank 0 (the next thing
+        # they receive from it may be a new world to join), so a failed send is raised only after that.
+        pending, failure = [], None
         if self.groups.topology.has_drafter:
-            pending = [dist.isend(m, dst=self.groups.topology.drafter_rank) for m in messages]
+            try:
+                pending = [dist.isend(m, dst=self.groups.topology.drafter_rank) for m in messages]
+            except RuntimeError as exc:
+                failure = exc
         if self._has_followers:
             for message in messages:
                 self._tp_broadcast(message)
         for work in pending:
             work.wait()
+        if failure is not None:
+            raise failure
 
     def recv_results(self, request_ids: list[str]) -> list[Verified]:
         """Drafter and verifier ranks 1..tp-1: this step's results, in the order of `request_ids`."""

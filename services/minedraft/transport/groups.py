@@ -102,13 +102,15 @@ def pick_backend(device: str | torch.device) -> str:
 
 
 def rendezvous_store(
-    master_addr: str, master_port: int, *, is_master: bool, timeout_s: float
+    master_addr: str, master_port: int, *, is_master: bool, timeout_s: float, host: str | None = None
 ) -> dist.TCPStore:
     """The TCP store the ranks meet at. Verifier rank 0 hosts it for its whole life (`is_master`), so that
-    a rank that restarts can meet the others again; every other rank connects to it for each join."""
+    a rank that restarts can meet the others again; every other rank connects to it for each join.
+    The host's store listens on `host` only (None: on every interface, torch's default)."""
+    listen_fd = _bound_socket(host, master_port) if is_master and host else None
     return dist.TCPStore(
         master_addr, master_port, None, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
+        wait_for_workers=False, master_listen_fd=listen_fd,
     )  # fmt: skip
 
 
@@ -157,6 +159,23 @@ def init_world(
         tp_group=tp_group if rank in topology.verifier_ranks else None,
         _store=store,
     )
+
+
+def _bound_socket(host: str, port: int) -> int:
+    """A listening socket on host:port, as a file descriptor the TCPStore takes over (and closes).
+    torch's own store server binds every interface; a socket bound here keeps it to the one asked for."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"the rendezvous store cannot listen on {host}:{port}: {exc}") from exc
+    return sock.detach()
 
 
 def _check_args(

@@ -29,7 +29,9 @@ class VerifierNode:
         self.rank = rank
         self.device = _rank_device(config.resolved_device(), rank)
         # Rank 0 hosts the rendezvous for its whole life; its other ranks and the drafter connect to it.
-        self.store = rendezvous_store(dist.master_addr, dist.master_port, is_master=rank == 0, timeout_s=dist.timeout_s)
+        self.store = rendezvous_store(
+            dist.master_addr, dist.master_port, is_master=rank == 0, timeout_s=dist.timeout_s, host=dist.store_host
+        )
         # Tensor-parallel ranks meet once at start to load their shards; each later world rebinds the group.
         self.groups: WorldGroups | None = None
         if config.tensor_parallel_size > 1:

@@ -7,12 +7,14 @@ import multiprocessing as mp
 
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.supervision import die_with_parent
 from minedraft.verifier.node import VerifierNode
 
 log = logging.getLogger("minedraft.verifier")
 
 
 def _follower_main(config_json: str, dist_json: str, rank: int) -> None:
+    die_with_parent()  # a SIGKILLed rank 0 must not leave its followers behind
     node = VerifierNode(
         EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank
     )
@@ -46,6 +48,7 @@ def serve_verifier(config: EngineConfig, dist: DistributedConfig, host: str, por
     log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
 
     def stop() -> None:
+        servicer.wait_until_quiet(dist.drain_timeout_s)
         node = holder.get("node")
         if node is not None:
             node.stop_followers()
