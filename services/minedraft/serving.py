@@ -105,6 +105,7 @@ class NodeServicer:
         self.load_error: BaseException | None = None
         self._health: health.HealthServicer | None = None
         self._lock = threading.Lock()
+        self._last_step = time.monotonic()  # when the last step ended (a draining scheduler's steps stop)
         self._loader: threading.Thread | None = None
 
     def start_loading(self, load_node: Callable[[], WorkerNode], health_servicer: health.HealthServicer) -> None:
@@ -122,25 +123,13 @@ class NodeServicer:
             return
         set_status(self._health, WORKER_SERVICE, serving=True)
         log.info("worker ready")
-        self._watch_idle()
-
-    def _watch_idle(self) -> None:
-        """Drop all request state once the scheduler is silent for the node's idle-reset time."""
-        from minedraft.scheduler_watch import watch_idle
-        from minedraft.worker_node import drop_all_requests
-
-        watch = getattr(self.node, "watch", None)
-        if watch is not None and watch.idle_reset_s is not None:
-            watch.step_done()  # the silence counts from readiness
-            watch_idle(watch, self._lock, lambda reason: drop_all_requests(self.node.worker, reason))
 
     def wait_until_quiet(self, timeout_s: float, quiet_s: float = 1.0) -> None:
         """On SIGTERM: let a draining scheduler finish, i.e. wait until no step has run for `quiet_s`
         (at most `timeout_s`), so that stopping this worker cuts off no request."""
-        watch = getattr(self.node, "watch", None)
         deadline = time.monotonic() + timeout_s
-        while watch is not None and time.monotonic() < deadline:
-            if not self._lock.locked() and watch.silent_for() >= quiet_s:
+        while self.node is not None and time.monotonic() < deadline:
+            if not self._lock.locked() and time.monotonic() - self._last_step >= quiet_s:
                 return
             time.sleep(0.1)
 
@@ -174,6 +163,8 @@ class NodeServicer:
             except Exception as exc:
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
+            finally:
+                self._last_step = time.monotonic()
 
     def GetWorkerInfo(self, request, context):  # noqa: N802
         return self._ready_node(context).info()
