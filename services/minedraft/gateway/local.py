@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port
+from minedraft.supervision import PARENT_ENV, die_with_parent
 
 
 class GatewayStack:
@@ -89,7 +91,11 @@ class GatewayStack:
     def start_gateway(self) -> None:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
         out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
-        self.gateway = subprocess.Popen(self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.gateway = subprocess.Popen(
+            self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
+            preexec_fn=die_with_parent, start_new_session=True,
+        )  # fmt: skip
         _wait_serving(self.address, self.gateway, self._startup_timeout_s)
 
     def kill_group(self, index: int) -> None:
@@ -109,6 +115,13 @@ class GatewayStack:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
+
+    def exited(self) -> list[tuple[str, int]]:
+        """The services that have exited, with their exit codes (negative: killed by that signal)."""
+        gone = [(f"group {i} {name}", code) for i, g in enumerate(self.groups) for name, code in g.exited()]
+        if self.gateway is not None and self.gateway.poll() is not None:
+            gone.append(("gateway", self.gateway.returncode))
+        return gone
 
     def stop(self) -> None:
         if self.gateway is not None and self.gateway.poll() is None:
