@@ -20,7 +20,7 @@ import grpc
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.serving import is_serving
-from minedraft.supervision import PARENT_ENV, die_with_parent
+from minedraft.supervision import supervised_child
 
 # How long the scheduler may take to drain on SIGTERM (its --drain-timeout default) and to exit after.
 DRAIN_TIMEOUT_S = 30.0
@@ -151,17 +151,16 @@ class LocalStack:
         self._wait_serving()
 
     def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ)
+        options = supervised_child()
+        env = options.pop("env")
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
         if name == "scheduler":
             env = self._scheduler_env(env)
         out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
-        env[PARENT_ENV] = str(os.getpid())
         return subprocess.Popen(
             [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            preexec_fn=die_with_parent,
-            start_new_session=True,  # a terminal's Ctrl-C reaches only us: we stop the services in order
-        )  # fmt: skip
+            **options,
+        )
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start a service again with its unchanged command (as Kubernetes restarts a pod), after it died."""

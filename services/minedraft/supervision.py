@@ -50,3 +50,14 @@ def watch_parent_from_env() -> None:
     parent = os.environ.pop(PARENT_ENV, None)  # not inherited by processes this one starts
     if parent and parent.isdigit():
         watch_parent(int(parent))
+
+
+def supervised_child() -> dict:
+    """Popen arguments for a child that dies with this process. PR_SET_PDEATHSIG fires when the *thread*
+    that started the child exits, so it is used only from the main thread; the watchdog covers the rest."""
+    main = threading.current_thread() is threading.main_thread()
+    return {
+        "env": {**os.environ, PARENT_ENV: str(os.getpid())},
+        "preexec_fn": die_with_parent if main else None,
+        "start_new_session": True,  # a terminal's Ctrl-C reaches only the parent: it stops its children in order
+    }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port
-from minedraft.supervision import PARENT_ENV, die_with_parent
+from minedraft.supervision import supervised_child
 
 
 class GatewayStack:
@@ -91,11 +90,9 @@ class GatewayStack:
     def start_gateway(self) -> None:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
         out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
         self.gateway = subprocess.Popen(
-            self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-            preexec_fn=die_with_parent, start_new_session=True,
-        )  # fmt: skip
+            self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None, **supervised_child()
+        )
         _wait_serving(self.address, self.gateway, self._startup_timeout_s)
 
     def kill_group(self, index: int) -> None:
