@@ -64,8 +64,8 @@ def public_api_flags(
 class LocalStack:
     """Start the services, wait until the scheduler reports SERVING, stop them all on exit.
 
-    The services die with this process even when it is SIGKILLed (see `supervision`); on Linux that is
-    tied to the thread that starts them, so start the stack from a thread that outlives it."""
+    The services die with this process even when it is SIGKILLed (see `supervision.supervised_child`),
+    whichever thread starts or restarts them."""
 
     def __init__(
         self,

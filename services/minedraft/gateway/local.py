@@ -146,17 +146,12 @@ def _group_dir(log_dir: Path | None, index: int) -> Path | None:
 
 def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from minedraft.serving import is_serving
 
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
+        while not is_serving(channel, timeout_s=1):
             if process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with code {process.returncode} during start-up")
             if time.monotonic() > deadline:
