@@ -100,6 +100,10 @@ class Metrics:
             "minedraft:num_preemptions", "Requests preempted (KV dropped, prefilled again) for lack of KV blocks",
             registry=r,
         )
+        self.quarantined_requests = Counter(
+            "minedraft:quarantined_requests", "Requests failed alone because every engine step they were in failed",
+            registry=r,
+        )
         self.step_seconds = Histogram("minedraft:step_seconds", "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             "minedraft:draft_step_seconds", "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r

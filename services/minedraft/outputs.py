@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" (| "abort")
+    finish_reason: str | None  # "stop" | "length" (| "abort", or "error": failed alone)
 
 
 @dataclass

@@ -49,6 +49,17 @@ def stats_to_proto(stats: SpecDecodeStats) -> generate_pb2.SpecDecodeStats:
     )
 
 
+def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
+    """Raises ValueError if a value does not fit the wire (which SamplingParams' bounds rule out)."""
+    return worker_pb2.Admission(
+        request_id=admission.request_id,
+        token_ids=admission.token_ids,
+        sampling=sampling_to_proto(admission.params),
+        seed=admission.seed,
+        batch=admission.batch,
+    )
+
+
 def plan_to_proto(
     step_id: int,
     admit: list[Admission],
@@ -58,16 +69,7 @@ def plan_to_proto(
 ) -> worker_pb2.StepPlan:
     msg = worker_pb2.StepPlan(
         step_id=step_id,
-        admit=[
-            worker_pb2.Admission(
-                request_id=s.request_id,
-                token_ids=s.token_ids,
-                sampling=sampling_to_proto(s.params),
-                seed=s.seed,
-                batch=s.batch,
-            )
-            for s in admit
-        ],
+        admit=[admission_to_proto(s) for s in admit],
         release=release,
         has_draft=draft is not None,
         has_verify=verify is not None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minedraft.config import EngineConfig, num_slots
@@ -67,6 +68,7 @@ class LLMEngine:
             check_pool_holds_one_request(*self.kv_pool, max_model_len)
         self._budget_blocks(self.pipeline)
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # unfinished requests kept out of the workers (see engine/quarantine.py)
         self.step_stats = StepStats()
         self.num_preemptions = 0  # requests sent back to the queue for lack of KV blocks, over the engine's life
         self.last_step: StepResult | None = None
@@ -99,9 +101,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab_size = getattr(self.tokenizer, "vocab_size", None)
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        self.check_request(prompt_ids, params)
         return Request.create(
             request_id,
             prompt_ids,
@@ -112,6 +112,23 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             prompt=prompt,
         )
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The bounds that depend on the model, checked before a request reaches any step (the static ones
+        are SamplingParams'). Raises ValueError naming the field and its range. Reads only settings fixed at
+        start, so the frontends may call it from another thread."""
+        vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        if vocab_size is not None:
+            if any(not 0 <= t < vocab_size for t in prompt_ids):
+                raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+            if any(t >= vocab_size for t in params.stop_token_ids):
+                raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
+            if params.top_k > vocab_size:
+                raise ValueError(f"top_k: must be -1 (all) or in [1, {vocab_size}] (the vocabulary size)")
+        if params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: must be in [1, {self.max_model_len}] (max_model_len); got {params.max_tokens}"
+            )
 
     def enqueue(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -124,13 +141,32 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return
-        if self.pipeline.batches.abort_waiting(request_id) is not None:
+        if self.held.pop(request_id, None) is not None or self.pipeline.batches.abort_waiting(request_id) is not None:
             del self.requests[request_id]
         else:
             request.abort()
 
+    def hold(self, request_id: str) -> None:
+        """Keep a request that has not started out of the workers until `release_held` lets it go."""
+        request = self.pipeline.batches.abort_waiting(request_id)
+        if request is not None:
+            self.held[request_id] = request
+
+    def release_held(self, may_run: Callable[[str], bool]) -> None:
+        """Queue again, in arrival order, the held requests that may run now."""
+        for request in sorted(self.held.values(), key=lambda r: r.arrival_time):
+            if may_run(request.request_id):
+                del self.held[request.request_id]
+                self.pipeline.batches.add(request)
+
+    def running_ids(self) -> list[str]:
+        """The requests the workers hold now, in arrival order."""
+        running = (r for b in self.pipeline.batches.batches for r in b if not r.finished)
+        return [r.request_id for r in sorted(running, key=lambda r: r.arrival_time)]
+
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Whether a step has work: an unfinished request that is not held."""
+        return len(self.requests) > len(self.held)
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that got new tokens or finished in it."""
@@ -159,7 +195,7 @@ class LLMEngine:
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # aborted during the step: its tokens are dropped
-                request.append_tokens(verified.token_ids)
+                self._append(request, verified.token_ids)
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
             if request_id in self.requests:
@@ -167,10 +203,19 @@ class LLMEngine:
         touched.extend(r for r in self._release_finished() if r not in touched)
         return touched
 
-    def restart(self, speculate: bool) -> None:
+    @staticmethod
+    def _append(request: Request, token_ids: list[int]) -> None:
+        """A failure in one request's own bookkeeping (detokenizing, stop strings) fails that request alone."""
+        try:
+            request.append_tokens(token_ids)
+        except Exception as exc:
+            request.fail(f"processing its output failed: {type(exc).__name__}: {exc}")
+
+    def restart(self, speculate: bool, may_run: Callable[[str], bool] | None = None) -> None:
         """The workers lost every request (a worker died, a new world was formed): start each unfinished
         request again from its prompt and the tokens it has so far, in arrival order, speculating or (without
-        a drafter) target-only. The workers re-prefill them; no token already produced changes."""
+        a drafter) target-only. The workers re-prefill them; no token already produced changes. Requests
+        for which `may_run` is false are held (see `hold`)."""
         batches = self.pipeline.batches
         running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
         for request in [r for r in running if r.finished]:
@@ -182,6 +227,8 @@ class LLMEngine:
             if not request.finished:
                 request.restart()
                 self.pipeline.batches.add(request)
+        for request_id in [r for r in self.requests if may_run is not None and not may_run(r)]:
+            self.hold(request_id)
 
     @classmethod
     def local(cls, config: EngineConfig) -> LLMEngine:

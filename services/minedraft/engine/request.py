@@ -71,7 +71,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why it failed, with finish_reason "error"
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -190,6 +191,12 @@ class Request:
 
     def abort(self) -> None:
         self._finish("abort")
+
+    def fail(self, error: str) -> None:
+        """Finish with an error of this request's own: the others are not affected."""
+        if not self.finished:
+            self.error = error
+            self._finish("error")
 
     def _finish(self, reason: str) -> None:
         if not self.finished:

@@ -9,6 +9,7 @@ rejection, and PEARL's continuation windows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,10 @@ from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
 from minedraft.sampling.tetris import tetris_select
 
 _TAIL_SCAN = 64
+# A test hook: a request whose tokens start with these ids (comma-separated) makes the verifier's forward
+# raise, as a kernel might on an input it cannot handle. The failure tests set it; unset, it costs nothing.
+FAULT_PREFIX_ENV = "MINEDRAFT_TEST_FAULT_PREFIX"
+_FAULT_PREFIX = [int(t) for t in os.environ.get(FAULT_PREFIX_ENV, "").split(",") if t.strip()]
 
 
 @dataclass
@@ -214,6 +219,8 @@ class VerifyWorker(_Worker):
     def forward(self, plan: VerifyPlan) -> VerifyBatch:
         """Run the target over every task's pending tokens + drafts (collective under tensor parallelism)."""
         seqs = [self.sequences[t.request_id] for t in plan.tasks]
+        if _FAULT_PREFIX and any(seq.tokens[: len(_FAULT_PREFIX)] == _FAULT_PREFIX for seq in seqs):
+            raise RuntimeError(f"injected fault ({FAULT_PREFIX_ENV})")
         windows = [self._drafts.pop(t.request_id, None) or Drafts() for t in plan.tasks]
         inputs = [seq.pending(seq.tokens) for seq in seqs]
         logits = self.runner.forward(

@@ -53,7 +53,7 @@ class ChatTemplate:
                      "add_generation_prompt": add_generation_prompt}  # fmt: skip
         try:
             return self._template.render(variables)
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # a template is code: whatever it raises is about these inputs, not the server
             raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from minedraft.engine.request import Request
 from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.model.tokenizer import Tokenizer
-from minedraft.sampling.params import SamplingParams
-from minedraft.scheduler.loop import EngineFailed, EngineLoop, Sink, StreamItem
+from minedraft.sampling.params import SamplingParams, check_unicode
+from minedraft.scheduler.loop import EngineFailed, EngineLoop, RequestFailed, Sink, StreamItem
 
 
 class ErrorKind(enum.Enum):
@@ -92,7 +92,7 @@ class Generator:
         generation = Generation(self, request_id or uuid.uuid4().hex, bool(request_id))
         try:
             prompt_ids = await self._prompt_ids(prompt, add_special_tokens)
-            self._check_prompt_ids(prompt_ids, loop.engine.max_model_len)
+            self._check_request(loop, prompt_ids, params)
             loop.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
                         generation.sink)  # fmt: skip
         except BaseException:
@@ -112,6 +112,10 @@ class Generator:
                 f"prompt is {size} bytes, more than this server accepts ({self.limits.max_prompt_bytes}, "
                 "--max-prompt-bytes)",
             )
+        try:
+            check_unicode(prompt)
+        except ValueError as exc:
+            raise GenerateError(ErrorKind.INVALID, f"prompt: {exc}") from None
 
     async def _prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
         if not isinstance(prompt, str):
@@ -121,17 +125,21 @@ class Generator:
         # In a thread, without the GIL: a long prompt must not stall the other streams or the step loop.
         return await asyncio.to_thread(self.tokenizer.encode_concurrently, prompt, add_special_tokens)
 
-    def _check_prompt_ids(self, prompt_ids: list[int], max_model_len: int) -> None:
+    @staticmethod
+    def _check_request(loop: EngineLoop, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks, here and now: a refused request never gets as far as a stream."""
         if not prompt_ids:
             raise GenerateError(ErrorKind.INVALID, "prompt is empty: it must contain at least one token")
+        max_model_len = loop.engine.max_model_len
         if len(prompt_ids) >= max_model_len:
             raise GenerateError(
                 ErrorKind.INVALID,
                 f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: no room is left for output",
             )
-        vocab_size = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_ids):
-            raise GenerateError(ErrorKind.INVALID, f"prompt token ids must be in [0, {vocab_size})")
+        try:
+            loop.engine.check_request(prompt_ids, params)
+        except ValueError as exc:
+            raise GenerateError(ErrorKind.INVALID, str(exc)) from None
 
 
 class Generation:
@@ -198,4 +206,6 @@ def _as_generate_error(exc: BaseException) -> GenerateError:
         return GenerateError(ErrorKind.INVALID, str(exc))
     if isinstance(exc, EngineFailed):
         return GenerateError(ErrorKind.UNAVAILABLE, str(exc))
+    if isinstance(exc, RequestFailed):
+        return GenerateError(ErrorKind.INTERNAL, str(exc))
     return GenerateError(ErrorKind.INTERNAL, f"generation failed: {exc}")

@@ -19,13 +19,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, make_asgi_app
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from starlette.exceptions import HTTPException
 
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
 from minedraft.frontends.grpc_api import describe_validation_error
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, Text
 
 STATUS = {
     ErrorKind.INVALID: HTTPStatus.BAD_REQUEST,
@@ -59,31 +60,34 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None, code:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingBody(BaseModel):
-    """Fields both endpoints share; vLLM's extras (top_k, ignore_eos, stop_token_ids) map to ours."""
+    """Fields both endpoints share; vLLM's extras (top_k, ignore_eos, stop_token_ids) map to ours.
+
+    Types are strict (no bool for a number, no string for a bool); ranges are SamplingParams' and the
+    engine's, checked before anything reaches a step."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: Text | list[Text] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    repetition_penalty: StrictFloat | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server cannot do: refused rather than silently ignored."""
@@ -114,12 +118,12 @@ class _SamplingBody(BaseModel):
 
 
 class CompletionBody(_SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
 
     def unsupported(self) -> list[str]:
         extra = {"echo": self.echo, "logprobs": self.logprobs is not None, "best_of": self.best_of not in (None, 1),
@@ -138,15 +142,15 @@ class CompletionBody(_SamplingBody):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -160,14 +164,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionBody(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras for templates
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
@@ -248,8 +252,13 @@ class OpenAIFrontend:
                 "messages",
             )
         messages = [m.as_template_input() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if "messages" in kwargs:
+            raise APIError(HTTPStatus.BAD_REQUEST, "chat_template_kwargs cannot replace the messages: send them as "
+                           "`messages`", "chat_template_kwargs.messages")  # fmt: skip
+        add_generation_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)  # as vLLM: kwargs win
         try:
-            return self.chat_template.render(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+            return self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except ChatTemplateError as exc:
             raise APIError(HTTPStatus.BAD_REQUEST, str(exc), "messages") from exc
 
@@ -265,6 +274,7 @@ class OpenAIFrontend:
         app.add_exception_handler(APIError, _api_error)
         app.add_exception_handler(GenerateError, _generate_error)
         app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(HTTPException, _http_error)  # 404, 405, ...: OpenAI's shape, not FastAPI's
         if self.max_body_bytes:
             app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         return app
@@ -387,7 +397,8 @@ def _event(payload: dict) -> str:
 
 
 class BodyLimit:
-    """413 for a body larger than `max_bytes`, before it is read whole (declared length or as it streams in)."""
+    """413 for a body larger than `max_bytes`: refused on its declared length, or read here (as FastAPI would
+    read it anyway) and refused as soon as it grows past the limit, chunked or not."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -398,20 +409,26 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(scope, receive, send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            more = message.get("more_body", False)
+        body: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: disconnects, as the app expects
+            message, body = body, None
             return message
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._refuse(scope, receive, send)
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send) -> None:
         message = f"request body is larger than this server accepts ({self.max_bytes} bytes, --max-prompt-bytes)"
@@ -419,15 +436,16 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 # --- errors ------------------------------------------------------------------------------------------------
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    status = HTTPStatus(exc.status_code)
+    return JSONResponse(error_body(status, str(exc.detail)), status_code=status, headers=exc.headers)
 
 
 async def _generate_error(request: Request, exc: GenerateError) -> JSONResponse:

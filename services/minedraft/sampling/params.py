@@ -1,11 +1,56 @@
-"""Per-request sampling parameters, shaped like vLLM's."""
+"""Per-request sampling parameters, shaped like vLLM's.
+
+Every field is bounded by what the engine can honour end to end: the values travel to the workers as
+protobuf (temperature and top_p as float32, top_k and max_tokens as int32, the seed as uint64, stop
+token ids as uint32), so a value the wire cannot carry exactly is refused here, naming the field and its
+range, before it reaches any step. Types are strict: a bool is not an int, a string is not a number.
+Bounds that depend on the model (token ids below the vocabulary, max_tokens within the context) are the
+engine's to check (`LLMEngine.check_request`).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import math
+import struct
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def as_float32(value: float) -> float:
+    """The value the wire carries (float32): what the workers will see of a float the client sent."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def check_float32(value: float) -> float:
+    if math.isinf(as_float32(value)):
+        raise ValueError(f"{value!r} is outside the float32 range the engine computes in")
+    return value
+
+
+def check_unicode(value: str) -> str:
+    """Text must be valid Unicode: a lone UTF-16 surrogate (a JSON escape like \\ud800) cannot be encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate {value[exc.start]!r} at index {exc.start}: not valid Unicode"
+        ) from None
+    return value
+
+
+Float32 = Annotated[StrictFloat, Field(allow_inf_nan=False), AfterValidator(check_float32)]
+Text = Annotated[str, Field(strict=True), AfterValidator(check_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 
 
 class SamplingParams(BaseModel):
@@ -13,23 +58,37 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy; higher = more random.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of tokens with this mass.")
-    top_k: int = Field(-1, description="Keep the k most likely tokens; -1 = all.")
-    seed: int | None = Field(None, description="Seed of this request's random stream.")
-    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
-    stop: list[str] = Field(default_factory=list, description="Stop when the text contains one of these.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Stop after one of these tokens.")
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    temperature: Float32 = Field(1.0, description="0 = greedy; higher = more random.")
+    top_p: Float32 = Field(1.0, description="Keep the smallest set of tokens with this mass, in (0, 1].")
+    top_k: StrictInt = Field(-1, ge=-1, le=INT32_MAX, description="Keep the k most likely tokens; -1 = all.")
+    seed: StrictInt | None = Field(None, ge=0, le=UINT64_MAX, description="Seed of this request's random stream.")
+    max_tokens: StrictInt = Field(16, ge=1, le=INT32_MAX, description="Most tokens to generate.")
+    stop: list[Text] = Field(default_factory=list, description="Stop when the text contains one of these.")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, description="Stop after one of these tokens.")
+    ignore_eos: StrictBool = Field(False, description="Keep generating past the end-of-sequence token.")
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kwargs) -> None:
         # Positional order as in vLLM: SamplingParams(temperature, top_p, top_k, ...).
         super().__init__(temperature=temperature, top_p=top_p, top_k=top_k, **kwargs)
 
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("temperature must be >= 0 (0 = greedy)")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, value: float) -> float:
+        if not 0.0 < as_float32(value) <= 1.0:
+            raise ValueError("top_p must be in (0, 1] (as a float32)")
+        return value
+
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, value: int) -> int:
-        if value == 0 or value < -1:
+        if value == 0:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
         return value
 
@@ -38,7 +97,7 @@ class SamplingParams(BaseModel):
     def _none_or_one_to_list(cls, value):
         if value is None:
             return []
-        if isinstance(value, (str, int)):
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
             return [value]
         return value
 

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,9 +20,13 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
+from minedraft.engine.plans import Admission
+from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
+from minedraft.scheduler.remote_executor import workers_answered
+from minedraft.wire import admission_to_proto
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -68,6 +73,10 @@ class EngineFailed(RuntimeError):
     """The engine group cannot run requests now (its verifier is gone); they fail with UNAVAILABLE."""
 
 
+class RequestFailed(RuntimeError):
+    """This request, and no other, could not be run (see `EngineLoop._convict`)."""
+
+
 @dataclass
 class Recovery:
     """How the loop re-forms its engine group after a failed step (see `EngineLoop._recover`)."""
@@ -75,6 +84,7 @@ class Recovery:
     worker_wait_s: float = 300.0  # how long requests are held while no verifier is back
     join_timeout_s: float = 180.0  # how long forming a world may take
     drafter_check_s: float = 1.0  # how often a group without its drafter looks for it
+    max_worlds_per_minute: int = 20  # re-formations; past that the loop waits, never spins
 
 
 class Draining(EngineFailed):
@@ -116,6 +126,9 @@ class EngineLoop:
         self._preemptions_seen = 0
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
         self.draining = False
+        self.quarantine = Quarantine()
+        self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
+        self._limit_logged_at = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -186,19 +199,26 @@ class EngineLoop:
             command.sink.put(EngineFailed(self.failed))
             return
         try:
-            self.engine.add_request(
+            request = self.engine.add_request(
                 command.prompt_ids, command.params, request_id=command.request_id, prompt=command.prompt
             )
+            # What the workers will be sent must encode: a value the wire refuses fails this request, not a step.
+            admission_to_proto(Admission(request.request_id, request.prompt_ids, request.params, request.seed))
         except ValueError as exc:
+            self.engine.abort_request(command.request_id)
             command.sink.put(exc)
             return
         self._sinks[command.request_id] = command.sink
         self._unstarted.add(command.request_id)
+        if not self.quarantine.may_run(command.request_id):
+            self.engine.hold(command.request_id)  # a search for a poison request is on: wait outside the world
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self._sinks.pop(request_id, None)
         self._unstarted.discard(request_id)
+        if self.quarantine.forget(request_id):
+            self.engine.release_held(self.quarantine.may_run)
 
     def _report_started(self) -> None:
         """Tell the frontends which requests left the waiting queue (they count waiting requests)."""
@@ -212,6 +232,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         touched = self.engine.step()
+        if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
+            self.engine.release_held(self.quarantine.may_run)
         batches = self.engine.pipeline.batches
         self.num_waiting = len(batches.waiting)
         if self._unstarted:
@@ -230,9 +252,12 @@ class EngineLoop:
             text = request.take_stream_delta()
             if request.finished:
                 del self._sinks[request.request_id]
+                self.quarantine.forget(request.request_id)
                 if self.metrics:
                     self.metrics.record_finished(request)
-            if text or new_ids or request.finished:
+            if request.error is not None:
+                sink.put(RequestFailed(f"request {request.request_id} failed: {request.error}"))
+            elif text or new_ids or request.finished:
                 sink.put(StreamItem(text, new_ids, request if request.finished else None))
 
     def _record_kv(self, batches: BatchManager, num_preemptions: int) -> None:
@@ -244,13 +269,38 @@ class EngineLoop:
         self._preemptions_seen = num_preemptions
 
     def _safe(self, fn) -> None:
-        """A failed step means a worker died or hung (or the two fell out of lockstep): no later step of
-        this world can be trusted, so form a new one."""
+        """A failed step leaves the workers out of lockstep (a peer may be waiting in a collective), so no
+        later step of this world can be trusted: form a new one. If the workers answered with an error (they
+        did not die), the requests of the failed world come under suspicion (see engine/quarantine.py)."""
         try:
             fn()
         except Exception as exc:
             log.warning("engine step failed (%s); re-forming the engine group", exc)
+            if workers_answered(exc) and all(w.serving() for w in self.engine.executor.members):
+                self._blame(exc)
             self._recover(exc)
+
+    def _blame(self, cause: BaseException) -> None:
+        convicted = self.quarantine.failed(self.engine.running_ids())
+        if self.quarantine.searching:
+            log.warning("looking for a request that fails every step: %d suspects, %d under test",
+                        len(self.quarantine.suspects), len(self.quarantine.testing))  # fmt: skip
+        if convicted is not None:
+            self._convict(convicted, cause)
+
+    def _convict(self, request_id: str, cause: BaseException) -> None:
+        """Fail the one request that every failed step had in common; the others run on unchanged."""
+        log.error("request %s quarantined: each engine step it took part in failed (last: %s); failing it alone",
+                  request_id, cause)  # fmt: skip
+        if self.metrics:
+            self.metrics.quarantined_requests.inc()
+        self.engine.abort_request(request_id)
+        self._unstarted.discard(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(RequestFailed(f"the engine failed every step that ran this request, and no other request "
+                                   f"made it fail; it was stopped so that the others can run (last error: {cause})"))
+        self.engine.release_held(self.quarantine.may_run)
 
     def _recover(self, cause: BaseException) -> None:
         """Hold every request until the group is formed again, at most `worker_wait_s`."""
@@ -275,22 +325,38 @@ class EngineLoop:
                 self.failed = None
 
     def _reform(self) -> bool:
-        """Form a new world of the live workers (the verifier is required) and re-admit every request."""
+        """Form a new world of the live workers (the verifier is required) and re-admit every request that
+        may run (during a search for a poison request, some wait outside; see engine/quarantine.py)."""
         executor = self.engine.executor
-        if not executor.verifier.serving():
+        if not self._may_form_world() or not executor.verifier.serving():
             return False
         with_drafter = executor.drafter is not None and executor.drafter.serving()
+        self._formed_at.append(time.monotonic())
         try:
             executor.form_group(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
             log.warning("could not form the engine group: %s", exc)
             return False
-        self.engine.restart(speculate=executor.has_drafter)
+        self.engine.restart(speculate=executor.has_drafter, may_run=self.quarantine.may_run)
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
         log.info("engine group formed (epoch %d), %s; %d requests re-admitted", executor.epoch, mode,
                  len(self.engine.requests))
         self._report(True, mode)
         return True
+
+    def _may_form_world(self) -> bool:
+        """At most `max_worlds_per_minute` formations in any minute: a failure that keeps coming back is
+        slowed down to that, never a tight loop."""
+        now = time.monotonic()
+        while self._formed_at and now - self._formed_at[0] > 60.0:
+            self._formed_at.popleft()
+        if len(self._formed_at) < self.recovery.max_worlds_per_minute:
+            return True
+        if now - self._limit_logged_at > 10.0:
+            self._limit_logged_at = now
+            log.warning("%d engine groups formed in the last minute: waiting before the next",
+                        len(self._formed_at))  # fmt: skip
+        return False
 
     def _take_drafter_back(self) -> None:
         """A group running without its drafter checks now and then whether it serves again. The check runs

@@ -152,6 +152,17 @@ class RemoteExecutor:
             worker.close()
 
 
+# A worker that answers a step with one of these is alive: the step itself failed (not the worker).
+_ANSWERED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def workers_answered(exc: BaseException) -> bool:
+    """Whether a failed step was answered with an error by a live worker, rather than cut short by a worker
+    that died, hung or is not in the world (those are not the requests' doing)."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.RpcError) and cause.code() in _ANSWERED
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"
