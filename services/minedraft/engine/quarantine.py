@@ -7,12 +7,13 @@ the cause, under one assumption: a poison request fails any step it is in, whate
 
 - A counted failure (the workers answered with an error; a dead or hung worker does not count) whose
   world shares requests with the previous counted failure starts a search: the shared requests are the
-  suspects. Every other request in those worlds is cleared (it was absent from one of the two).
-- During a search the world holds the suspects under test and cleared requests only; the other
-  suspects and every newcomer wait outside it (held).
+  suspects.
+- During a search the world holds the suspects under test and requests proven innocent in this search
+  (they completed a step) only; every other request, newcomers included, waits outside it (held).
 - A tested half whose requests each complete a step is cleared; the poison is then among the rest.
-  A half that fails again is split again. A suspect that fails as the only one under test is convicted:
-  the engine fails it with an error and never re-admits it.
+  A half that fails again is split again (the suspects left untested wait outside until the search
+  ends). A suspect that fails as the only one under test is convicted: the engine fails it with an error
+  and never re-admits it. A second poison request, if any, is found by the next search.
 
 One poison request among n costs about log2(n) + 2 re-formations; innocent requests keep every token
 they have (re-admission is lossless) and only wait.
@@ -29,7 +30,7 @@ class Quarantine:
     last_failure: set[str] = field(default_factory=set)  # the world at the previous counted failure
     suspects: list[str] = field(default_factory=list)  # not yet cleared, in arrival order; empty: no search
     testing: set[str] = field(default_factory=set)  # the suspects in the world now
-    cleared: set[str] = field(default_factory=set)  # may stay in the world during this search
+    cleared: set[str] = field(default_factory=set)  # completed a step during this search: may stay in the world
 
     @property
     def searching(self) -> bool:
@@ -46,29 +47,31 @@ class Quarantine:
             common = [r for r in world if r in self.last_failure]
             self.last_failure = set(world)
             if common:
-                self._search(common, cleared=set(world) - set(common))
+                self.suspects = common
+                self._test_half()
             return None
         failing = [r for r in self.suspects if r in self.testing and r in world]
-        if not failing:  # the tested ones were not there: the assumption does not hold, start over
-            self._end()
-            self.last_failure = set(world)
-            return None
         if len(failing) == 1:
             self._end()
             return failing[0]
-        self.cleared |= set(self.suspects) - set(failing)  # one poison: it is in the half that failed
-        self._search(failing)
+        self._end()
+        if failing:  # the poison is in the half that failed: split it again
+            self.suspects = failing
+            self._test_half()
+        else:  # the tested ones were not there: the assumption does not hold, start over
+            self.last_failure = set(world)
         return None
 
     def ran(self, request_ids: Iterable[str]) -> bool:
-        """These requests completed a step (or left the engine). Returns True if requests held outside the
-        world may now run (the caller admits those for which `may_run` became true)."""
-        done = self.testing.intersection(request_ids)
-        if not done:
+        """These requests completed a step (or left the engine). Returns True if the requests allowed in the
+        world changed (the caller admits the held ones for which `may_run` became true)."""
+        ran = set(request_ids)
+        if not self.searching or not ran & self.testing:
+            self.cleared |= ran if self.searching else set()
             return False
-        self.testing -= done
-        self.cleared |= done
-        self.suspects = [r for r in self.suspects if r not in done]
+        self.cleared |= ran
+        self.testing -= ran
+        self.suspects = [r for r in self.suspects if r not in ran]
         if self.testing:
             return False
         if self.suspects:  # the poison is among the untested ones: test half of them (a last one alone)
@@ -80,21 +83,15 @@ class Quarantine:
     def forget(self, request_id: str) -> bool:
         """The request left the engine (finished, aborted, convicted); as `ran`."""
         self.last_failure.discard(request_id)
-        self.cleared.discard(request_id)
         if request_id in self.testing:
             return self.ran([request_id])
+        self.cleared.discard(request_id)
         if request_id in self.suspects:
             self.suspects.remove(request_id)
             if not self.suspects:
                 self._end()
                 return True
         return False
-
-    def _search(self, suspects: list[str], cleared: set[str] | None = None) -> None:
-        self.suspects = suspects
-        if cleared is not None:
-            self.cleared = cleared
-        self._test_half()
 
     def _test_half(self) -> None:
         self.testing = set(self.suspects[: max(1, len(self.suspects) // 2)])

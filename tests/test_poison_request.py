@@ -1,0 +1,100 @@
+"""One request that makes every step fail is found and failed alone; every other stream completes unchanged.
+
+The poison is real, not a mock: the verifier's test hook (`MINEDRAFT_TEST_FAULT_PREFIX`, see
+engine/workers.py) makes its forward raise whenever a request whose tokens start with a given prefix is in
+the batch, as a kernel might on an input it cannot handle. Everything else is the real stack: scheduler,
+drafter and verifier processes, gRPC, a gloo world that is re-formed after each failed step.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from minedraft.client import Client, MineDraftError
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine.workers import FAULT_PREFIX_ENV
+from minedraft.launcher import LocalStack
+from minedraft.sampling.params import SamplingParams
+
+from tiny_models import make_tiny_checkpoint
+
+NUM_STREAMS = 16
+MAX_TOKENS = 80
+POISON = [317, 318, 319]  # no stream's prompt starts with these
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("poison")
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=5)
+    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=5)
+    return str(target), str(draft)
+
+
+def _config(pair, speculative: bool) -> EngineConfig:
+    target, draft = pair
+    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
+    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=8, max_model_len=160, device="cpu",
+                        batch_invariant=True)  # fmt: skip
+
+
+def _prompts() -> list[list[int]]:
+    return [[(11 * i + j) % 300 + 1 for j in range(1 + i % 5)] for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[list[int]]:
+    engine = LLMEngine.local(_config(pair, speculative=False))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in _prompts()]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+def _quarantined(stack: LocalStack) -> float:
+    text = urllib.request.urlopen(stack.http_url + "/metrics", timeout=10).read().decode()
+    match = re.search(r"^minedraft:quarantined_requests_total (\S+)$", text, re.MULTILINE)
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["minedraft", "ar"])
+def test_a_poison_request_fails_alone_and_sixteen_streams_complete_unchanged(
+    pair, expected, speculative, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv(FAULT_PREFIX_ENV, ",".join(map(str, POISON)))  # the worker processes inherit it
+    with LocalStack(_config(pair, speculative), http_port=-1, log_dir=tmp_path) as stack, \
+            Client(stack.address, timeout=300, retries=0) as client:  # fmt: skip
+        started = threading.Event()
+
+        def stream(prompt: list[int]) -> list[int]:
+            out: list[int] = []
+            for delta in client.stream(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
+                out += delta.token_ids
+                started.set()
+            return out
+
+        with ThreadPoolExecutor(NUM_STREAMS) as pool:
+            streams = [pool.submit(stream, p) for p in _prompts()]
+            assert started.wait(120), "no stream produced a token"
+            with pytest.raises(MineDraftError) as failure:
+                client.generate(POISON + [5, 6], max_tokens=MAX_TOKENS, temperature=0)
+            outputs = [s.result(timeout=300) for s in streams]
+
+        assert failure.value.code() == grpc.StatusCode.INTERNAL
+        assert "no other request made it fail" in failure.value.details()
+        assert outputs == expected  # every bystander: token for token what the target alone gives
+        assert _quarantined(stack) == 1
+        started_at = time.monotonic()
+        canary = client.generate(_prompts()[0], max_tokens=8, temperature=0, ignore_eos=True)
+        assert canary.token_ids == expected[0][:8] and time.monotonic() - started_at < 30
+        log = (tmp_path / "scheduler.log").read_text()
+        assert log.count("quarantined") == 1
