@@ -14,7 +14,7 @@ import pytest
 from minedraft.bench.online import BenchResult, format_result, run_online_bench, to_json
 from minedraft.bench.server_metrics import ServerStepStats, scrape
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
 from tiny_models import make_tiny_checkpoint
 
@@ -32,7 +32,7 @@ def result(tmp_path_factory) -> BenchResult:
     )  # fmt: skip
     prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(NUM_PROMPTS)]
     metrics_port = free_port()
-    with LocalStack(config, metrics_port=metrics_port, log_dir=root) as stack:
+    with LocalStack(config, scheduler=scheduler_settings(metrics_port=metrics_port), log_dir=root) as stack:
         return run_online_bench(
             stack.address, prompts, concurrency=CONCURRENCY, max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", timeout=120, warmup=1, progress=False,

@@ -191,7 +191,7 @@ def test_sigterm_drains_the_scheduler(pair) -> None:
 
 
 def test_drain_timeout_cuts_off_what_is_left(pair) -> None:
-    with Services(_config(pair), scheduler_flags=["--drain-timeout", "0.5"]) as services:
+    with Services(_config(pair), scheduler_flags=["--request-drain-timeout", "0.5"]) as services:
         streams = long_streams(services.address, 16, max_tokens=240)
         wait_active(services, 16)
         services.processes["scheduler"].send_signal(signal.SIGTERM)

@@ -24,8 +24,9 @@ from minedraft.client import Client, RetryPolicy
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import free_port
+from minedraft.launcher import free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import GatewaySettings
 
 from tiny_models import make_tiny_checkpoint
 
@@ -168,7 +169,7 @@ def test_two_gateways_side_by_side(stack, cases) -> None:
     """A second replica in front of the same groups: both serve, and both balance over both groups. Its
     requests carry no deadline and last longer than its placement timeout, which bounds placement only."""
     port = free_port()
-    second = subprocess.Popen(stack.gateway_command(port=port, placement_timeout_s=0.2))
+    second = subprocess.Popen(stack.gateway_command(port=port, settings=GatewaySettings(placement_timeout=0.2)))
     try:
         with Client(f"127.0.0.1:{port}", timeout=120, retries=RetryPolicy(max_attempts=60, max_backoff=0.5)) as c:
             assert c.server_info().max_model_len == 128  # up (the SDK retries until it listens)
@@ -208,7 +209,7 @@ def test_overload_spills_to_the_other_group_then_is_resource_exhausted(pair, tmp
     """Groups of 2 running + 4 waiting requests each: a burst of 40 fills both groups (more than one group
     holds), the rest are turned away with RESOURCE_EXHAUSTED, none with another code."""
     config = EngineConfig(model=pair[0], max_num_seqs=2, max_model_len=128, device="cpu")
-    with GatewayStack(config, 2, max_waiting=4, log_dir=tmp_path) as small, \
+    with GatewayStack(config, 2, scheduler=scheduler_settings(max_waiting_requests=4), log_dir=tmp_path) as small, \
             Client(small.address, timeout=120, retries=0) as client:  # fmt: skip
 
         def one(_: int) -> str:

@@ -23,6 +23,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import WorkerSettings
 
 from tiny_models import make_tiny_checkpoint
 
@@ -164,7 +165,7 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, 
 def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
     """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
     if it had died (target-only, or held requests); after SIGCONT it is taken back."""
-    with LocalStack(_config(pair), dist_timeout_s=4) as stack:
+    with LocalStack(_config(pair), worker=WorkerSettings(dist_timeout=4)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         process = stack.process(victim)

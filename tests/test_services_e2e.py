@@ -26,7 +26,7 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import LocalStack, engine_flags, free_port
+from minedraft.launcher import LocalStack, engine_flags, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 
 from tiny_models import make_tiny_checkpoint
@@ -123,7 +123,7 @@ def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) 
     # 2 layers x (k, v) x 2 kv heads x 8 tokens x 32 dims x 4 bytes per target block; the drafter's are smaller
     per_block = 2 * 2 * 2 * 8 * 32 * 4
     config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=16 * per_block)
-    with LocalStack(config, metrics_port=free_port()) as stack:
+    with LocalStack(config, scheduler=scheduler_settings(metrics_port=free_port())) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
@@ -138,7 +138,8 @@ def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) 
 @pytest.fixture(scope="module")
 def stack(pair):
     """One MineDraft stack for the lifecycle tests below."""
-    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), max_waiting=8) as running:
+    small_queue = scheduler_settings(max_waiting_requests=8)
+    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), scheduler=small_queue) as running:
         yield running
 
 
