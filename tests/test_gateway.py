@@ -28,25 +28,21 @@ from minedraft.launcher import free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 
-from tiny_models import make_tiny_checkpoint
+from conftest import make_pair, tiny_config
+from services import children
 
 NUM_STREAMS = 32
 MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gateway")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=5)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=5)
-    return str(target), str(draft)
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return make_pair(tmp_path_factory.mktemp("gateway"), seed=5)
 
 
 def _config(pair, speculative: bool = True) -> EngineConfig:
-    target, draft = pair
-    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
-    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=16, max_model_len=128, device="cpu",
-                        batch_invariant=True)  # fmt: skip
+    spec = {"num_speculative_tokens": 3, "is_parallel": True} if speculative else None
+    return tiny_config(pair, spec, max_num_seqs=16)
 
 
 def _prompts() -> list[list[int]]:
@@ -251,7 +247,7 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
         assert "2 engine groups behind a gateway) is serving on 127.0.0.1:" in line, (
             f"{line!r}\n{(tmp_path / 'up.log').read_text()[-3000:]}"
         )
-        services = _children(up.pid)
+        services = children(up.pid)
         assert len(services) == 7  # two groups of verifier, drafter, scheduler, and the gateway
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.generate([1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True).usage.completion_tokens == 8
@@ -262,15 +258,3 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
         if up.poll() is None:
             up.kill()
         errors.close()
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
