@@ -24,7 +24,7 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.bench.prompts import load_prompts
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack
+from minedraft.launcher import LocalStack, scheduler_settings
 
 
 @dataclass
@@ -92,7 +92,8 @@ def main() -> int:
             "timeout": 900.0, "warmup": 2}  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="minedraft-chaos-"))
     print(f"service logs: {log_dir}", flush=True)
-    with LocalStack(config, max_waiting=4 * args.num_prompts, log_dir=log_dir) as stack:
+    settings = scheduler_settings(max_waiting_requests=4 * args.num_prompts)
+    with LocalStack(config, scheduler=settings, log_dir=log_dir) as stack:
         print(f"undisturbed run: {len(prompts)} prompts x {args.max_tokens} tokens", flush=True)
         calm = run_online_bench(stack.address, prompts, **load)
         print(f"chaos run: a random worker of {args.targets} killed every {args.kill_every:.0f}s", flush=True)

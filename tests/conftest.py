@@ -1,9 +1,11 @@
-"""Test-session settings shared by every test module."""
+"""Test-session settings and fixtures shared by every test module."""
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 # Tiny models on a small shared machine: one intra-op thread per process avoids OpenMP threads spinning
@@ -11,4 +13,34 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
+sys.path.insert(0, str(Path(__file__).parent))  # tiny_models, services
+
+from minedraft.config import EngineConfig  # noqa: E402
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+
+def make_pair(root: Path, seed: int = 1, draft_hidden_size: int = 64, draft_seed: int | None = None) -> tuple[str, str]:
+    """A tiny qwen3 target (2 layers) and draft (1 layer) as real checkpoint folders under `root`."""
+    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=seed)
+    draft = make_tiny_checkpoint(
+        root / "draft", arch="qwen3", hidden_size=draft_hidden_size, num_layers=1, seed=seed if draft_seed is None
+        else draft_seed,
+    )  # fmt: skip
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    """The tiny pair most tests run: (target folder, draft folder). The draft is the target's first layer
+    under its own embeddings and head: it agrees with the target now and then, so windows are accepted in
+    part."""
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def tiny_config(pair: tuple[str, str], spec: dict[str, Any] | None = None, **overrides: Any) -> EngineConfig:
+    """An engine config over `pair` on CPU with the strict kernels (every mode equals ar token for token):
+    `spec` the speculative keys (the draft filled in; None: plain ar), `overrides` any other field."""
+    target, draft = pair
+    fields = {"model": target, "max_model_len": 128, "device": "cpu", "batch_invariant": True, **overrides}
+    return EngineConfig(**fields, speculative_config={**spec, "model": draft} if spec else None)

@@ -13,26 +13,21 @@ import pytest
 
 from minedraft.bench.online import BenchResult, format_result, run_online_bench, to_json
 from minedraft.bench.server_metrics import ServerStepStats, scrape
-from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
-from tiny_models import make_tiny_checkpoint
+from conftest import tiny_config
 
 NUM_PROMPTS, CONCURRENCY, MAX_TOKENS = 12, 4, 16
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> BenchResult:
+def result(pair, tmp_path_factory) -> BenchResult:
     root = tmp_path_factory.mktemp("bench")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
-    config = EngineConfig(
-        model=str(target), max_num_seqs=4, max_model_len=128, device="cpu",
-        speculative_config={"num_speculative_tokens": 3, "is_parallel": True, "model": str(draft)},
-    )  # fmt: skip
+    config = tiny_config(pair, {"num_speculative_tokens": 3, "is_parallel": True}, max_num_seqs=4,
+                         batch_invariant=False)  # fmt: skip
     prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(NUM_PROMPTS)]
     metrics_port = free_port()
-    with LocalStack(config, metrics_port=metrics_port, log_dir=root) as stack:
+    with LocalStack(config, scheduler=scheduler_settings(metrics_port=metrics_port), log_dir=root) as stack:
         return run_online_bench(
             stack.address, prompts, concurrency=CONCURRENCY, max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", timeout=120, warmup=1, progress=False,

@@ -15,9 +15,11 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
+import yaml
 
-from minedraft.cli import _dist_config, _engine_config, build_parser
+from minedraft.cli import _dist_config, _engine_config, _settings, build_parser
 from minedraft.config import EngineConfig, SpeculativeConfig
+from minedraft.settings import SchedulerSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "minedraft"
@@ -359,6 +361,8 @@ def _container_env(objs: list[dict], component: str) -> dict[str, str]:
 def test_services_accept_the_rendered_configuration(name: str, monkeypatch) -> None:
     """Each container's args and env, parsed by the real CLI, give a valid engine and distributed config."""
     objs = render(name)
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values = renderer.merge(chart_values["scheduler"], COMBINATIONS[name].get("scheduler", {}))
     for component in ("verifier", "drafter", "scheduler"):
         for key in [k for k in os.environ if k.startswith("MINEDRAFT_")]:
             monkeypatch.delenv(key)
@@ -374,11 +378,23 @@ def test_services_accept_the_rendered_configuration(name: str, monkeypatch) -> N
             dist = _dist_config(args)
             expected = "127.0.0.1" if component == "verifier" else "minedraft-verifier.default.svc"
             assert (dist.master_addr, dist.master_port) == (expected, 29500)
+            assert _settings(args, WorkerSettings).step_drain_timeout == values["drainTimeoutSeconds"]
+        else:
+            _check_scheduler_settings(_settings(args, SchedulerSettings), values)
     if name == "existing-claim":
         assert config.model == "/models/llama-3-8b"
         assert config.speculative_config.model == "/models/llama-3-draft"
     if name == "tetris":
         assert (config.speculative_config.tetris, config.speculative_config.tetris_capacity) == (True, 48)
+
+
+def _check_scheduler_settings(settings: SchedulerSettings, values: dict[str, Any]) -> None:
+    """The scheduler runs the chart's scheduler.* values."""
+    expected = {"http_port": values["httpPort"], "max_prompt_bytes": values["maxPromptBytes"],
+                "max_waiting_requests": values["maxWaitingRequests"], "metrics_port": values["metricsPort"],
+                "request_drain_timeout": values["drainTimeoutSeconds"],
+                "served_model_name": values.get("servedModelName") or None}  # fmt: skip
+    assert {k: getattr(settings, k) for k in expected} == expected
 
 
 def test_workers_are_reachable_while_loading() -> None:

@@ -94,6 +94,7 @@ def test_gateway_by_default_in_front_of_the_one_group() -> None:
     assert spec["containers"][0]["readinessProbe"]["grpc"]["port"] == 50051
     args = _gateway_args(objs)
     assert (args["k8s_service"], args["namespace"], args["port_name"]) == ("minedraft-scheduler", "default", "grpc")
+    assert float(args["placement_timeout"]) == 60  # the chart's gateway.placementTimeoutSeconds
     scheduler_ports = {p["name"] for p in one(objs, "Service", "minedraft-scheduler")["spec"]["ports"]}
     assert "grpc" in scheduler_ports  # the port the gateway looks for in the EndpointSlices
     service = one(objs, "Service", "minedraft-gateway")

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
@@ -28,25 +26,15 @@ from minedraft.launcher import engine_flags, free_port
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.step_deadline import StepDeadline
 
-from tiny_models import make_tiny_checkpoint
+from conftest import tiny_config
+from services import children, wait_health, wait_serving, worker_info
 
 MAX_MODEL_LEN = 256
 SPEC = {"num_speculative_tokens": 3, "is_parallel": True}  # minedraft
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("healing")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
-    return str(target), str(draft)
-
-
 def _config(pair, spec=SPEC, **overrides) -> EngineConfig:
-    target, draft = pair
-    kwargs = {"model": target, "max_num_seqs": 16, "max_model_len": MAX_MODEL_LEN, "device": "cpu",
-              "batch_invariant": True, **overrides}  # fmt: skip
-    return EngineConfig(**kwargs, speculative_config={**spec, "model": draft} if spec else None)
+    return tiny_config(pair, spec, **{"max_num_seqs": 16, "max_model_len": MAX_MODEL_LEN, **overrides})
 
 
 def _workload(n: int = 32) -> list[tuple[list[int], int]]:
@@ -89,7 +77,7 @@ class Services:
     def __enter__(self) -> Services:
         for name in self.commands:
             self.start(name)
-        wait_health(self.address, "SERVING", timeout_s=180)
+        wait_serving(self.address, timeout_s=180)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -103,27 +91,6 @@ class Services:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def health(address: str) -> str:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError as exc:
-            return exc.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-def wait_health(address: str, want: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (status := health(address)) != want:
-        assert time.monotonic() < deadline, f"{address} is {status}, not {want}"
-        time.sleep(0.2)
-
-
-def worker_info(address: str) -> worker_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
 
 
 def wait_active(services: Services, at_least: int, timeout_s: float = 60) -> None:
@@ -191,7 +158,7 @@ def test_sigterm_drains_the_scheduler(pair) -> None:
 
 
 def test_drain_timeout_cuts_off_what_is_left(pair) -> None:
-    with Services(_config(pair), scheduler_flags=["--drain-timeout", "0.5"]) as services:
+    with Services(_config(pair), scheduler_flags=["--request-drain-timeout", "0.5"]) as services:
         streams = long_streams(services.address, 16, max_tokens=240)
         wait_active(services, 16)
         services.processes["scheduler"].send_signal(signal.SIGTERM)
@@ -207,14 +174,14 @@ def _up(pair, *flags: str) -> tuple[subprocess.Popen, str]:
          "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    wait_health(f"127.0.0.1:{port}", "SERVING", timeout_s=180)
+    wait_serving(f"127.0.0.1:{port}", timeout_s=180)
     return up, f"127.0.0.1:{port}"
 
 
 def _services_of(up: subprocess.Popen) -> dict[str, int]:
     """The service processes of `minedraft up`, by role (from their command lines)."""
     services = {}
-    for pid in _children(up.pid):
+    for pid in children(up.pid):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         services[args[args.index(b"minedraft") + 1].decode()] = pid
     return services
@@ -304,16 +271,3 @@ def test_listeners_bind_the_host_and_gauges_settle_when_idle(pair) -> None:
         while any(_gauges(metrics_port).values()):
             assert time.monotonic() < deadline, f"gauges stuck at the last step's load: {_gauges(metrics_port)}"
             time.sleep(0.2)
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (from /proc/<pid>/stat: the field after the command's closing paren)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children

@@ -24,28 +24,25 @@ from minedraft.client import Client, RetryPolicy
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import free_port
+from minedraft.launcher import free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import GatewaySettings
 
-from tiny_models import make_tiny_checkpoint
+from conftest import make_pair, tiny_config
+from services import children
 
 NUM_STREAMS = 32
 MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gateway")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=5)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=5)
-    return str(target), str(draft)
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return make_pair(tmp_path_factory.mktemp("gateway"), seed=5)
 
 
 def _config(pair, speculative: bool = True) -> EngineConfig:
-    target, draft = pair
-    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
-    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=16, max_model_len=128, device="cpu",
-                        batch_invariant=True)  # fmt: skip
+    spec = {"num_speculative_tokens": 3, "is_parallel": True} if speculative else None
+    return tiny_config(pair, spec, max_num_seqs=16)
 
 
 def _prompts() -> list[list[int]]:
@@ -168,7 +165,7 @@ def test_two_gateways_side_by_side(stack, cases) -> None:
     """A second replica in front of the same groups: both serve, and both balance over both groups. Its
     requests carry no deadline and last longer than its placement timeout, which bounds placement only."""
     port = free_port()
-    second = subprocess.Popen(stack.gateway_command(port=port, placement_timeout_s=0.2))
+    second = subprocess.Popen(stack.gateway_command(port=port, settings=GatewaySettings(placement_timeout=0.2)))
     try:
         with Client(f"127.0.0.1:{port}", timeout=120, retries=RetryPolicy(max_attempts=60, max_backoff=0.5)) as c:
             assert c.server_info().max_model_len == 128  # up (the SDK retries until it listens)
@@ -208,7 +205,7 @@ def test_overload_spills_to_the_other_group_then_is_resource_exhausted(pair, tmp
     """Groups of 2 running + 4 waiting requests each: a burst of 40 fills both groups (more than one group
     holds), the rest are turned away with RESOURCE_EXHAUSTED, none with another code."""
     config = EngineConfig(model=pair[0], max_num_seqs=2, max_model_len=128, device="cpu")
-    with GatewayStack(config, 2, max_waiting=4, log_dir=tmp_path) as small, \
+    with GatewayStack(config, 2, scheduler=scheduler_settings(max_waiting_requests=4), log_dir=tmp_path) as small, \
             Client(small.address, timeout=120, retries=0) as client:  # fmt: skip
 
         def one(_: int) -> str:
@@ -250,7 +247,7 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
         assert "2 engine groups behind a gateway) is serving on 127.0.0.1:" in line, (
             f"{line!r}\n{(tmp_path / 'up.log').read_text()[-3000:]}"
         )
-        services = _children(up.pid)
+        services = children(up.pid)
         assert len(services) == 7  # two groups of verifier, drafter, scheduler, and the gateway
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.generate([1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True).usage.completion_tokens == 8
@@ -261,15 +258,3 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
         if up.poll() is None:
             up.kill()
         errors.close()
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children

@@ -22,8 +22,6 @@ from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 
-from tiny_models import make_tiny_checkpoint
-
 STRICT = {"device": "cpu", "batch_invariant": True}
 # A mismatch is excused only where the target's two best logits are closer than this.
 NEAR_TIE = 1e-4
@@ -41,16 +39,6 @@ MODES = {
         "tetris_capacity": 5,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def random_pair(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("random_pair")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    # The target's first layer under its own embeddings and head: agrees with it now and then, so
-    # windows are accepted in part (the self-draft test below covers full acceptance).
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
-    return target, draft
 
 
 def _workload(vocab_size: int, n: int, seed: int) -> list[tuple[list[int], SamplingParams, int]]:
@@ -113,8 +101,8 @@ def _assert_same(target: Path, work, expected: list[list[int]], got: list[list[i
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_random_pair_matches_autoregressive(random_pair, mode: str, max_num_seqs: int) -> None:
-    target, draft = random_pair
+def test_pair_matches_autoregressive(pair, mode: str, max_num_seqs: int) -> None:
+    target, draft = pair
     vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=10, seed=max_num_seqs)
     base = {"model": str(target), "max_num_seqs": max_num_seqs, "max_model_len": 96, **STRICT}
@@ -131,10 +119,10 @@ def _kv_budget(target: Path, blocks: int, block_size: int) -> int:
 
 
 @pytest.mark.parametrize("mode", ["ar", *MODES])
-def test_small_kv_budget_preempts_and_matches_autoregressive(random_pair, mode: str) -> None:
+def test_small_kv_budget_preempts_and_matches_autoregressive(pair, mode: str) -> None:
     """24 requests through a KV pool with room for about two of them: admission waits for blocks, running
     requests are preempted and prefilled again later, and every output is still exactly ar's."""
-    target, draft = random_pair
+    target, draft = pair
     vocab = ModelRunner(target, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=24, seed=11)
     base = {"model": str(target), "max_num_seqs": 4, "max_model_len": 96, **STRICT}
@@ -148,10 +136,10 @@ def test_small_kv_budget_preempts_and_matches_autoregressive(random_pair, mode: 
 
 
 @pytest.mark.parametrize("mode", ["ar", *MODES])
-def test_chunked_prefill_matches_one_shot_prefill(random_pair, mode: str) -> None:
+def test_chunked_prefill_matches_one_shot_prefill(pair, mode: str) -> None:
     """Prompts of up to 250 tokens under a 64-token step budget are prefilled over several steps while
     the short requests keep decoding; the tokens are those of one-shot prefill (and of ar)."""
-    target, draft = random_pair
+    target, draft = pair
     vocab = ModelRunner(target, max_seq_len=8).config.vocab_size
     rng = random.Random(5)
     work = _workload(vocab, n=8, seed=5)
@@ -168,8 +156,8 @@ def test_chunked_prefill_matches_one_shot_prefill(random_pair, mode: str) -> Non
     _assert_same(target, work, _run(EngineConfig(**base), work), chunked, mode)
 
 
-def test_kv_budget_below_one_request_is_refused(random_pair) -> None:
-    target, _ = random_pair
+def test_kv_budget_below_one_request_is_refused(pair) -> None:
+    target, _ = pair
     budget = _kv_budget(target, 5, 16)
     with pytest.raises(ValueError, match=rf"KV cache budget \(kv_cache_memory_bytes={budget}\) holds 5 "
                                          r"blocks of 16 tokens .* max_model_len 96 needs 6 blocks"):
@@ -177,10 +165,10 @@ def test_kv_budget_below_one_request_is_refused(random_pair) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft"])
-def test_draft_equal_to_target_accepts_everything(random_pair, mode: str) -> None:
+def test_draft_equal_to_target_accepts_everything(pair, mode: str) -> None:
     """With the target as its own draft every draft is accepted: the all-accepted paths (bonus tokens,
     PEARL's kept continuations) run on every step."""
-    target, _ = random_pair
+    target, _ = pair
     vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=8, seed=7)
     base = {"model": str(target), "max_num_seqs": 3, "max_model_len": 96, **STRICT}

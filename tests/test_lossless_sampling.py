@@ -27,7 +27,7 @@ from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.sampler import target_probs
 
-from tiny_models import make_tiny_checkpoint
+from conftest import make_pair
 
 PROMPT = [5, 17, 42]
 NUM_SAMPLES = 3000
@@ -36,10 +36,7 @@ PARAMS = dict(temperature=0.8, top_k=6, max_tokens=2, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lossless")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=11)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=32, num_layers=1, seed=12)
-    return target, draft
+    return make_pair(tmp_path_factory.mktemp("lossless"), seed=11, draft_hidden_size=32, draft_seed=12)
 
 
 def _exact_joint(target) -> dict[tuple[int, int], float]:

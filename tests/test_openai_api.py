@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.llm import LLM
 from minedraft.sampling.params import SamplingParams
 
@@ -49,8 +49,8 @@ def stack(tls, tmp_path_factory):
         speculative_config={"num_speculative_tokens": 3, "is_parallel": True},
         max_num_seqs=2, device="cpu", batch_invariant=True,
     )  # fmt: skip
-    with LocalStack(config, http_port=-1, api_keys=[KEY], tls_cert=str(cert), tls_key=str(key),
-                    log_dir=tmp_path_factory.mktemp("logs")) as running:  # fmt: skip
+    settings = scheduler_settings(http_port=free_port(), tls_cert=str(cert), tls_key=str(key))
+    with LocalStack(config, scheduler=settings, api_keys=[KEY], log_dir=tmp_path_factory.mktemp("logs")) as running:
         yield running
 
 

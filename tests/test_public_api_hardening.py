@@ -23,7 +23,7 @@ from minedraft.api import generate_pb2 as pb
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import ApiKeys
-from minedraft.launcher import LocalStack
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
 MAX_PROMPT_BYTES = 16 * 1024
 MAX_WAITING = 4
@@ -33,8 +33,10 @@ BYSTANDER = "import os\n\n\ndef main():"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     config = EngineConfig(max_num_seqs=1, device="cpu", batch_invariant=True)
-    with LocalStack(config, http_port=-1, max_waiting=MAX_WAITING, max_prompt_bytes=MAX_PROMPT_BYTES,
-                    log_dir=tmp_path_factory.mktemp("logs")) as running:  # fmt: skip
+    settings = scheduler_settings(
+        http_port=free_port(), max_waiting_requests=MAX_WAITING, max_prompt_bytes=MAX_PROMPT_BYTES
+    )
+    with LocalStack(config, scheduler=settings, log_dir=tmp_path_factory.mktemp("logs")) as running:
         yield running
 
 

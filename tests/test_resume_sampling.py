@@ -16,7 +16,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.sampling.params import SamplingParams
 
-from tiny_models import make_tiny_checkpoint
+from conftest import make_pair
 
 PROMPTS = [[5, 17, 42], [7, 7, 1, 300, 2], [99]]
 MAX_TOKENS = 24
@@ -29,11 +29,8 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=3)
-    # The target's first layer: close enough that windows are accepted in part.
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=3)
-    return target, draft
+    # The draft is the target's first layer: close enough that windows are accepted in part.
+    return make_pair(tmp_path_factory.mktemp("resume"), seed=3)
 
 
 def _engine(pair, spec) -> LLMEngine:

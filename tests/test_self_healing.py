@@ -15,34 +15,29 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import WorkerSettings
 
-from tiny_models import make_tiny_checkpoint
+from conftest import make_pair, tiny_config
+from services import serving, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("healing")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=3)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=3)
-    return str(target), str(draft)
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return make_pair(tmp_path_factory.mktemp("healing"), seed=3)
 
 
 def _config(pair, speculative: bool = True, tp: int = 1) -> EngineConfig:
-    target, draft = pair
-    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": draft} if speculative else None
-    return EngineConfig(model=target, speculative_config=spec, max_num_seqs=8, max_model_len=128, device="cpu",
-                        batch_invariant=True, tensor_parallel_size=tp)  # fmt: skip
+    spec = {"num_speculative_tokens": 3, "is_parallel": True} if speculative else None
+    return tiny_config(pair, spec, max_num_seqs=8, tensor_parallel_size=tp)
 
 
 def _prompts() -> list[list[int]]:
@@ -91,26 +86,12 @@ class Load:
             self._client.close()
 
 
-def _worker_info(address: str) -> worker_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
-
-
 def _epoch(address: str) -> int:
     """The epoch a worker is in; 0 while it is not in a world or not up yet."""
     try:
-        return _worker_info(address).epoch
+        return worker_info(address).epoch
     except grpc.RpcError:
         return 0
-
-
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _until(condition, timeout_s: float = 60, what: str = "") -> None:
@@ -156,7 +137,7 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, 
         time.sleep(1.0)  # the scheduler holds the requests meanwhile
         stack.restart("verifier")
         assert load.results() == expected
-        _until(lambda: _serving(stack.address), what="the scheduler to serve again")
+        _until(lambda: serving(stack.address), what="the scheduler to serve again")
         assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
 
 
@@ -164,7 +145,7 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, 
 def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
     """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
     if it had died (target-only, or held requests); after SIGCONT it is taken back."""
-    with LocalStack(_config(pair), dist_timeout_s=4) as stack:
+    with LocalStack(_config(pair), worker=WorkerSettings(dist_timeout=4)) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         process = stack.process(victim)
@@ -192,11 +173,11 @@ def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:
         with pytest.raises(grpc.RpcError) as info:
             load.results()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        old_epoch = _worker_info(stack.verifier_address).epoch
+        old_epoch = worker_info(stack.verifier_address).epoch
         stack.restart("scheduler")
-        _until(lambda: _serving(stack.address), what="the new scheduler to serve")
+        _until(lambda: serving(stack.address), what="the new scheduler to serve")
         for address in (stack.verifier_address, stack.drafter_address):
-            info = _worker_info(address)
+            info = worker_info(address)
             assert info.epoch != old_epoch and info.num_active_sequences == 0
             assert info.num_free_blocks == info.num_blocks
         loads = [Load(stack.address), Load(stack.address)]
@@ -215,12 +196,12 @@ def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
             "--port", str(port), "--metrics-port", "0", "--verifier", workers.verifier_address, "--worker-wait", "3",
         ])  # fmt: skip
         try:
-            _until(lambda: _serving(f"127.0.0.1:{port}"), what="the scheduler")
+            _until(lambda: serving(f"127.0.0.1:{port}"), what="the scheduler")
             _kill(workers, "verifier")
             with Client(f"127.0.0.1:{port}", timeout=60, retries=0) as client, pytest.raises(grpc.RpcError) as info:
                 client.generate([1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "--worker-wait" in info.value.details()
-            assert not _serving(f"127.0.0.1:{port}")
+            assert not serving(f"127.0.0.1:{port}")
         finally:
             scheduler.terminate()
             scheduler.wait(timeout=30)

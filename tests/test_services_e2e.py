@@ -20,16 +20,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import LocalStack, engine_flags, free_port
+from minedraft.launcher import LocalStack, engine_flags, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 
-from tiny_models import make_tiny_checkpoint
+from conftest import tiny_config
+from services import children, serving, wait_serving, worker_info
 
 MAX_MODEL_LEN = 128
 MODES = {
@@ -41,20 +41,9 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=1)
-    return str(target), str(draft)
-
-
 def _config(pair, spec, **overrides) -> EngineConfig:
-    target, draft = pair
     # Strict kernels: every mode must equal the offline ar output token for token.
-    kwargs = {"model": target, "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, "device": "cpu",
-              "batch_invariant": True, **overrides}
-    return EngineConfig(**kwargs, speculative_config={**spec, "model": draft} if spec else None)
+    return tiny_config(pair, spec, **{"max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, **overrides})
 
 
 def _workload(n: int = 32) -> list[tuple[list[int], int]]:
@@ -87,17 +76,12 @@ def _generate_concurrently(address: str, work, stagger_s: float = 0.01) -> list[
             return list(pool.map(one, range(len(work))))
 
 
-def _worker_info(address: str) -> worker_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
-
-
 def _assert_idle(stack: LocalStack, timeout_s: float = 10.0) -> None:
     """Every KV block on every worker is free again."""
     addresses = [a for a in (stack.verifier_address, stack.drafter_address) if a]
     deadline = time.monotonic() + timeout_s
     while True:
-        infos = [_worker_info(a) for a in addresses]
+        infos = [worker_info(a) for a in addresses]
         if all(i.num_active_sequences == 0 and i.num_free_blocks == i.num_blocks for i in infos):
             return
         assert time.monotonic() < deadline, f"KV blocks still held: {infos}"
@@ -123,7 +107,7 @@ def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) 
     # 2 layers x (k, v) x 2 kv heads x 8 tokens x 32 dims x 4 bytes per target block; the drafter's are smaller
     per_block = 2 * 2 * 2 * 8 * 32 * 4
     config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=16 * per_block)
-    with LocalStack(config, metrics_port=free_port()) as stack:
+    with LocalStack(config, scheduler=scheduler_settings(metrics_port=free_port())) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
@@ -138,7 +122,8 @@ def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) 
 @pytest.fixture(scope="module")
 def stack(pair):
     """One MineDraft stack for the lifecycle tests below."""
-    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), max_waiting=8) as running:
+    small_queue = scheduler_settings(max_waiting_requests=8)
+    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), scheduler=small_queue) as running:
         yield running
 
 
@@ -229,22 +214,6 @@ def test_overload_is_resource_exhausted(stack) -> None:
     assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
 
 
-def _health(address: str) -> str:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError as exc:
-            return exc.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-def _wait_health(address: str, want: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (status := _health(address)) != want:
-        assert time.monotonic() < deadline, f"{address} is {status}, not {want}"
-        time.sleep(0.2)
-
-
 def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     """A worker is SERVING once its model is loaded, without its peer: the scheduler forms the world (an
     epoch) later. Until then, and for a plan of another epoch, it refuses steps with FAILED_PRECONDITION."""
@@ -255,8 +224,8 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
         "--dist-port", str(dist_port), "--host", "127.0.0.1", "--port", str(verifier_port),
     ])  # fmt: skip
     try:
-        _wait_health(f"127.0.0.1:{verifier_port}", "SERVING")
-        assert _worker_info(f"127.0.0.1:{verifier_port}").epoch == 0
+        wait_serving(f"127.0.0.1:{verifier_port}")
+        assert worker_info(f"127.0.0.1:{verifier_port}").epoch == 0
         with grpc.insecure_channel(f"127.0.0.1:{verifier_port}") as channel, pytest.raises(grpc.RpcError) as info:
             worker_pb2_grpc.WorkerStub(channel).Step(worker_pb2.StepPlan(step_id=1, epoch=7), timeout=10)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch 7" in info.value.details()
@@ -292,8 +261,8 @@ def test_every_engine_setting_reaches_every_process(pair) -> None:
     config = _every_field_off_default(pair)
     with LocalStack(config) as stack:
         for address in (stack.verifier_address, stack.drafter_address):
-            assert EngineConfig.model_validate_json(_worker_info(address).engine_config_json) == config
-        assert _health(stack.address) == "SERVING"
+            assert EngineConfig.model_validate_json(worker_info(address).engine_config_json) == config
+        assert serving(stack.address)
 
 
 def test_scheduler_refuses_workers_with_other_settings(pair) -> None:
@@ -334,9 +303,9 @@ def test_up_stops_every_service_on_a_signal(pair, sig) -> None:
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _wait_health(f"127.0.0.1:{port}", "SERVING")
+        wait_serving(f"127.0.0.1:{port}")
         assert "is serving on" in up.stdout.readline()
-        services = _children(up.pid)
+        services = children(up.pid)
         assert len(services) == 3  # verifier, drafter, scheduler
         up.send_signal(sig)
         assert up.wait(timeout=60) == 0
@@ -345,15 +314,3 @@ def test_up_stops_every_service_on_a_signal(pair, sig) -> None:
         if up.poll() is None:
             up.kill()
 
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (from /proc/<pid>/stat: the field after the command's closing paren)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children

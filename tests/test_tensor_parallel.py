@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -22,12 +21,6 @@ from safetensors.torch import load_file, save_file
 WORLD, TP = 3, 2
 KV_LAYOUT = {"qwen3": (2, 32), "llama": (1, 16)}  # (kv heads, head_dim) of the checkpoints below
 HERE = Path(__file__).resolve()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_script(runner) -> torch.Tensor:
@@ -67,6 +60,8 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    from minedraft.launcher import free_port
+
     from tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tp")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from minedraft.engine.plans import Drafts, Verified
+from minedraft.launcher import free_port
 from minedraft.transport import StepChannel, Topology, init_world, pick_backend
 from minedraft.transport.channel import ids_hash
 from minedraft.transport.groups import agree_backend
@@ -26,12 +26,6 @@ SUPPORT = 4
 NUM_STEPS = 4
 CHILD_TIMEOUT_S = 60  # each child's process-group timeout: a dead peer turns into an error, not a hang
 PARENT_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- the script every rank rebuilds ----------------------------------------------------------------

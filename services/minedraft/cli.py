@@ -13,9 +13,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+from minedraft.settings import GatewaySettings, SchedulerSettings, ServiceSettings, WorkerSettings
 from minedraft.supervision import watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
@@ -37,7 +37,8 @@ def _add(group, flag: str, default: Any = None, **kwargs) -> None:
 
 # `minedraft up` is the embedded demo: MineDraft with the bundled pair unless told otherwise.
 UP_DEFAULTS = {"speculative_config": '{"num_speculative_tokens": 4, "is_parallel": true}'}
-ENGINE_CONFIG_ENV = "MINEDRAFT_ENGINE_CONFIG"
+ModelT = typing.TypeVar("ModelT", bound=BaseModel)
+SettingsT = typing.TypeVar("SettingsT", bound=ServiceSettings)
 
 
 def _field_flag(name: str) -> str:
@@ -64,52 +65,96 @@ def _is_union(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, base: dict[str, Any] | None = None) -> None:
-    """One flag per `EngineConfig` field, named as vLLM names them, its help and bounds from the field.
+def _add_model_args(
+    parser: argparse.ArgumentParser, model: type[BaseModel], whole: str, title: str,
+    base: dict[str, Any] | None = None, aliases: bool = True,
+) -> None:  # fmt: skip
+    """One flag per field of `model`, its help and default from the field, plus --<whole> for all of it as JSON.
 
-    Every flag defaults to None ("not given"): `_engine_config` then takes the value from the flag, else from
-    its MINEDRAFT_<FIELD> variable, else from --engine-config (MINEDRAFT_ENGINE_CONFIG), else the model's
-    default. So defaults live in one place, the pydantic model (`base`: a command's own defaults, e.g. up's).
+    Every flag defaults to None ("not given"): `_model_from_args` then takes the value from the flag, else from
+    its MINEDRAFT_<FIELD> variable, else from --<whole> (MINEDRAFT_<WHOLE>), else the model's default. So
+    defaults live in one place, the pydantic model (`base`: a command's own defaults, e.g. up's). `aliases`:
+    also accept the model's deprecated field names.
     """
-    from minedraft.config import EngineConfig
-
-    group = parser.add_argument_group("engine (each flag also reads MINEDRAFT_<FLAG>)")
+    group = parser.add_argument_group(f"{title} (each flag also reads MINEDRAFT_<FLAG>)")
     group.add_argument(
-        "--engine-config",
-        default=None,
-        help=f"the whole engine config as JSON (what every service of a group is started with); single flags "
-        f"override its keys [env {ENGINE_CONFIG_ENV}]",
-    )
-    for name, field in EngineConfig.model_fields.items():
+        _field_flag(whole), dest=whole, default=None,
+        help=f"all of these as one JSON object (what a launcher starts each process with); single flags override "
+        f"its keys [env {_field_env(whole)}]",
+    )  # fmt: skip
+    for name, field in model.model_fields.items():
         default = (base or {}).get(name, field.default)
         default = "none" if default is None else default if isinstance(default, str) else json.dumps(default)
         group.add_argument(
-            _field_flag(name),
-            dest=name,
-            default=None,
-            help=f"{field.description} (default: {default}) [env {_field_env(name)}]",
-            **_flag_kind(field.annotation),
-        )
+            _field_flag(name), dest=name, default=None,
+            help=f"{field.description} (default: {default}) [env {_field_env(name)}]", **_flag_kind(field.annotation),
+        )  # fmt: skip
+    for old, new in _deprecated_names(model, aliases).items():
+        group.add_argument(
+            _field_flag(old), dest=new, default=None, action=_DeprecatedAlias,
+            type=_flag_kind(model.model_fields[new].annotation)["type"],
+            help=f"deprecated alias of {_field_flag(new)}, removed in the next release [env {_field_env(old)}]",
+        )  # fmt: skip
+
+
+def _deprecated_names(model: type[BaseModel], aliases: bool = True) -> dict[str, str]:
+    return getattr(model, "deprecated_names", {}) if aliases else {}
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old flag spelling: stores into the new flag's field and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        new = _field_flag(self.dest)
+        print(f"minedraft: {option_string} is deprecated, use {new} (the old name goes in the next release)",
+              file=sys.stderr)  # fmt: skip
+        setattr(namespace, self.dest, values)
+
+
+def _model_from_args(
+    args: argparse.Namespace, model: type[ModelT], whole: str, base: dict[str, Any] | None = None,
+    aliases: bool = True,
+) -> ModelT:  # fmt: skip
+    """`model` from flags > MINEDRAFT_<FIELD> > --<whole> (MINEDRAFT_<WHOLE>) > `base` > the model's defaults."""
+    values = dict(base or {})
+    text = getattr(args, whole) if getattr(args, whole) is not None else os.environ.get(_field_env(whole))
+    if text:
+        try:
+            values.update(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{_field_flag(whole)} is not valid JSON: {exc}") from exc
+    values.update(_deprecated_env(model, aliases))
+    for name in model.model_fields:
+        env = os.environ.get(_field_env(name))
+        if env:  # an empty variable counts as unset
+            values[name] = env
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return model.model_validate(values)
+
+
+def _deprecated_env(model: type[BaseModel], aliases: bool) -> dict[str, str]:
+    """Values from the deprecated MINEDRAFT_<OLD_NAME> variables (the new names, read after, win)."""
+    values = {}
+    for old, new in _deprecated_names(model, aliases).items():
+        if os.environ.get(_field_env(old)):
+            print(f"minedraft: {_field_env(old)} is deprecated, use {_field_env(new)}", file=sys.stderr)
+            values[new] = os.environ[_field_env(old)]
+    return values
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, base: dict[str, Any] | None = None) -> None:
+    """One flag per `EngineConfig` field, named as vLLM names them; --engine-config for the whole config."""
+    from minedraft.config import EngineConfig
+
+    _add_model_args(parser, EngineConfig, "engine_config", "engine", base)
 
 
 def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None):
     """The engine config from flags > MINEDRAFT_<FIELD> > --engine-config > `base` > EngineConfig's defaults."""
     from minedraft.config import EngineConfig
 
-    values = dict(base or {})
-    whole = args.engine_config if args.engine_config is not None else os.environ.get(ENGINE_CONFIG_ENV)
-    if whole:
-        try:
-            values.update(json.loads(whole))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--engine-config is not valid JSON: {exc}") from exc
-    for name in EngineConfig.model_fields:
-        env = os.environ.get(_field_env(name))
-        if env:  # an empty variable counts as unset
-            values[name] = env
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    return EngineConfig.model_validate(values)
+    return _model_from_args(args, EngineConfig, "engine_config", base)
 
 
 def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
@@ -119,65 +164,55 @@ def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
     return [_field_flag(n) for n in given] + (["--engine-config"] if args.engine_config is not None else [])
 
 
+def _add_settings_args(
+    parser: argparse.ArgumentParser, model: type[ServiceSettings], title: str, aliases: bool = True
+) -> None:
+    _add_model_args(parser, model, model.json_name, title, aliases=aliases)
+
+
+def _settings(args: argparse.Namespace, model: type[SettingsT], aliases: bool = True) -> SettingsT:
+    return _model_from_args(args, model, model.json_name, aliases=aliases)
+
+
 def _add_dist_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("torch.distributed (drafter <-> verifier tensors)")
     _add(group, "--dist-addr", "127.0.0.1", help="verifier rank 0's address (rendezvous)")
     _add(group, "--dist-port", 29500, type=int, help="rendezvous port on verifier rank 0")
     _add(group, "--dist-backend", "auto", help="auto (NCCL on CUDA, gloo on CPU), nccl, gloo")
-    _add(
-        group, "--dist-timeout", 120.0, type=float,
-        help="seconds a collective waits for a peer; a hung peer is given up after this (forming a world too)",
-    )  # fmt: skip
-    _add(
-        group, "--drain-timeout", 30.0, type=float,
-        help="on SIGTERM: wait up to this long for the scheduler to stop sending steps (it drains its requests "
-        "first), then stop",
-    )  # fmt: skip
+    _add_settings_args(parser, WorkerSettings, "worker")
 
 
 def _dist_config(args: argparse.Namespace):
     from minedraft.config import DistributedConfig
 
     return DistributedConfig(
-        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend, timeout_s=args.dist_timeout,
-        drain_timeout_s=args.drain_timeout, store_host=args.host,  # the store listens where the gRPC server does
-    )
+        master_addr=args.dist_addr, master_port=args.dist_port, backend=args.dist_backend,
+        timeout_s=_settings(args, WorkerSettings).dist_timeout,
+        store_host=args.host,  # the store listens where the gRPC server does
+    )  # fmt: skip
 
 
-def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0", public: bool = False) -> None:
+def _add_listen_args(parser: argparse.ArgumentParser, port: int, host: str = "0.0.0.0") -> None:
     group = parser.add_argument_group("listen")
     _add(group, "--host", host, help="address to listen on")
     _add(group, "--port", port, type=int, help="gRPC port")
     _add(group, "--log-level", "INFO", help="DEBUG, INFO, WARNING")
-    if public:
-        _add_public_api_args(group)
 
 
-def _add_public_api_args(group) -> None:
-    """The scheduler's client-facing flags: the OpenAI HTTP port, API keys, TLS, input limits."""
-    _add(group, "--http-port", 0, type=int, help="OpenAI-compatible HTTP API (and /metrics) port; 0 = off")
-    _add(group, "--served-model-name", help="model name of the HTTP API; default: the target's folder name")
+def _add_api_key_args(parser: argparse.ArgumentParser) -> None:
+    """API keys: flags and a variable, never settings (a settings JSON travels on command lines)."""
+    group = parser.add_argument_group("API keys")
     group.add_argument(
         "--api-key", action="append", default=[], help="accepted API key (repeatable); also from "
         "--api-key-file and $MINEDRAFT_API_KEYS (comma-separated). None given: no authentication",
     )  # fmt: skip
     group.add_argument("--api-key-file", action="append", default=[], help="file with one API key per line")
-    _add(group, "--tls-cert", help="PEM certificate (chain) of both public listeners; with --tls-key: TLS on")
-    _add(group, "--tls-key", help="PEM private key of --tls-cert")
-    _add(group, "--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, type=int,
-         help="longer prompts are refused before tokenizing; also bounds request sizes")  # fmt: skip
 
 
-def _public_api(args: argparse.Namespace):
+def _api_keys(args: argparse.Namespace):
     from minedraft.frontends.auth import ApiKeys
-    from minedraft.scheduler.service import PublicApi
 
-    return PublicApi(
-        host=args.host, port=args.port, http_port=args.http_port,
-        api_keys=ApiKeys.load(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
-        served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
-        max_prompt_bytes=args.max_prompt_bytes,
-    )  # fmt: skip
+    return ApiKeys.load(args.api_key, args.api_key_file)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float = 1.0, max_tokens: int = 16) -> None:
@@ -375,7 +410,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from minedraft.verifier.service import serve_verifier
 
     configure_logging(args.log_level)
-    serve_verifier(_engine_config(args), _dist_config(args), args.host, args.port)
+    serve_verifier(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
@@ -384,29 +419,17 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.serving import configure_logging
 
     configure_logging(args.log_level)
-    serve_drafter(_engine_config(args), _dist_config(args), args.host, args.port)
+    serve_drafter(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from minedraft.scheduler.loop import Recovery
-    from minedraft.scheduler.service import serve_scheduler
+    from minedraft.scheduler.service import PublicApi, serve_scheduler
     from minedraft.serving import configure_logging
 
     configure_logging(args.log_level)
-    asyncio.run(
-        serve_scheduler(
-            _engine_config(args),
-            _public_api(args),
-            verifier=args.verifier,
-            drafter=args.drafter,
-            metrics_port=args.metrics_port,
-            startup_timeout_s=args.startup_timeout,
-            recovery=Recovery(worker_wait_s=args.worker_wait, join_timeout_s=args.join_timeout),
-            step_deadline_floor_s=args.step_deadline_floor,
-            drain_timeout_s=args.drain_timeout,
-        )
-    )
+    api = PublicApi(_settings(args, SchedulerSettings), host=args.host, port=args.port, api_keys=_api_keys(args))
+    asyncio.run(serve_scheduler(_engine_config(args), api, verifier=args.verifier, drafter=args.drafter))
     return 0
 
 
@@ -414,38 +437,40 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _up_stack(args: argparse.Namespace):
+    """What `minedraft up` starts (not started yet): one engine group, or N behind a gateway."""
     from minedraft.gateway.local import GatewayStack
     from minedraft.launcher import LocalStack
 
-    config = _engine_config(args, base=UP_DEFAULTS)  # validate first
+    config = _engine_config(args, base=UP_DEFAULTS)
     if args.engine_groups < 1:
         raise ValueError(f"--engine-groups must be >= 1, got {args.engine_groups}")
+    scheduler, keys = _settings(args, SchedulerSettings), _api_keys(args)
+    options = {"host": args.host, "port": args.port, "log_level": args.log_level, "scheduler": scheduler,
+               "worker": _settings(args, WorkerSettings, aliases=False)}  # fmt: skip
+    if args.engine_groups == 1:
+        return LocalStack(config, **options, api_keys=keys.keys)
+    if scheduler.http_port or keys.enabled or scheduler.tls_cert:
+        raise ValueError("--engine-groups > 1 serves gRPC through the gateway only: no --http-port, API keys or "
+                         "TLS there yet")  # fmt: skip
+    return GatewayStack(config, args.engine_groups, **options, gateway=_settings(args, GatewaySettings))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    stack = _up_stack(args)  # validate before starting anything
     # SIGTERM (and SIGINT, even when a non-interactive shell started us with it ignored) stop the stack
     # through the context manager, so no service process is left behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    api = _public_api(args)  # validate before starting anything
-    options = {"host": args.host, "port": args.port, "max_waiting": args.max_waiting_requests,
-               "log_level": args.log_level, "metrics_port": args.metrics_port}  # fmt: skip
-    if args.engine_groups > 1:
-        if api.http_port or api.api_keys.keys or api.tls_cert:
-            raise ValueError("--engine-groups > 1 serves gRPC through the gateway only: no --http-port, API keys or "
-                             "TLS there yet")
-        stack = GatewayStack(config, args.engine_groups, **options)
-    else:
-        stack = LocalStack(
-            config, **options, http_port=api.http_port, api_keys=api.api_keys.keys, tls_cert=api.tls_cert,
-            tls_key=api.tls_key, served_model_name=api.served_model_name, max_prompt_bytes=api.max_prompt_bytes,
-            drain_timeout_s=args.drain_timeout,
-        )  # fmt: skip
     with stack:
         groups = f", {args.engine_groups} engine groups behind a gateway" if args.engine_groups > 1 else ""
-        print(f"MineDraft ({config.mode.value}{groups}) is serving on {stack.address}; Ctrl-C stops it", flush=True)
-        if api.http_port and args.engine_groups == 1:
+        print(f"MineDraft ({stack.config.mode.value}{groups}) is serving on {stack.address}; Ctrl-C stops it",
+              flush=True)  # fmt: skip
+        if args.engine_groups == 1 and stack.http_url:
             print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
-        if args.metrics_port:
-            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics"
+        metrics_port = _settings(args, SchedulerSettings).metrics_port
+        if metrics_port:
+            print(f"Prometheus metrics: http://{args.host}:{metrics_port}/metrics"
                   + (" (group i: port + i)" if args.engine_groups > 1 else ""), flush=True)  # fmt: skip
         stack.wait()
         return _report_exited(stack.exited())
@@ -483,7 +508,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             tokenizer_path=args.tokenizer or str(EngineConfig().target_path), host=args.host, port=args.port,
             backends=_backends(args.backend),
             k8s_service=args.k8s_service, namespace=args.namespace, port_name=args.port_name,
-            placement_timeout_s=args.placement_timeout,
+            placement_timeout_s=_settings(args, GatewaySettings).placement_timeout,
         )
     )  # fmt: skip
     return 0
@@ -592,17 +617,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
     )
     _add_engine_args(up, base=UP_DEFAULTS)
-    _add_listen_args(up, port=50051, host="127.0.0.1", public=True)
-    _add(up, "--max-waiting-requests", 256, type=int, help="queued requests beyond this get RESOURCE_EXHAUSTED")
-    _add(up, "--metrics-port", 9090, type=int, help="the scheduler's Prometheus port (0 = off)")
+    _add_listen_args(up, port=50051, host="127.0.0.1")
     _add(
         up, "--engine-groups", 1, type=int,
         help="engine groups (verifier, drafter, scheduler each); above 1 a gateway serves at --port in front of them",
     )  # fmt: skip
-    _add(
-        up, "--drain-timeout", 30.0, type=float,
-        help="on SIGTERM/SIGINT: seconds the scheduler gets to finish the running requests before the workers stop",
-    )  # fmt: skip
+    _add_api_key_args(up)
+    _add_settings_args(up, SchedulerSettings, "scheduler (of every engine group; metrics port: group i gets port + i)")
+    _add_settings_args(up, WorkerSettings, "workers (drafter and verifier of every engine group)", aliases=False)
+    _add_settings_args(up, GatewaySettings, "gateway (with --engine-groups above 1)")
     up.set_defaults(func=cmd_up)
 
     gateway = sub.add_parser(
@@ -620,10 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(gateway, "--port-name", "grpc", help="the scheduler port's name in the EndpointSlices")
     _add(gateway, "--tokenizer", None, help="folder of the target's tokenizer.json (text is "
          "derived at the gateway, exact across a migration); default: the bundled target")  # fmt: skip
-    _add(
-        gateway, "--placement-timeout", 60.0, type=float,
-        help="seconds a request without a deadline may wait for a serving group; then UNAVAILABLE",
-    )  # fmt: skip
+    _add_settings_args(gateway, GatewaySettings, "gateway")
     gateway.set_defaults(func=cmd_gateway)
 
     verifier = sub.add_parser("verifier", help="run the verifier service (all tensor-parallel ranks), as a pod does")
@@ -640,28 +660,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run the scheduler (public gRPC and OpenAI HTTP APIs), as a pod does")
     _add_engine_args(scheduler)
-    _add_listen_args(scheduler, port=50051, public=True)
+    _add_listen_args(scheduler, port=50051)
     _add(scheduler, "--verifier", "127.0.0.1:50061", help="verifier rank 0's gRPC address")
     _add(scheduler, "--drafter", "127.0.0.1:50062", help="drafter's gRPC address (ignored without speculation)")
-    _add(scheduler, "--max-waiting-requests", 256, type=int, help="queued requests beyond this: RESOURCE_EXHAUSTED")
-    _add(scheduler, "--metrics-port", 9090, type=int, help="Prometheus port (0 = off)")
-    _add(scheduler, "--startup-timeout", 1800.0, type=float, help="seconds to wait for the workers to load")
-    _add(
-        scheduler, "--worker-wait", 300.0, type=float,
-        help="seconds to hold requests while no verifier serves (it died and is restarting); then they fail with "
-        "UNAVAILABLE",
-    )  # fmt: skip
-    _add(scheduler, "--join-timeout", 180.0, type=float, help="seconds the workers may take to form a new world")
-    _add(
-        scheduler, "--drain-timeout", 30.0, type=float,
-        help="on SIGTERM: stop admitting (NOT_SERVING, new requests get UNAVAILABLE) and give the running requests "
-        "this many seconds to finish; the rest then get UNAVAILABLE",
-    )  # fmt: skip
-    _add(
-        scheduler, "--step-deadline-floor", 60.0, type=float,
-        help="a step that takes longer than max(this, 10 x the 99th percentile of recent steps) counts as a hung "
-        "worker: the scheduler re-forms the group without it",
-    )  # fmt: skip
+    _add_api_key_args(scheduler)
+    _add_settings_args(scheduler, SchedulerSettings, "scheduler")
     scheduler.set_defaults(func=cmd_scheduler)
     return parser
 

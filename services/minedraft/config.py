@@ -190,10 +190,7 @@ class DistributedConfig(BaseModel):
     master_addr: str = Field("127.0.0.1", description="Verifier rank 0's address, as the drafter reaches it.")
     master_port: int = Field(29500, ge=1, le=65535, description="TCP store port on verifier rank 0.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
-    timeout_s: float = Field(120.0, gt=0, description="How long a collective may wait for its peers.")
-    drain_timeout_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long to wait for the scheduler to finish its steps first."
-    )
+    timeout_s: float = Field(gt=0, description="How long a collective may wait for its peers (workers' dist_timeout).")
     store_host: str | None = Field(
         None, description="Interface verifier rank 0's rendezvous store listens on (None: all interfaces)."
     )

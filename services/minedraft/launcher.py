@@ -20,10 +20,10 @@ import grpc
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.serving import is_serving
+from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, WorkerSettings, settings_flags
 from minedraft.supervision import supervised_child
 
-# How long the scheduler may take to drain on SIGTERM (its --drain-timeout default) and to exit after.
-DRAIN_TIMEOUT_S = 30.0
+# How long the scheduler may take to exit after its request drain.
 _EXIT_MARGIN_S = 15.0
 
 
@@ -49,16 +49,19 @@ def threads_per_worker(config: EngineConfig, cores: int) -> int:
     return max(1, cores // (config.tensor_parallel_size + overlapped))
 
 
-def public_api_flags(
-    tls_cert: str | None, tls_key: str | None, served_model_name: str | None, max_prompt_bytes: int | None
-) -> list[str]:
-    """The scheduler's optional listen flags (API keys travel in the environment)."""
-    flags = []
-    for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key), ("--served-model-name", served_model_name),
-                        ("--max-prompt-bytes", max_prompt_bytes)):  # fmt: skip
-        if value is not None:
-            flags += [flag, str(value)]
-    return flags
+def scheduler_settings(**fields) -> SchedulerSettings:
+    """A launched scheduler's settings: the model's defaults, but no metrics port unless asked (tests start
+    many stacks at once)."""
+    return SchedulerSettings(**{"metrics_port": 0, **fields})
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the MINEDRAFT_ variables of engine and service settings: a child gets those whole, as
+    JSON flags, and a variable inherited from the launcher's shell would override them."""
+    models = (EngineConfig, *SETTINGS_MODELS)
+    names = {n for m in models for n in m.model_fields} | {m.json_name for m in SETTINGS_MODELS}
+    names |= {"engine_config"} | {old for m in SETTINGS_MODELS for old in m.deprecated_names}
+    return {k: v for k, v in env.items() if k not in {"MINEDRAFT_" + n.upper() for n in names}}
 
 
 class LocalStack:
@@ -71,64 +74,65 @@ class LocalStack:
         self,
         config: EngineConfig,
         *,
+        scheduler: SchedulerSettings | None = None,
+        worker: WorkerSettings | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_waiting: int = 256,
+        api_keys: Sequence[str] = (),
         log_level: str = "INFO",
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
-        metrics_port: int = 0,
         workers_only: bool = False,
-        dist_timeout_s: float | None = None,
-        http_port: int = 0,
-        api_keys: Sequence[str] = (),
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        served_model_name: str | None = None,
-        max_prompt_bytes: int | None = None,
-        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> None:
-        """`http_port`: the OpenAI HTTP API's port, 0 = off, -1 = a free one. With TLS, the start-up
-        health checks trust `tls_cert` (which must name `host`)."""
+        """`scheduler`: default `scheduler_settings()`. With TLS, the start-up health checks trust its
+        tls_cert (which must name `host`)."""
         self.config = config
-        self.drain_timeout_s = drain_timeout_s
+        self.scheduler = scheduler or scheduler_settings()
+        self.worker = worker or WorkerSettings()
         self.port = port or free_port()
-        self.metrics_port = metrics_port  # the scheduler's Prometheus port; 0 = not served
+        self.metrics_port = self.scheduler.metrics_port  # 0 = not served
         self.address = f"{host}:{self.port}"
-        self.http_port = free_port() if http_port == -1 else http_port
-        self.http_url = f"{'https' if tls_cert else 'http'}://{host}:{self.http_port}" if self.http_port else None
+        self.http_port = self.scheduler.http_port
+        self.http_url = f"{'https' if self.scheduler.tls_cert else 'http'}://{host}:{self.http_port}" if (
+            self.http_port) else None  # fmt: skip
         self._api_keys = list(api_keys)
-        self._tls_cert = tls_cert
         self.startup_timeout_s = startup_timeout_s
         self._log_dir = log_dir
         self._processes: list[tuple[str, subprocess.Popen]] = []
-        verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
-        self.verifier_address = f"127.0.0.1:{verifier_port}"
-        self.drafter_address = f"127.0.0.1:{drafter_port}" if config.speculative_config is not None else None
-        engine = engine_flags(config)
-        dist = ["--dist-addr", "127.0.0.1", "--dist-port", str(dist_port)]
-        if dist_timeout_s is not None:  # how long a worker waits in a collective for a hung peer
-            dist += ["--dist-timeout", str(dist_timeout_s)]
-        common = ["--log-level", log_level]
-        self._commands = [
-            ("verifier", ["verifier", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(verifier_port)]),
-            ("scheduler", [
-                "scheduler", *engine, *common, "--host", host, "--port", str(self.port),
-                "--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
-                "--max-waiting-requests", str(max_waiting), "--metrics-port", str(metrics_port),
-                "--http-port", str(self.http_port), *public_api_flags(tls_cert, tls_key, served_model_name,
-                                                                      max_prompt_bytes),
-                "--drain-timeout", str(drain_timeout_s),
-            ]),
-        ]  # fmt: skip
-        if config.speculative_config is not None:
-            drafter = ["drafter", *engine, *dist, *common, "--host", "127.0.0.1", "--port", str(drafter_port)]
-            self._commands.insert(1, ("drafter", drafter))
+        self._commands = self._build_commands(host, log_level)
         if workers_only:  # the caller drives the workers itself (the offline API with tensor parallelism)
             self._commands = [c for c in self._commands if c[0] != "scheduler"]
         self._ready_addresses = (
             [a for a in (self.verifier_address, self.drafter_address) if a] if workers_only else [self.address]
         )
+
+    def _build_commands(self, host: str, log_level: str) -> list[tuple[str, list[str]]]:
+        """Each service's `minedraft ...` arguments: the engine config and its settings as one JSON each."""
+        verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
+        self.verifier_address = f"127.0.0.1:{verifier_port}"
+        speculative = self.config.speculative_config is not None
+        self.drafter_address = f"127.0.0.1:{drafter_port}" if speculative else None
+        engine = [*engine_flags(self.config), "--log-level", log_level]
+        worker = [*engine, "--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), *settings_flags(self.worker),
+                  "--host", "127.0.0.1"]  # fmt: skip
+        commands = [
+            ("verifier", ["verifier", *worker, "--port", str(verifier_port)]),
+            ("drafter", ["drafter", *worker, "--port", str(drafter_port)]),
+            ("scheduler", ["scheduler", *engine, "--host", host, "--port", str(self.port), "--verifier",
+                           self.verifier_address, "--drafter", f"127.0.0.1:{drafter_port}",
+                           *settings_flags(self.scheduler)]),
+        ]  # fmt: skip
+        return [c for c in commands if speculative or c[0] != "drafter"]
+
+    @property
+    def commands(self) -> dict[str, list[str]]:
+        """Each service's arguments to `minedraft` (what it is started, and restarted, with)."""
+        return dict(self._commands)
+
+    @property
+    def drain_timeout_s(self) -> float:
+        """How long the scheduler drains its requests on SIGTERM."""
+        return self.scheduler.request_drain_timeout
 
     def __enter__(self) -> LocalStack:
         self.start()
@@ -152,7 +156,7 @@ class LocalStack:
 
     def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
         options = supervised_child()
-        env = options.pop("env")
+        env = child_env(options.pop("env"))
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
         if name == "scheduler":
             env = self._scheduler_env(env)
@@ -188,8 +192,9 @@ class LocalStack:
                     time.sleep(0.25)
 
     def _channel(self, address: str) -> grpc.Channel:
-        if self._tls_cert and address == self.address:
-            return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(self._tls_cert).read_bytes()))
+        cert = self.scheduler.tls_cert
+        if cert and address == self.address:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(cert).read_bytes()))
         return grpc.insecure_channel(address)
 
     def process(self, name: str) -> subprocess.Popen:

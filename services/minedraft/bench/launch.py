@@ -11,7 +11,7 @@ from typing import Any
 from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
 
 def run_launch_bench(
@@ -43,7 +43,8 @@ def run_launch_bench(
             print(f"== {mode}: starting the stack (logs in {log_dir / mode})", flush=True)
             (log_dir / mode).mkdir(parents=True, exist_ok=True)
             metrics_port = free_port()
-            stack = LocalStack(config, metrics_port=metrics_port, log_dir=log_dir / mode, log_level=log_level)
+            settings = scheduler_settings(metrics_port=metrics_port)
+            stack = LocalStack(config, scheduler=settings, log_dir=log_dir / mode, log_level=log_level)
             stacks[mode] = (running.enter_context(stack), f"http://127.0.0.1:{metrics_port}/metrics")
         for round_ in range(repeats):
             for mode, (stack, url) in stacks.items():

@@ -7,11 +7,14 @@ import logging
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.drafter.node import DrafterNode
 from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.settings import WorkerSettings
 
 log = logging.getLogger("minedraft.drafter")
 
 
-def serve_drafter(config: EngineConfig, dist: DistributedConfig, host: str, port: int) -> None:
+def serve_drafter(
+    config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
+) -> None:
     if config.speculative_config is None:
         raise ValueError("the drafter needs --speculative-config (plain autoregressive decoding has no drafter)")
     servicer = NodeServicer()
@@ -22,7 +25,7 @@ def serve_drafter(config: EngineConfig, dist: DistributedConfig, host: str, port
     )
 
     def stop() -> None:
-        servicer.wait_until_quiet(dist.drain_timeout_s)
+        servicer.wait_until_quiet(settings.step_drain_timeout)
         server.stop(grace=5).wait()
         if servicer.node is not None:
             servicer.node.close()

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, child_env, free_port, scheduler_settings
+from minedraft.settings import GatewaySettings, SchedulerSettings, WorkerSettings, settings_flags
 from minedraft.supervision import supervised_child
 
 
@@ -24,39 +25,42 @@ class GatewayStack:
         config: EngineConfig,
         groups: int,
         *,
+        scheduler: SchedulerSettings | None = None,
+        worker: WorkerSettings | None = None,
+        gateway: GatewaySettings | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_waiting: int = 256,
         log_level: str = "INFO",
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
-        metrics_port: int = 0,
-        placement_timeout_s: float = 60.0,
         metrics_ports: list[int] | None = None,
     ) -> None:
+        """Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
+        metrics_ports[i], else on scheduler.metrics_port + i (0 = off)."""
         if groups < 1:
             raise ValueError(f"engine groups must be >= 1, got {groups}")
         self.config = config
-        # group i's scheduler serves Prometheus metrics on metrics_ports[i], else metrics_port + i (0 = off)
-        metrics_ports = metrics_ports or [metrics_port + i if metrics_port else 0 for i in range(groups)]
+        scheduler = scheduler or scheduler_settings()
+        base = scheduler.metrics_port
+        metrics_ports = metrics_ports or [base + i if base else 0 for i in range(groups)]
         self.groups = [
             LocalStack(
                 config,
-                max_waiting=max_waiting,
+                scheduler=scheduler.model_copy(update={"metrics_port": metrics_ports[i]}),
+                worker=worker,
                 log_level=log_level,
                 log_dir=_group_dir(log_dir, i),
                 startup_timeout_s=startup_timeout_s,
-                metrics_port=metrics_ports[i],
-            )  # fmt: skip
+            )
             for i in range(groups)
         ]
+        self.settings = gateway or GatewaySettings()
         self.port = port or free_port()
         self.address = f"{host}:{self.port}"
         self._log_dir = log_dir
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         self._log_level = log_level
-        self._placement_timeout_s = placement_timeout_s
         self._startup_timeout_s = startup_timeout_s
         self.gateway: subprocess.Popen | None = None
 
@@ -67,7 +71,7 @@ class GatewayStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def gateway_command(self, port: int | None = None, placement_timeout_s: float | None = None) -> list[str]:
+    def gateway_command(self, port: int | None = None, settings: GatewaySettings | None = None) -> list[str]:
         """The gateway's command line; another `port` gives a second replica in front of the same groups."""
         backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
         host, own_port = self.address.rsplit(":", 1)
@@ -75,7 +79,7 @@ class GatewayStack:
         return [
             sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(self.config.target_path), *backends,
             "--host", host, "--port", port, "--log-level", self._log_level,
-            "--placement-timeout", str(placement_timeout_s or self._placement_timeout_s),
+            *settings_flags(settings or self.settings),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -90,8 +94,10 @@ class GatewayStack:
     def start_gateway(self) -> None:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
         out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
+        options = supervised_child()
+        env = child_env(options.pop("env"))
         self.gateway = subprocess.Popen(
-            self.gateway_command(), stdout=out, stderr=subprocess.STDOUT if out else None, **supervised_child()
+            self.gateway_command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None, **options
         )
         _wait_serving(self.address, self.gateway, self._startup_timeout_s)
 

@@ -67,18 +67,6 @@ class ForwardBatch:
     def to(self, device: torch.device | str) -> ForwardBatch:
         return ForwardBatch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
-    def flatten(self) -> torch.Tensor:
-        """One int64 tensor ([tokens, seqs, rows, width] then the fields), e.g. for a single broadcast."""
-        sizes = torch.tensor([len(self.input_ids), len(self.start_pos), len(self.logits_indices),
-                              self.block_tables.shape[1]])
-        return torch.cat([sizes.to(self.input_ids.device)] + [getattr(self, f.name).flatten() for f in fields(self)])
-
-    @classmethod
-    def unflatten(cls, flat: torch.Tensor) -> ForwardBatch:
-        tokens, seqs, rows, width = flat[:4].tolist()
-        *parts, tables = flat[4:].split([tokens, tokens, tokens, seqs, seqs, rows, seqs * width])
-        return cls(*parts, tables.view(seqs, width))
-
 
 class ModelRunner:
     def __init__(self, path: str | Path, *, max_seq_len: int, num_slots: int = 1, device: str = "cpu",

@@ -21,7 +21,6 @@ from grpc_reflection.v1alpha import reflection
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
@@ -33,48 +32,32 @@ from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import RemoteExecutor
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import MAX_MESSAGE_BYTES, PUBLIC_SERVICE
+from minedraft.settings import SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
-
-# Room in a gRPC message beyond the prompt's own bytes: sampling fields, stop strings, the request id.
-_MESSAGE_HEADROOM_BYTES = 64 * 1024
 
 
 @dataclass
 class PublicApi:
-    """How the scheduler faces clients: listeners, keys, TLS and input limits (the "listen" flags)."""
+    """How the scheduler faces clients: its settings, plus the listen address and the API keys (per process,
+    and secret: not settings)."""
 
+    settings: SchedulerSettings = field(default_factory=SchedulerSettings)
     host: str = "0.0.0.0"
     port: int = 50051
-    http_port: int = 0  # 0 = no OpenAI HTTP API
     api_keys: ApiKeys = field(default_factory=ApiKeys)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    served_model_name: str | None = None  # default: the target checkpoint's folder name
-    max_waiting: int = 256
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-
-    def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-
-    @property
-    def max_request_bytes(self) -> int:
-        return self.max_prompt_bytes + _MESSAGE_HEADROOM_BYTES
 
 
 def build_engine(
-    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, startup_timeout_s: float,
-    recovery: Recovery,
-    step_deadline_floor_s: float = 60.0,
+    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, settings: SchedulerSettings
 ) -> LLMEngine:
     """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
     left), then build the engine over them (the scheduler holds no model)."""
     drafter = drafter if config.speculative_config is not None else None
-    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=step_deadline_floor_s))
-    executor.wait_until_serving(startup_timeout_s)
+    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=settings.step_deadline_floor))
+    executor.wait_until_serving(settings.startup_timeout)
     info = executor.check_config(config)
-    executor.form_group(config, with_drafter=True, timeout_s=recovery.join_timeout_s)
+    executor.form_group(config, with_drafter=True, timeout_s=settings.join_timeout)
     return executor.make_engine(config, tokenizer, info)
 
 
@@ -90,7 +73,7 @@ async def _start_grpc(
 ) -> grpc.aio.Server:
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", api.max_request_bytes),  # bigger requests fail before parsing
+        ("grpc.max_receive_message_length", api.settings.max_request_bytes),  # bigger requests fail before parsing
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, interceptors=[GrpcAuthInterceptor(api.api_keys, [PUBLIC_SERVICE])])
@@ -98,8 +81,9 @@ async def _start_grpc(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([PUBLIC_SERVICE, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
     address = f"{api.host}:{api.port}"
-    if api.tls_cert:
-        credentials = grpc.ssl_server_credentials([(Path(api.tls_key).read_bytes(), Path(api.tls_cert).read_bytes())])
+    tls = api.settings
+    if tls.tls_cert:
+        credentials = grpc.ssl_server_credentials([(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())])
         bound = server.add_secure_port(address, credentials)
     else:
         bound = server.add_insecure_port(address)
@@ -107,13 +91,15 @@ async def _start_grpc(
         raise OSError(f"cannot listen on {address}")
     await server.start()
     log.info("gRPC API on %s:%d%s (NOT_SERVING until the workers are ready)", api.host, bound,
-             " with TLS" if api.tls_cert else "")  # fmt: skip
+             " with TLS" if tls.tls_cert else "")  # fmt: skip
     return server
 
 
 async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
+    settings = api.settings
     config = uvicorn.Config(
-        frontend.app(), host=api.host, port=api.http_port, ssl_certfile=api.tls_cert, ssl_keyfile=api.tls_key,
+        frontend.app(), host=api.host, port=settings.http_port, ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
         lifespan="off", access_log=False, log_level="warning",
     )  # fmt: skip
     server = _EmbeddedUvicorn(config)
@@ -121,9 +107,9 @@ async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_Embedd
     while not server.started:  # fail now, not later, if the port is taken
         if task.done():
             task.result()
-            raise OSError(f"cannot listen on {api.host}:{api.http_port}")
+            raise OSError(f"cannot listen on {api.host}:{settings.http_port}")
         await asyncio.sleep(0.05)
-    log.info("OpenAI HTTP API on %s://%s:%d", "https" if api.tls_cert else "http", api.host, api.http_port)
+    log.info("OpenAI HTTP API on %s://%s:%d", "https" if settings.tls_cert else "http", api.host, settings.http_port)
     return server, task
 
 
@@ -147,46 +133,36 @@ class _Serving:
             await self.health.set(name, status)
 
 
-async def serve_scheduler(
-    config: EngineConfig,
-    api: PublicApi,
-    *,
-    verifier: str,
-    drafter: str | None,
-    metrics_port: int | None,
-    startup_timeout_s: float,
-    recovery: Recovery,
-    step_deadline_floor_s: float = 60.0,
-    drain_timeout_s: float = 30.0,
-) -> None:
+async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None) -> None:
     if config.speculative_config is not None and not drafter:
         raise ValueError("a speculative config needs a drafter address (--drafter)")
+    settings = api.settings
     tokenizer = load_tokenizer(config.target_path)
-    generator = Generator(tokenizer, Limits(max_prompt_bytes=api.max_prompt_bytes, max_waiting=api.max_waiting))
+    limits = Limits(max_prompt_bytes=settings.max_prompt_bytes, max_waiting=settings.max_waiting_requests)
+    generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)
     server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
 
-    metrics = Metrics(model_name=api.served_model_name or config.target_path.name)
-    if metrics_port:
-        metrics.serve(metrics_port, addr=api.host)
+    model_name = settings.served_model_name or config.target_path.name
+    metrics = Metrics(model_name=model_name)
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port, addr=api.host)
     http = None
-    if api.http_port:
+    if settings.http_port:
         frontend = OpenAIFrontend(
             generator,
-            served_model_name=api.served_model_name or config.target_path.name,
+            served_model_name=model_name,
             chat_template=ChatTemplate.from_checkpoint(config.target_path),
             api_keys=api.api_keys,
             is_serving=lambda: state.serving,
             registry=metrics.registry,
-            max_body_bytes=api.max_request_bytes,
+            max_body_bytes=settings.max_request_bytes,
         )
         http = await _start_http(api, frontend)
 
     try:
-        engine = await asyncio.to_thread(
-            build_engine, config, tokenizer, verifier, drafter, startup_timeout_s, recovery, step_deadline_floor_s
-        )
+        engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings)
     except BaseException:
         await _stop_http(http)
         await server.stop(grace=None)
@@ -196,6 +172,7 @@ async def serve_scheduler(
     def report(serving: bool, reason: str) -> None:  # called from the step-loop thread
         asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
+    recovery = Recovery(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
     loop = EngineLoop(engine, metrics, on_state=report, recovery=recovery)
     loop.start()
     generator.loop = loop
@@ -206,7 +183,7 @@ async def serve_scheduler(
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await drain(state, loop, drain_timeout_s)
+    await drain(state, loop, settings.request_drain_timeout)
     if http is not None:
         http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
     await server.stop(grace=5)

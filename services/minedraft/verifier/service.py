@@ -7,6 +7,7 @@ import multiprocessing as mp
 
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.settings import WorkerSettings
 from minedraft.supervision import die_with_parent
 from minedraft.verifier.node import VerifierNode
 
@@ -24,7 +25,9 @@ def _follower_main(config_json: str, dist_json: str, rank: int) -> None:
         node.close()
 
 
-def serve_verifier(config: EngineConfig, dist: DistributedConfig, host: str, port: int) -> None:
+def serve_verifier(
+    config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
+) -> None:
     followers = [
         mp.get_context("spawn").Process(
             target=_follower_main,
@@ -48,7 +51,7 @@ def serve_verifier(config: EngineConfig, dist: DistributedConfig, host: str, por
     log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
 
     def stop() -> None:
-        servicer.wait_until_quiet(dist.drain_timeout_s)
+        servicer.wait_until_quiet(settings.step_drain_timeout)
         node = holder.get("node")
         if node is not None:
             node.stop_followers()

@@ -1,0 +1,115 @@
+"""Service settings: one pydantic model per service role, as `EngineConfig` is for the engine.
+
+Each model is the one place of its options' names, help, bounds and defaults: the CLI generates a flag
+per field (`--http-port`, env MINEDRAFT_HTTP_PORT) plus one flag for the whole model as JSON
+(`--scheduler-settings`, env MINEDRAFT_SCHEDULER_SETTINGS), and a launcher hands each child process its
+models as that JSON. Addresses that wire one process to another (listen host and port, the workers'
+addresses, the gateway's backends) and secrets (API keys) are not settings: they stay per-process flags.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+
+# Room in a gRPC message beyond the prompt's own bytes: sampling fields, stop strings, the request id.
+MESSAGE_HEADROOM_BYTES = 64 * 1024
+
+
+class ServiceSettings(BaseModel):
+    """What the settings models share: unknown keys are errors, and how the CLI names the whole model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # the flag (and MINEDRAFT_<NAME> variable) that takes the whole model as JSON
+    json_name: ClassVar[str]
+    # old field name -> new one: the old spelling still works, with a warning, for one release
+    deprecated_names: ClassVar[dict[str, str]] = {}
+
+
+class SchedulerSettings(ServiceSettings):
+    """The scheduler: its public APIs (HTTP port, TLS, served name, input limits), metrics, and how it
+    waits for, recovers and drains its engine group."""
+
+    json_name = "scheduler_settings"
+    deprecated_names = {"drain_timeout": "request_drain_timeout"}
+
+    http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP API (and /metrics) port; 0 = off.")
+    served_model_name: str | None = Field(
+        None, description="Model name of the HTTP API and the metrics; none: the target's folder name."
+    )
+    tls_cert: str | None = Field(
+        None, description="PEM certificate (chain) of both public listeners; with tls_key: TLS on."
+    )
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
+    max_prompt_bytes: int = Field(
+        DEFAULT_MAX_PROMPT_BYTES, ge=1, description="Longer prompts are refused before tokenizing; also bounds "
+        "request sizes.",
+    )  # fmt: skip
+    max_waiting_requests: int = Field(256, ge=0, description="Queued requests beyond this get RESOURCE_EXHAUSTED.")
+    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus port; 0 = off.")
+    startup_timeout: float = Field(1800.0, gt=0, description="Seconds to wait for the workers to load.")
+    worker_wait: float = Field(
+        300.0, ge=0, description="Seconds to hold requests while no verifier serves (it died and is restarting); "
+        "then they fail with UNAVAILABLE.",
+    )  # fmt: skip
+    join_timeout: float = Field(180.0, gt=0, description="Seconds the workers may take to form a new world.")
+    request_drain_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM: stop admitting (NOT_SERVING, new requests get UNAVAILABLE) and give "
+        "the running requests this many seconds to finish; the rest then get UNAVAILABLE.",
+    )  # fmt: skip
+    step_deadline_floor: float = Field(
+        60.0, gt=0, description="A step that takes longer than max(this, 10 x the 99th percentile of recent steps) "
+        "counts as a hung worker: the scheduler re-forms the world without it.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> SchedulerSettings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_prompt_bytes + MESSAGE_HEADROOM_BYTES
+
+
+class WorkerSettings(ServiceSettings):
+    """A drafter or verifier: how long it waits for a hung peer, and for the scheduler when it stops."""
+
+    json_name = "worker_settings"
+    deprecated_names = {"drain_timeout": "step_drain_timeout"}
+
+    dist_timeout: float = Field(
+        120.0, gt=0, description="Seconds a collective waits for a peer; a hung peer is given up after this "
+        "(forming a world too).",
+    )  # fmt: skip
+    step_drain_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM: wait up to this many seconds for the scheduler to stop sending steps "
+        "(it drains its requests first), then stop.",
+    )  # fmt: skip
+
+
+class GatewaySettings(ServiceSettings):
+    """The gateway: how long a request may wait for an engine group."""
+
+    json_name = "gateway_settings"
+
+    placement_timeout: float = Field(
+        60.0, gt=0, description="Seconds a request without a deadline may wait for a serving engine group; then "
+        "UNAVAILABLE.",
+    )  # fmt: skip
+
+
+SETTINGS_MODELS: tuple[type[ServiceSettings], ...] = (SchedulerSettings, WorkerSettings, GatewaySettings)
+
+
+def settings_flags(*settings: ServiceSettings) -> list[str]:
+    """The flags that give a child process these settings whole, one JSON per model."""
+    flags = []
+    for model in settings:
+        flags += ["--" + model.json_name.replace("_", "-"), model.model_dump_json()]
+    return flags

@@ -1,0 +1,132 @@
+"""Service settings reach every process they concern, as `minedraft up` starts them (one engine group, and N
+behind a gateway): each child's command line, parsed by the real CLI, gives the settings the user asked for.
+
+Every field is set off its default, so a dropped one shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minedraft.cli import _settings, _up_stack, build_parser
+from minedraft.frontends.auth import API_KEYS_ENV
+from minedraft.launcher import child_env
+from minedraft.settings import GatewaySettings, SchedulerSettings, ServiceSettings, WorkerSettings
+
+SCHEDULER = SchedulerSettings(
+    http_port=8123, served_model_name="tiny", tls_cert="cert.pem", tls_key="key.pem", max_prompt_bytes=4096,
+    max_waiting_requests=7, metrics_port=9300, startup_timeout=77.0, worker_wait=11.0, join_timeout=12.0,
+    request_drain_timeout=5.0, step_deadline_floor=13.0,
+)  # fmt: skip
+# `up --engine-groups N` serves gRPC through the gateway only: no HTTP port or TLS there
+GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
+WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0)
+GATEWAY = GatewaySettings(placement_timeout=3.0)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch) -> None:
+    for key in [k for k in os.environ if k.startswith("MINEDRAFT_")]:
+        monkeypatch.delenv(key)
+
+
+def _off_default(settings: ServiceSettings, *exempt: str) -> ServiceSettings:
+    fields = type(settings).model_fields
+    on_default = [n for n, f in fields.items() if getattr(settings, n) == f.default and n not in exempt]
+    assert on_default == [], "set every field off its default"
+    return settings
+
+
+def _flags(settings: ServiceSettings) -> list[str]:
+    """The settings as a user types them: one flag per field."""
+    values = settings.model_dump(exclude_defaults=True)
+    return [arg for name, value in values.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+
+
+def _up(*argv: str):
+    return _up_stack(build_parser().parse_args(["up", *argv]))
+
+
+def _child(argv: list[str], model: type[ServiceSettings]) -> ServiceSettings:
+    """What a child process started with `argv` runs with."""
+    return _settings(build_parser().parse_args(argv), model)
+
+
+def test_every_service_setting_reaches_every_process_of_up() -> None:
+    scheduler, worker = _off_default(SCHEDULER), _off_default(WORKER)
+    stack = _up(*_flags(scheduler), *_flags(worker), "--api-key", "secret-1")
+    commands = stack.commands
+    assert _child(commands["scheduler"], SchedulerSettings) == scheduler
+    for name in ("verifier", "drafter"):
+        assert _child(commands[name], WorkerSettings) == worker
+    assert stack._scheduler_env({})[API_KEYS_ENV] == "secret-1"  # the keys: in its environment
+    assert all("secret-1" not in arg for args in commands.values() for arg in args)
+    assert stack.drain_timeout_s == scheduler.request_drain_timeout  # how long `up` waits for it on stop
+
+
+def test_every_service_setting_reaches_every_process_of_up_with_engine_groups() -> None:
+    scheduler = _off_default(GROUPS_SCHEDULER, "http_port", "tls_cert", "tls_key")
+    worker, gateway = _off_default(WORKER), _off_default(GATEWAY)
+    stack = _up("--engine-groups", "3", *_flags(scheduler), *_flags(worker), *_flags(gateway))
+    assert len(stack.groups) == 3
+    for i, group in enumerate(stack.groups):
+        expected = scheduler.model_copy(update={"metrics_port": scheduler.metrics_port + i})
+        assert _child(group.commands["scheduler"], SchedulerSettings) == expected
+        for name in ("verifier", "drafter"):
+            assert _child(group.commands[name], WorkerSettings) == worker
+    command = stack.gateway_command()
+    assert command[1:3] == ["-m", "minedraft"]
+    assert _child(command[3:], GatewaySettings) == gateway
+
+
+def test_up_with_engine_groups_gives_the_schedulers_the_drain_timeout(capsys) -> None:
+    """`up --engine-groups 2 --drain-timeout 5` (the old spelling) used to run its schedulers with 30 s."""
+    stack = _up("--engine-groups", "2", "--drain-timeout", "5")
+    for group in stack.groups:
+        assert _child(group.commands["scheduler"], SchedulerSettings).request_drain_timeout == 5
+        assert group.drain_timeout_s == 5
+    assert "--drain-timeout is deprecated, use --request-drain-timeout" in capsys.readouterr().err
+
+
+def test_up_with_engine_groups_refuses_what_only_one_group_serves() -> None:
+    with pytest.raises(ValueError, match="gateway only"):
+        _up("--engine-groups", "2", "--http-port", "8000")
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "field"),
+    [("scheduler", SchedulerSettings, "request_drain_timeout"), ("verifier", WorkerSettings, "step_drain_timeout"),
+     ("drafter", WorkerSettings, "step_drain_timeout")],
+)  # fmt: skip
+def test_the_old_drain_timeout_spelling_still_works(command, model, field, monkeypatch, capsys) -> None:
+    assert getattr(_child([command, "--drain-timeout", "7"], model), field) == 7
+    monkeypatch.setenv("MINEDRAFT_DRAIN_TIMEOUT", "8")
+    assert getattr(_child([command], model), field) == 8
+    new = "--" + field.replace("_", "-")
+    assert getattr(_child([command, new, "9"], model), field) == 9  # the new name wins
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert f"deprecated alias of {new}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_flags_override_the_json_and_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MINEDRAFT_SCHEDULER_SETTINGS", SCHEDULER.model_dump_json())
+    monkeypatch.setenv("MINEDRAFT_WORKER_WAIT", "21")
+    settings = _child(["scheduler", "--join-timeout", "22"], SchedulerSettings)
+    assert settings == SCHEDULER.model_copy(update={"worker_wait": 21.0, "join_timeout": 22.0})
+
+
+def test_children_do_not_inherit_setting_variables() -> None:
+    """A child gets its settings whole; the launcher's MINEDRAFT_METRICS_PORT would override group i's port."""
+    env = {"MINEDRAFT_METRICS_PORT": "9090", "MINEDRAFT_DRAIN_TIMEOUT": "1", "MINEDRAFT_MAX_NUM_SEQS": "2",
+           API_KEYS_ENV: "k", "PATH": "/bin"}  # fmt: skip
+    assert child_env(env) == {API_KEYS_ENV: "k", "PATH": "/bin"}
+
+
+def test_bad_settings_fail_with_the_field_name() -> None:
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        _child(["scheduler", "--max-waiting-requests", "-1"], SchedulerSettings)
+    with pytest.raises(ValueError, match="TLS needs both"):
+        _child(["scheduler", "--tls-cert", "cert.pem"], SchedulerSettings)
