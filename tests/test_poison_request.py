@@ -21,7 +21,7 @@ from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.workers import FAULT_PREFIX_ENV
-from minedraft.launcher import LocalStack
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 
 from tiny_models import make_tiny_checkpoint
@@ -71,7 +71,8 @@ def test_a_poison_request_fails_alone_and_sixteen_streams_complete_unchanged(
     pair, expected, speculative, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv(FAULT_PREFIX_ENV, ",".join(map(str, POISON)))  # the worker processes inherit it
-    with LocalStack(_config(pair, speculative), http_port=-1, log_dir=tmp_path) as stack, \
+    settings = scheduler_settings(http_port=free_port())
+    with LocalStack(_config(pair, speculative), scheduler=settings, log_dir=tmp_path) as stack, \
             Client(stack.address, timeout=300, retries=0) as client:  # fmt: skip
         started = threading.Event()
 

@@ -93,6 +93,7 @@ def test_the_quarantine_imports_no_torch() -> None:
     assert "minedraft.engine.quarantine" in sys.modules
     # The scheduler's step loop imports it; the core's rule: pure logic stays free of heavy imports.
     import importlib.util
+    from pathlib import Path
 
-    source = importlib.util.find_spec("minedraft.engine.quarantine").origin
-    assert "import torch" not in open(source).read()
+    source = Path(importlib.util.find_spec("minedraft.engine.quarantine").origin)
+    assert "import torch" not in source.read_text()

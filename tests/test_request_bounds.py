@@ -27,7 +27,7 @@ from minedraft import LLM
 from minedraft.api import generate_pb2 as pb
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.serving import is_serving
 
@@ -69,7 +69,7 @@ def _raw_json(fields: dict) -> bytes:
 def stack(tmp_path_factory):
     config = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, device="cpu",
                           speculative_config={"num_speculative_tokens": 2})  # fmt: skip
-    with LocalStack(config, http_port=-1, max_prompt_bytes=MAX_PROMPT_BYTES,
+    with LocalStack(config, scheduler=scheduler_settings(http_port=free_port(), max_prompt_bytes=MAX_PROMPT_BYTES),
                     log_dir=tmp_path_factory.mktemp("logs")) as running:  # fmt: skip
         yield running
 
