@@ -54,17 +54,18 @@ def _workload(vocab_size: int, n: int, seed: int) -> list[tuple[list[int], Sampl
 
 
 def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]],
-         stats: dict | None = None) -> list[list[int]]:
-    """Run the workload, adding each request at its arrival step, and return every output's tokens."""
-    engine = LLMEngine.local(config)
+         stats: dict | None = None, in_flight: int = 1) -> list[list[int]]:
+    """Run the workload, adding each request at its arrival step, and return every output's tokens.
+    `in_flight` 2: each step is planned before the previous one has run, as over the services' streams."""
+    engine = LLMEngine.local(config, max_in_flight=in_flight)
     try:
         requests: list = [None] * len(work)
         step = 0
-        while step == 0 or engine.has_unfinished() or any(r is None for r in requests):
+        while step == 0 or engine.has_unfinished() or engine.in_flight or any(r is None for r in requests):
             for i, (prompt, params, arrival) in enumerate(work):
                 if requests[i] is None and arrival <= step:
                     requests[i] = engine.add_request(prompt, params)
-            touched = engine.step()
+            touched = engine.advance() or []
             if stats is not None and any(r.num_prefilled is not None for r in engine.requests.values()):
                 stats["chunk_steps"] = stats.get("chunk_steps", 0) + 1
                 stats["decoded_beside_chunks"] = stats.get("decoded_beside_chunks", False) or bool(touched)
@@ -99,15 +100,17 @@ def _assert_same(target: Path, work, expected: list[list[int]], got: list[list[i
         warnings.warn(f"{mode}: differs from ar at token {i} on a near-tie of the target (gap {gap:.3g})", stacklevel=2)
 
 
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["one-in-flight", "planned-ahead"])
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_pair_matches_autoregressive(pair, mode: str, max_num_seqs: int) -> None:
+def test_pair_matches_autoregressive(pair, mode: str, max_num_seqs: int, in_flight: int) -> None:
     target, draft = pair
     vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
     work = _workload(vocab, n=10, seed=max_num_seqs)
     base = {"model": str(target), "max_num_seqs": max_num_seqs, "max_model_len": 96, **STRICT}
     expected = _run(EngineConfig(**base), work)
-    got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(draft)}), work)
+    got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(draft)}), work,
+               in_flight=in_flight)  # fmt: skip
     _assert_same(target, work, expected, got, mode)
 
 
@@ -118,8 +121,9 @@ def _kv_budget(target: Path, blocks: int, block_size: int) -> int:
                                     block_size, torch.float32)
 
 
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["one-in-flight", "planned-ahead"])
 @pytest.mark.parametrize("mode", ["ar", *MODES])
-def test_small_kv_budget_preempts_and_matches_autoregressive(pair, mode: str) -> None:
+def test_small_kv_budget_preempts_and_matches_autoregressive(pair, mode: str, in_flight: int) -> None:
     """24 requests through a KV pool with room for about two of them: admission waits for blocks, running
     requests are preempted and prefilled again later, and every output is still exactly ar's."""
     target, draft = pair
@@ -130,7 +134,7 @@ def test_small_kv_budget_preempts_and_matches_autoregressive(pair, mode: str) ->
     small = {**base, "block_size": 8, "kv_cache_memory_bytes": _kv_budget(target, 14, 8)}
     spec = {"speculative_config": {**MODES[mode], "model": str(draft)}} if mode != "ar" else {}
     stats: dict = {}
-    got = _run(EngineConfig(**small, **spec), work, stats)
+    got = _run(EngineConfig(**small, **spec), work, stats, in_flight)
     assert stats["preemptions"] > 0, "the budget is meant to force preemption"
     _assert_same(target, work, expected, got, mode)
 

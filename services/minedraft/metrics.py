@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 
+_FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -104,6 +105,14 @@ class Metrics:
             "minedraft:quarantined_requests", "Requests failed alone because every engine step they were in failed",
             registry=r,
         )
+        self.worker_step_seconds = Histogram(
+            "minedraft:worker_step_seconds", "A step's time on a worker, from its plan received to its reply sent",
+            ["role"], buckets=_FINE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_idle_seconds = Histogram(
+            "minedraft:worker_idle_seconds", "A worker's wait for the next plan while requests are running (the "
+            "gap between steps; on a GPU, the GPU's idle time)", ["role"], buckets=_FINE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.step_seconds = Histogram("minedraft:step_seconds", "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             "minedraft:draft_step_seconds", "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
@@ -125,9 +134,15 @@ class Metrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def record_step(self, result: StepResult, waiting: int, running: int) -> None:
+    def record_step(self, result: StepResult, waiting: int, running: int, was_busy: bool = True) -> None:
+        """`was_busy`: requests were running when the previous step ended, so the workers' wait for this
+        step's plan is a bubble in the pipeline (not a quiet server)."""
         self.waiting.set(waiting)
         self.running.set(running)
+        for role, seconds in result.worker_seconds.items():
+            self.worker_step_seconds.labels(role=role).observe(seconds)
+            if was_busy:
+                self.worker_idle_seconds.labels(role=role).observe(result.idle_seconds[role])
         self.step_seconds.observe(result.step_seconds)
         if result.draft_seconds:
             self.draft_seconds.observe(result.draft_seconds)

@@ -152,19 +152,32 @@ class NodeServicer:
         return worker_pb2.JoinReply(epoch=request.epoch)
 
     def Step(self, request, context):  # noqa: N802 (gRPC method name)
+        return self._run_step(self._ready_node(context), request, context)
+
+    def Steps(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        """One stream per world: the next plan is here, already received, when a step ends."""
+        node = self._ready_node(context)
+        for plan in request_iterator:
+            yield self._run_step(node, plan, context)
+
+    def _run_step(self, node: WorkerNode, plan: worker_pb2.StepPlan, context) -> worker_pb2.StepReply:
         from minedraft.worker_node import NotInWorld
 
-        node = self._ready_node(context)
         with self._lock:
+            start = time.monotonic()
+            idle = start - self._last_step
             try:
-                return node.step(request)
+                reply = node.step(plan)
             except NotInWorld as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except Exception as exc:
-                log.exception("step %d failed", request.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {exc}")
+                log.exception("step %d failed", plan.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc}")
             finally:
                 self._last_step = time.monotonic()
+            reply.compute_seconds = self._last_step - start
+            reply.idle_seconds = idle
+            return reply
 
     def GetWorkerInfo(self, request, context):  # noqa: N802
         return self._ready_node(context).info()

@@ -117,10 +117,12 @@ def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
     ]
 
 
-def result_from_replies(replies: list[worker_pb2.StepReply]) -> StepResult:
-    """Merge the drafter's and the verifier's replies to one step."""
+def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
+    """Merge the drafter's and the verifier's replies (by role) to one step."""
     result = StepResult()
-    for reply in replies:
+    for role, reply in replies.items():
+        result.worker_seconds[role] = reply.compute_seconds
+        result.idle_seconds[role] = reply.idle_seconds
         result.verified.extend(
             Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted) for v in reply.verified
         )

@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_worker__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/minedraft.v1.Worker/Steps',
+                request_serializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_worker__pb2.StepReply.FromString,
+                _registered_method=True)
         self.GetWorkerInfo = channel.unary_unary(
                 '/minedraft.v1.Worker/GetWorkerInfo',
                 request_serializer=minedraft_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
@@ -70,6 +75,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """The same, as one stream for the life of a world: plans down, replies up, in order. The scheduler
+        sends the next plan while this one runs, so the worker starts it as soon as it has replied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWorkerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -86,6 +99,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.FromString,
+                    response_serializer=minedraft_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=minedraft_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=minedraft_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
             ),
@@ -147,6 +165,33 @@ class Worker:
             request,
             target,
             '/minedraft.v1.Worker/Step',
+            minedraft_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
+            minedraft_dot_v1_dot_worker__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/minedraft.v1.Worker/Steps',
             minedraft_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             minedraft_dot_v1_dot_worker__pb2.StepReply.FromString,
             options,

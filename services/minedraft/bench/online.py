@@ -363,6 +363,8 @@ def _format_server(s: ServerStepStats) -> list[str]:
         f"{_fmt(s.mean_draft_seconds, '.2f', 1e3)} / {_fmt(s.mean_verify_seconds, '.2f', 1e3)}",
         f"    control-plane overhead    {_fmt(s.control_plane_overhead, '.1%')}  (approximate)",
         f"    overlap efficiency        {_fmt(s.overlap_efficiency, '.2f')}",
+        "    worker idle (% of wall)   "
+        + (", ".join(f"{role} {share:.1%}" for role, share in s.worker_idle_share.items()) or "-"),
     ]
 
 

@@ -9,7 +9,7 @@ run (provided nothing else is using the server meanwhile).
 from __future__ import annotations
 
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +21,9 @@ OVERLAP = "minedraft:step_overlap_ratio"
 NUM_DRAFTS = "minedraft:spec_decode_num_drafts"
 NUM_ACCEPTED = "minedraft:spec_decode_num_accepted_tokens"
 GENERATION_TOKENS = "minedraft:generation_tokens"
+WORKER_STEP = "minedraft:worker_step_seconds"
+WORKER_IDLE = "minedraft:worker_idle_seconds"
+ROLES = ("verifier", "drafter")
 
 Samples = dict[str, float]
 
@@ -42,6 +45,10 @@ def scrape(url: str, timeout: float = 10.0) -> Samples:
             if sample.name.endswith(("_bucket", "_created")):
                 continue
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            role = sample.labels.get("role")
+            if role is not None:  # per worker too: `name{role}`
+                key = f"{sample.name}{{{role}}}"
+                samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 
@@ -75,6 +82,8 @@ class ServerStepStats:
     num_drafts: int  # verifications carrying drafts (one per request per verify step)
     num_accepted_tokens: int
     generation_tokens: int
+    worker_step_seconds_sum: dict[str, float] = field(default_factory=dict)  # per worker role
+    worker_idle_seconds_sum: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_scrapes(cls, before: Samples, after: Samples) -> ServerStepStats:
@@ -93,7 +102,20 @@ class ServerStepStats:
             num_drafts=count(NUM_DRAFTS + "_total"),
             num_accepted_tokens=count(NUM_ACCEPTED + "_total"),
             generation_tokens=count(GENERATION_TOKENS + "_total"),
+            worker_step_seconds_sum={r: _delta(before, after, f"{WORKER_STEP}_sum{{{r}}}") for r in ROLES},
+            worker_idle_seconds_sum={r: _delta(before, after, f"{WORKER_IDLE}_sum{{{r}}}") for r in ROLES},
         )
+
+    @property
+    def worker_idle_share(self) -> dict[str, float]:
+        """Per worker: its wait for plans as a share of its time while requests ran (wait + compute). The
+        bubble the step protocol leaves; on GPUs, the GPU's idle time."""
+        shares = {}
+        for role in ROLES:
+            idle, busy = self.worker_idle_seconds_sum.get(role, 0.0), self.worker_step_seconds_sum.get(role, 0.0)
+            if idle + busy > 0:
+                shares[role] = idle / (idle + busy)
+        return shares
 
     @property
     def mean_step_seconds(self) -> float | None:
@@ -162,6 +184,7 @@ class ServerStepStats:
                 "overlap_efficiency",
                 "control_plane_overhead",
                 "mean_accepted_length",
+                "worker_idle_share",
             )
         }
         return {**asdict(self), **derived}

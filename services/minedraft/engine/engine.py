@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from minedraft.engine.batch_manager import BlockBudget
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
-from minedraft.engine.request import Request, SpecDecodeStats
+from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
 
@@ -72,6 +73,8 @@ class LLMEngine:
         self.step_stats = StepStats()
         self.num_preemptions = 0  # requests sent back to the queue for lack of KV blocks, over the engine's life
         self.last_step: StepResult | None = None
+        self._in_flight: deque[int] = deque()  # the numbers of the steps handed over and not applied, oldest first
+        self._num_planned = 0
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
@@ -170,38 +173,84 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that got new tokens or finished in it."""
-        self.last_step = None
+        return self.collect_step() if self.submit_step() else []
+
+    def advance(self) -> list[Request] | None:
+        """Keep the executor fed: submit steps until `max_in_flight` are out (the next plan then travels while
+        a step runs), then apply the oldest one. Returns the requests it touched; None if no step ran."""
+        while self.has_unfinished() and self.in_flight < self.max_in_flight and self.submit_step():
+            pass
+        return self.collect_step() if self.in_flight else None
+
+    @property
+    def in_flight(self) -> int:
+        """Steps handed to the executor whose results have not been applied yet."""
+        return len(self._in_flight)
+
+    @property
+    def max_in_flight(self) -> int:
+        """Steps that may be in flight at once: 2 where the executor takes a step while one runs (the next
+        plan is then on its way while the workers compute) and the mode plans without the last results."""
+        return getattr(self.executor, "max_in_flight", 1) if self.pipeline.plans_ahead else 1
+
+    def submit_step(self) -> bool:
+        """Plan the next step and hand it to the executor; False if there is nothing to run.
+
+        With a step still in flight (`max_in_flight` 2) this plans from the results applied so far: a request
+        that finishes in the step in flight may be planned once more (its tokens are dropped), and the
+        workers bound every write by their own KV limits."""
         self._release_finished()
         preempted = self.pipeline.batches.preempt_to_fit()
         if preempted:
             self.num_preemptions += len(preempted)
             self.executor.release([r.request_id for r in preempted])
         admitted, draft, verify = self.pipeline.schedule()
+        self._num_planned += 1
+        for request in admitted:
+            request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
                 [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch) for r in admitted]
             )
         if draft is None and verify is None:
-            return []
-        result = self.executor.step(draft, verify)
+            return False
+        self.executor.submit(draft, verify)
+        self._in_flight.append(self._num_planned)
+        return True
+
+    def collect_step(self) -> list[Request]:
+        """Apply the oldest step in flight; return the requests that got new tokens or finished in it."""
+        step = self._in_flight.popleft()
+        result = self.executor.collect()
         self.step_stats.add(result)
         self.last_step = result
         touched = []
         for verified in result.verified:
-            request = self.requests.get(verified.request_id)
+            request = self._running_since(verified.request_id, step)
             if request is None:
                 continue
             request.pending_drafts = None
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
-            if not request.finished:  # aborted during the step: its tokens are dropped
+            if not request.finished:  # finished or aborted meanwhile: its tokens are dropped
                 self._append(request, verified.token_ids)
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
-            if request_id in self.requests:
-                self.requests[request_id].pending_drafts = num_tokens
+            request = self._running_since(request_id, step)
+            if request is not None:
+                request.pending_drafts = num_tokens
         touched.extend(r for r in self._release_finished() if r not in touched)
+        if not self.requests and not self._in_flight:
+            self.executor.flush()  # idle: free the last requests' KV now, not with a next step
         return touched
+
+    def _running_since(self, request_id: str, step: int) -> Request | None:
+        """The request, if the workers still hold the state that `step` ran on: not if it was preempted, or
+        admitted again, after that step was planned (its tokens then come again from its new admission)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING and not request.finished:
+            return None
+        return request if request.admitted_in <= step else None
 
     @staticmethod
     def _append(request: Request, token_ids: list[int]) -> None:
@@ -216,6 +265,7 @@ class LLMEngine:
         request again from its prompt and the tokens it has so far, in arrival order, speculating or (without
         a drafter) target-only. The workers re-prefill them; no token already produced changes. Requests
         for which `may_run` is false are held (see `hold`)."""
+        self._in_flight.clear()  # the steps in flight were lost with the old world
         batches = self.pipeline.batches
         running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
         for request in [r for r in running if r.finished]:
@@ -231,11 +281,12 @@ class LLMEngine:
             self.hold(request_id)
 
     @classmethod
-    def local(cls, config: EngineConfig) -> LLMEngine:
-        """Drafter and verifier in this process (the offline API and the tests)."""
+    def local(cls, config: EngineConfig, max_in_flight: int = 1) -> LLMEngine:
+        """Drafter and verifier in this process (the offline API and the tests). `max_in_flight` 2 plans
+        each step before the previous one has run (see `advance`), as the services do."""
         from minedraft.engine.local_executor import build_local_executor
 
-        executor, runner = build_local_executor(config, num_slots=num_slots(config))
+        executor, runner = build_local_executor(config, num_slots=num_slots(config), max_in_flight=max_in_flight)
         caches = [w.runner.kv_cache for w in (executor.verifier, executor.drafter) if w is not None]
         return cls(
             config,
@@ -251,7 +302,9 @@ class LLMEngine:
         """Admission by the workers' KV pool (a step of the pipeline can write `lookahead` tokens more)."""
         if self.kv_pool is not None:
             num_blocks, block_size = self.kv_pool
-            pipeline.batches.budget = BlockBudget(num_blocks, block_size, pipeline.lookahead, self.max_model_len)
+            # Each step in flight can write `lookahead` tokens that the engine has not seen yet.
+            lookahead = pipeline.lookahead * self.max_in_flight
+            pipeline.batches.budget = BlockBudget(num_blocks, block_size, lookahead, self.max_model_len)
 
     def _release_finished(self) -> list[Request]:
         done = self.pipeline.batches.remove_finished()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -36,25 +37,56 @@ class LocalExecutor:
     """
 
     def __init__(
-        self, verifier: VerifyWorker, drafter: DraftWorker | None = None, stage_threads: int | None = None
+        self,
+        verifier: VerifyWorker,
+        drafter: DraftWorker | None = None,
+        stage_threads: int | None = None,
+        max_in_flight: int = 1,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
+        self.max_in_flight = max_in_flight
+        self._admit: list[Admission] = []
+        self._release: list[str] = []
+        self._submitted: deque[tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]] = deque()
         # Without a drafter nothing overlaps: verify on the caller's thread.
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
 
     def admit(self, seqs: list[Admission]) -> None:
-        self.verifier.admit(seqs)
-        if self.drafter:
-            self.drafter.admit(seqs)
+        self._admit.extend(seqs)
 
     def release(self, request_ids: list[str]) -> None:
-        self.verifier.release(request_ids)
-        if self.drafter:
-            self.drafter.release(request_ids)
+        self._release.extend(request_ids)
+
+    def submit(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> None:
+        """Queue a step with the admissions and releases made since the last one; it runs when collected,
+        in order (one caller thread does both). With `max_in_flight` 2 the engine plans a step before the
+        previous one has run, as it does over the services' streams: the same schedules, in one process."""
+        self._submitted.append((self._admit, self._release, draft, verify))
+        self._admit, self._release = [], []
+
+    def collect(self) -> StepResult:
+        admit, release, draft, verify = self._submitted.popleft()
+        self._apply(admit, release)
+        return self._run(draft, verify)
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        self.submit(draft, verify)
+        return self.collect()
+
+    def flush(self) -> None:
+        """Apply the admissions and releases made since the last step (the engine is idle)."""
+        self._apply(self._admit, self._release)
+        self._admit, self._release = [], []
+
+    def _apply(self, admit: list[Admission], release: list[str]) -> None:
+        for worker in (self.verifier, self.drafter):
+            if worker is not None:
+                worker.release(release)
+                worker.admit(admit)
+
+    def _run(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
         start = time.perf_counter()
         result = StepResult()
         if draft is not None and (self.drafter is None or self._draft_thread is None):
@@ -78,9 +110,6 @@ class LocalExecutor:
         result.step_seconds = time.perf_counter() - start
         return result
 
-    def flush(self) -> None:
-        """Nothing to do: admissions and releases take effect at once in one process."""
-
     def close(self) -> None:
         for thread in (self._verify_thread, self._draft_thread):
             if thread is not None:
@@ -93,7 +122,9 @@ def _stage_thread(name: str, threads: int | None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
 
-def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExecutor, ModelRunner]:
+def build_local_executor(
+    config: EngineConfig, num_slots: int, max_in_flight: int = 1
+) -> tuple[LocalExecutor, ModelRunner]:
     """Load the target (and the draft, when speculating) into this process."""
     if config.tensor_parallel_size != 1:
         raise ValueError("the in-process executor runs the target on one device (tensor_parallel_size=1)")
@@ -109,7 +140,7 @@ def build_local_executor(config: EngineConfig, num_slots: int) -> tuple[LocalExe
         drafter = DraftWorker(draft, support_size=config.draft_support_size)
     overlapped = drafter is not None and device == "cpu"
     stage_threads = max(1, torch.get_num_threads() // 2) if overlapped else None
-    return LocalExecutor(VerifyWorker(target), drafter, stage_threads), target
+    return LocalExecutor(VerifyWorker(target), drafter, stage_threads, max_in_flight), target
 
 
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:

@@ -1,7 +1,9 @@
 """The four decoding modes as step schedules over one executor.
 
 Each `schedule()` admits waiting requests, then returns what to draft and what to verify in the next
-step. A request's `pending_drafts` is the number of draft tokens the verifier holds for it (None: none yet).
+step. Two-batch schedules verify what they drafted the step before (`drafted`), so they can plan a step
+while the previous one still runs; PEARL plans from `pending_drafts`, the number of draft tokens the
+verifier holds for a request after the last step (None: none).
 A prompt longer than the step's token budget is prefilled in chunks first (both workers, the same
 chunks in the same step); until then it sits in its batch but is neither drafted nor verified.
 """
@@ -22,12 +24,16 @@ _MIN_CHUNK = 16  # prefill tokens per step however busy decoding is, so a long p
 
 class Pipeline(ABC):
     num_batches = 1
+    # Whether the next step can be planned before the last one's results are applied (see
+    # `LLMEngine.submit_step`): true where a schedule needs only what it planned itself.
+    plans_ahead = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.spec: SpeculativeConfig | None = config.speculative_config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
+        self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
 
     @property
     def lookahead(self) -> int:
@@ -39,7 +45,9 @@ class Pipeline(ABC):
         admitted, draft, verify = self._schedule()
         for request in admitted:
             request.num_prefilled = 0 if len(request.token_ids) > self.max_num_batched_tokens else None
-        return admitted, *self._chunk_prefills(draft, verify)
+        draft, verify = self._chunk_prefills(draft, verify)
+        self.drafted = {t.request_id for t in draft.tasks} if draft else set()
+        return admitted, draft, verify
 
     @abstractmethod
     def _schedule(self) -> Schedule:
@@ -91,11 +99,6 @@ class Pipeline(ABC):
         capacity = (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
         return DraftPlan(tasks, tetris_capacity=capacity)
 
-    @staticmethod
-    def _verify_plan(requests: list[Request], keep_bonus: bool = True) -> VerifyPlan | None:
-        ready = [VerifyTask(r.request_id, keep_bonus) for r in requests if r.pending_drafts is not None]
-        return VerifyPlan(ready) if ready else None
-
 
 class AutoregressivePipeline(Pipeline):
     """Target only: every step verifies the whole batch with no drafts, one token each."""
@@ -123,13 +126,19 @@ class TwoBatchPipeline(Pipeline):
         x = self._step % 2
         self._step += 1
         if self.num_batches == 1 and x == 1:  # SD's verify half-step
-            return [], None, self._verify_plan(self.batches.batches[0])
+            return [], None, self._verify_drafted(self.batches.batches[0])
         # Before decoding starts requests spread over both batches; later they join the one drafted next.
         starting = self.batches.num_running == 0
         admitted = self.batches.admit_balanced() if starting else self.batches.admit_into(x)
         to_draft = self.batches.batches[x]
         to_verify = self.batches.batches[1 - x] if self.num_batches == 2 else []
-        return admitted, self._draft_plan(to_draft), self._verify_plan(to_verify)
+        return admitted, self._draft_plan(to_draft), self._verify_drafted(to_verify)
+
+    def _verify_drafted(self, batch: list[Request]) -> VerifyPlan | None:
+        """Verify the requests of `batch` that the previous step drafted (planned, not yet necessarily run:
+        the step protocol keeps the workers' order, so their windows are there when this step runs)."""
+        ready = [VerifyTask(r.request_id) for r in batch if r.request_id in self.drafted]
+        return VerifyPlan(ready) if ready else None
 
 
 class SequentialPipeline(TwoBatchPipeline):
@@ -140,7 +149,12 @@ class SequentialPipeline(TwoBatchPipeline):
 
 class PearlPipeline(Pipeline):
     """Batched PEARL: while a batch's windows are verified, draft their continuations; keep a
-    continuation where its window was accepted in full, redraft from the correction elsewhere."""
+    continuation where its window was accepted in full, redraft from the correction elsewhere.
+
+    It plans from the drafts that survived the last step (`pending_drafts`), so it waits for each step's
+    results before planning the next."""
+
+    plans_ahead = False
 
     def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)

@@ -109,14 +109,27 @@ class StepResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0
+    # Per worker role, when the workers run apart: the step's time on it, and its wait for the step's plan.
+    worker_seconds: dict[str, float] = field(default_factory=dict)
+    idle_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class Executor(Protocol):
-    """Runs steps on a drafter/verifier pair: in one process, or across processes and pods."""
+    """Runs steps on a drafter/verifier pair: in one process, or across processes and pods.
+
+    `submit` hands a step over and `collect` returns the oldest submitted step's result, in order; up to
+    `max_in_flight` steps may be submitted and not collected (2 where the workers can take the next plan
+    while one runs). `step` is submit and collect at once."""
+
+    max_in_flight: int
 
     def admit(self, seqs: list[Admission]) -> None: ...
 
     def release(self, request_ids: list[str]) -> None: ...
+
+    def submit(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> None: ...
+
+    def collect(self) -> StepResult: ...
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult: ...
 

@@ -80,6 +80,7 @@ class Request:
     pending_drafts: int | None = None  # draft tokens the verifier holds for it, to verify; None = not drafted
     batch: int = 0  # which of the engine's batches it runs in
     num_prefilled: int | None = None  # chunked prefill: tokens both workers hold so far (None: not prefilling)
+    admitted_in: int = 0  # the engine's step that last admitted it to the workers
     _streamed: int = 0  # characters of text already handed to a stream
 
     @classmethod

@@ -10,7 +10,7 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -127,6 +127,7 @@ class DraftWorker(_Worker):
 
     def draft(self, plan: DraftPlan) -> None:
         """Draft every task's window autoregressively, all requests batched in each forward."""
+        plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
         tasks = [t for t in plan.tasks if t.num_tokens > 0]
         seqs = [self.sequences[t.request_id] for t in tasks]
         bases = [self._base(t) for t in tasks]
@@ -169,6 +170,12 @@ class DraftWorker(_Worker):
         seeds = seed_tensor([seq.seed for seq in seqs], self.device)[:, None]
         starts = torch.tensor([len(base) for base in bases], dtype=torch.int64, device=self.device)[:, None]
         return uniforms(seeds, DRAFT, starts + torch.arange(width, device=self.device)[None, :], starts)
+
+    def _within_capacity(self, task: DraftTask) -> DraftTask:
+        """A plan made ahead of the last results may ask for drafts past a request's end (it finished in the
+        step before): never past what its KV cache can hold."""
+        room = max(0, self.runner.max_seq_len - len(self._base(task)))
+        return task if task.num_tokens <= room else replace(task, num_tokens=room)
 
     def _base(self, task: DraftTask) -> list[int]:
         """The token sequence the task drafts after."""
@@ -222,6 +229,8 @@ class VerifyWorker(_Worker):
         if _FAULT_PREFIX and any(seq.tokens[: len(_FAULT_PREFIX)] == _FAULT_PREFIX for seq in seqs):
             raise RuntimeError(f"injected fault ({FAULT_PREFIX_ENV})")
         windows = [self._drafts.pop(t.request_id, None) or Drafts() for t in plan.tasks]
+        for seq, window in zip(seqs, windows):  # a plan made ahead may run a request once past its end
+            window.truncate(max(0, self.runner.max_seq_len - len(seq.tokens)))
         inputs = [seq.pending(seq.tokens) for seq in seqs]
         logits = self.runner.forward(
             [

@@ -127,6 +127,7 @@ class EngineLoop:
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
         self.draining = False
         self.quarantine = Quarantine()
+        self._was_busy = False  # requests were running when the last step ended (its successor's wait counts)
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
         self._limit_logged_at = 0.0
 
@@ -146,7 +147,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            idle = not self.engine.has_unfinished()
+            idle = not self.engine.has_unfinished() and not self.engine.in_flight
             if self.failed is not None:
                 self._retry_after_failure()
             elif idle:
@@ -154,7 +155,7 @@ class EngineLoop:
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
             self._take_drafter_back()
-            if self.engine.has_unfinished() and self.failed is None:
+            if (self.engine.has_unfinished() or self.engine.in_flight) and self.failed is None:
                 self._safe(self._step)
 
     def _apply_commands(self, block: bool) -> bool:
@@ -231,34 +232,48 @@ class EngineLoop:
                     sink.started()
 
     def _step(self) -> None:
-        touched = self.engine.step()
+        """Keep the workers fed: plan and send steps until `max_in_flight` are out (the next plan travels
+        while a step runs), then apply the oldest one's results and stream them."""
+        engine = self.engine
+        touched = engine.advance()
+        if touched is None:
+            return
         if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
-            self.engine.release_held(self.quarantine.may_run)
-        batches = self.engine.pipeline.batches
+            engine.release_held(self.quarantine.may_run)
+        batches = engine.pipeline.batches
         self.num_waiting = len(batches.waiting)
         if self._unstarted:
             self._report_started()
-        if self.metrics and self.engine.last_step is not None:
-            self.metrics.record_step(self.engine.last_step, self.num_waiting, batches.num_running)
-            self._record_kv(batches, self.engine.num_preemptions)
+        if self.metrics:
+            self.metrics.record_step(engine.last_step, self.num_waiting, batches.num_running, self._was_busy)
+            self._record_kv(batches, engine.num_preemptions)
+        self._was_busy = engine.has_unfinished()
         for request in touched:
             sink = self._sinks.get(request.request_id)
-            if sink is None:
-                continue
+            if sink is not None:
+                self._deliver(request, sink)
+
+    def _deliver(self, request: Request, sink: Sink) -> None:
+        """Stream a request's new tokens and text; a failure here is this request's alone."""
+        try:
             new_ids = request.output_ids[sink.sent_tokens :]
             sink.sent_tokens = len(request.output_ids)
-            if self.metrics:
-                self.metrics.generation_tokens.inc(len(new_ids))
             text = request.take_stream_delta()
-            if request.finished:
-                del self._sinks[request.request_id]
-                self.quarantine.forget(request.request_id)
-                if self.metrics:
-                    self.metrics.record_finished(request)
-            if request.error is not None:
-                sink.put(RequestFailed(f"request {request.request_id} failed: {request.error}"))
-            elif text or new_ids or request.finished:
-                sink.put(StreamItem(text, new_ids, request if request.finished else None))
+        except Exception as exc:
+            request.fail(f"streaming its output failed: {type(exc).__name__}: {exc}")
+            self.engine.abort_request(request.request_id)
+            new_ids, text = [], ""
+        if self.metrics:
+            self.metrics.generation_tokens.inc(len(new_ids))
+        if request.finished:
+            del self._sinks[request.request_id]
+            self.quarantine.forget(request.request_id)
+            if self.metrics:
+                self.metrics.record_finished(request)
+        if request.error is not None:
+            sink.put(RequestFailed(f"request {request.request_id} failed: {request.error}"))
+        elif text or new_ids or request.finished:
+            sink.put(StreamItem(text, new_ids, request if request.finished else None))
 
     def _record_kv(self, batches: BatchManager, num_preemptions: int) -> None:
         budget = batches.budget
@@ -338,6 +353,7 @@ class EngineLoop:
             log.warning("could not form the engine group: %s", exc)
             return False
         self.engine.restart(speculate=executor.has_drafter, may_run=self.quarantine.may_run)
+        self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
         log.info("engine group formed (epoch %d), %s; %d requests re-admitted", executor.epoch, mode,
                  len(self.engine.requests))

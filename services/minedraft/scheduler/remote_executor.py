@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import secrets
 import time
+from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import grpc
@@ -37,16 +39,39 @@ class WorkerClient:
         self.channel.close()
 
 
+class PlanStream:
+    """One worker's `Steps` stream: plans go down in order, replies come back in the same order."""
+
+    def __init__(self, worker: WorkerClient) -> None:
+        self.worker = worker
+        self._plans: queue.SimpleQueue[worker_pb2.StepPlan | None] = queue.SimpleQueue()
+        self._replies = worker.stub.Steps(iter(self._plans.get, None))
+
+    def send(self, plan: worker_pb2.StepPlan) -> None:
+        self._plans.put(plan)
+
+    def receive(self) -> worker_pb2.StepReply:
+        return next(self._replies)
+
+    def close(self) -> None:
+        self._plans.put(None)
+        self._replies.cancel()
+
+
 class RemoteExecutor:
-    """Admissions and releases are batched into the next step's plan, so a step costs one round trip per
-    worker; `flush` sends them when the engine has nothing else to run (freeing KV blocks promptly).
+    """Admissions and releases are batched into the next step's plan; `flush` sends them when the engine
+    has nothing else to run (freeing KV blocks promptly). Plans travel on one stream per worker and world,
+    and the engine sends the next step's plan while a step runs (`max_in_flight` 2), so no round trip
+    stands between two steps on a worker.
 
     The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
     when it is alive. Every formation is a new epoch; the workers drop all request state when they join
     one, so a new scheduler, or one whose worker died and came back, starts from free caches.
     """
 
-    def __init__(self, verifier: str, drafter: str | None, step_deadline: StepDeadline | None = None) -> None:
+    def __init__(self, verifier: str, drafter: str | None, step_deadline: StepDeadline | None = None,
+                 max_in_flight: int = 2) -> None:  # fmt: skip
+        self.max_in_flight = max_in_flight
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.deadline = step_deadline or StepDeadline(floor_s=60.0)
@@ -56,6 +81,9 @@ class RemoteExecutor:
         self._release: list[str] = []
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
+        self._streams: dict[str, PlanStream] = {}  # per member, for the life of a world
+        self._submitted: deque[tuple[int, float]] = deque()  # (step id, when sent) of the steps in flight
+        self._last_collected = 0.0
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -71,6 +99,7 @@ class RemoteExecutor:
         Raises if a member does not run `config` or does not join in time."""
         members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
         self.members = []
+        self._close_streams()  # the steps in flight belong to the old world
         self.check_config(config, members)
         self.epoch += 1
         join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
@@ -124,29 +153,56 @@ class RemoteExecutor:
             self.step(None, None)
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
+        self.submit(draft, verify)
+        return self.collect()
+
+    def submit(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> None:
+        """Send the step's plan down each member's stream (opened once per world); it waits there, received,
+        while the step before it runs."""
         if not self.members:
             raise RuntimeError("no engine group is formed (form_group)")
-        start = time.perf_counter()
+        if not self._streams:
+            self._streams = {w.role: PlanStream(w) for w in self.members}
         self._step_id += 1
         plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
         plan.epoch = self.epoch
         self._admit, self._release = [], []
-        timeout = self.deadline.seconds()
-        calls = {self._calls.submit(w.stub.Step, plan, timeout=timeout): w for w in self.members}
-        # A worker that fails leaves its peer blocked in the step-end exchange: do not wait for the peer.
-        done, _ = wait(calls, return_when=FIRST_EXCEPTION)
+        for stream in self._streams.values():
+            stream.send(plan)
+        self._submitted.append((self._step_id, time.perf_counter()))
+
+    def collect(self) -> StepResult:
+        """The oldest step's replies, merged. Raises if a worker fails it or does not answer by the deadline
+        (a worker that fails leaves its peer blocked in the step-end exchange: the peer is not waited for)."""
+        step_id, submitted_at = self._submitted.popleft()
+        replies = {self._calls.submit(stream.receive): stream.worker for stream in self._streams.values()}
+        done, pending = wait(replies, timeout=self.deadline.seconds(), return_when=FIRST_EXCEPTION)
         for call in done:
             if call.exception() is not None:
-                worker = calls[call]
+                worker = replies[call]
                 raise RuntimeError(
-                    f"the {worker.role} at {worker.address} failed step {self._step_id}: {_describe(call.exception())}"
+                    f"the {worker.role} at {worker.address} failed step {step_id}: {_describe(call.exception())}"
                 ) from call.exception()
-        result = result_from_replies([c.result() for c in calls])
-        result.step_seconds = time.perf_counter() - start
+        if pending:
+            late = ", ".join(f"the {replies[c].role} at {replies[c].address}" for c in pending)
+            raise TimeoutError(f"{late} did not answer step {step_id} within {self.deadline.seconds():.0f}s")
+        result = result_from_replies({w.role: c.result() for c, w in replies.items()})
+        # A step's time is from the end of the one before it (or its own submission, if later) to its end:
+        # with the next plan sent ahead, that is what each step costs.
+        now = time.perf_counter()
+        result.step_seconds = now - max(submitted_at, self._last_collected)
+        self._last_collected = now
         self.deadline.observe(result.step_seconds)
         return result
 
+    def _close_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams = {}
+        self._submitted.clear()
+
     def close(self) -> None:
+        self._close_streams()
         self._calls.shutdown(wait=False)
         for worker in self.workers:
             worker.close()

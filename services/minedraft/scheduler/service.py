@@ -54,7 +54,8 @@ def build_engine(
     """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
     left), then build the engine over them (the scheduler holds no model)."""
     drafter = drafter if config.speculative_config is not None else None
-    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=settings.step_deadline_floor))
+    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=settings.step_deadline_floor),
+                              max_in_flight=settings.max_steps_in_flight)  # fmt: skip
     executor.wait_until_serving(settings.startup_timeout)
     info = executor.check_config(config)
     executor.form_group(config, with_drafter=True, timeout_s=settings.join_timeout)

@@ -1,0 +1,110 @@
+"""Served against offline, with and without plans sent ahead: what the step protocol costs.
+
+For each decoding mode this runs, interleaved round by round on the same prompts:
+
+- `offline`: the engine in this process (`minedraft.LLM`), the yardstick;
+- `served-1`: `minedraft up`'s services, each step planned after the last one's results (one step in flight);
+- `served-2`: the same services, the next plan sent while a step runs (two in flight, the default).
+
+It prints tok/s (median of the rounds), served / offline, and each worker's idle share of its time
+(`minedraft:worker_idle_seconds` against `minedraft:worker_step_seconds`), and checks that every greedy
+output equals the offline one.
+
+    python benchmarks/step_protocol.py                      # ar, sd, minedraft; 32 prompts x 64 tokens
+    python benchmarks/step_protocol.py --modes sd --rounds 5 --num-prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from minedraft import LLM, SamplingParams
+from minedraft.bench.offline import mode_configs
+from minedraft.bench.online import run_online_bench
+from minedraft.bench.prompts import load_prompts
+from minedraft.config import EngineConfig
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="ar,sd,minedraft")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    prompts = load_prompts(limit=args.num_prompts)
+    configs = mode_configs({"num_speculative_tokens": args.k})
+    engine = {"device": "cpu", "max_num_seqs": args.concurrency}
+    results: dict[tuple[str, str], list[float]] = {}
+    idle: dict[tuple[str, str], list[dict[str, float]]] = {}
+    outputs: dict[tuple[str, str], list[list[int]]] = {}
+    with ExitStack() as running, tempfile.TemporaryDirectory() as logs:
+        engines = {}
+        for mode in modes:
+            config = EngineConfig(**engine, speculative_config=configs[mode])
+            # MineDraft runs two batches of max_num_seqs: the same number in flight as the others.
+            if mode in ("minedraft", "pearl"):
+                config = config.model_copy(update={"max_num_seqs": max(1, args.concurrency // 2)})
+            engines[(mode, "offline")] = LLM(**config.model_dump(exclude={"speculative_config"}),
+                                             speculative_config=configs[mode])  # fmt: skip
+            for depth in (1, 2):
+                port = free_port()
+                settings = scheduler_settings(metrics_port=port, max_steps_in_flight=depth)
+                log_dir = Path(logs) / f"{mode}-{depth}"
+                log_dir.mkdir()
+                stack = LocalStack(config, scheduler=settings, log_dir=log_dir)
+                engines[(mode, f"served-{depth}")] = (running.enter_context(stack), f"http://127.0.0.1:{port}/metrics")
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for key, target in engines.items():
+                time.sleep(1.0)  # let the last run's threads settle
+                tok_s, tokens, shares = _run(target, prompts, args)
+                if round_ == 0:
+                    continue
+                results.setdefault(key, []).append(tok_s)
+                idle.setdefault(key, []).append(shares)
+                outputs[key] = tokens
+                print(f"round {round_} {key[0]:>9} {key[1]:<9} {tok_s:8.1f} tok/s", flush=True)
+    _report(modes, results, idle, outputs)
+
+
+def _run(target, prompts: list[str], args) -> tuple[float, list[list[int]], dict[str, float]]:
+    if isinstance(target, LLM):
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        out = target.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [o.outputs[0].token_ids for o in out]
+        return sum(map(len, tokens)) / seconds, tokens, {}
+    stack, metrics_url = target
+    result = run_online_bench(stack.address, prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                              temperature=0.0, ignore_eos=True, metrics_url=metrics_url)  # fmt: skip
+    tokens = [r.token_ids for r in sorted(result.ok, key=lambda r: r.index)]
+    return result.output_throughput, tokens, result.server.worker_idle_share if result.server else {}
+
+
+def _report(modes, results, idle, outputs) -> None:
+    print("\n| mode | engine | tok/s | vs offline | verifier idle | drafter idle | outputs != offline |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in modes:
+        offline = statistics.median(results[(mode, "offline")])
+        for variant in ("offline", "served-1", "served-2"):
+            key = (mode, variant)
+            tok_s = statistics.median(results[key])
+            shares = {role: statistics.median(s.get(role, 0.0) for s in idle[key]) for role in ("verifier", "drafter")}
+            differ = sum(a != b for a, b in zip(outputs[key], outputs[(mode, "offline")]))
+            fmt = {r: f"{v:.1%}" if variant != "offline" and (v or r == "verifier") else "-" for r, v in shares.items()}
+            print(f"| {mode} | {variant} | {tok_s:.0f} | {tok_s / offline:.2f} | {fmt['verifier']} | {fmt['drafter']} "
+                  f"| {differ} |")
+
+
+if __name__ == "__main__":
+    main()

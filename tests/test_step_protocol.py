@@ -1,0 +1,113 @@
+"""The step protocol with plans sent ahead: a step is planned while the previous one runs.
+
+In one process (`LLMEngine.local(max_in_flight=2)`) the same schedules run as over the services' streams,
+so the protocol's edge cases are checked here step by step; the services' own streams are checked with
+real processes (their failure paths under SIGKILL are in test_self_healing.py, which runs them too).
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from minedraft.bench.online import run_online_bench
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.sampling.params import SamplingParams
+
+SPEC = {"num_speculative_tokens": 3, "is_parallel": True}
+
+
+def _engine(pair, max_in_flight: int = 2, **overrides) -> LLMEngine:
+    target, draft = pair
+    config = EngineConfig(model=target, speculative_config={**SPEC, "model": draft}, max_num_seqs=4,
+                          max_model_len=64, device="cpu", batch_invariant=True, **overrides)  # fmt: skip
+    return LLMEngine.local(config, max_in_flight=max_in_flight)
+
+
+def _drain(engine: LLMEngine) -> None:
+    for _ in range(2000):
+        if not engine.has_unfinished() and not engine.in_flight:
+            return
+        engine.advance()
+    raise AssertionError("the engine made no progress")
+
+
+def _assert_workers_empty(engine: LLMEngine) -> None:
+    for worker in (engine.executor.verifier, engine.executor.drafter):
+        cache = worker.runner.kv_cache
+        assert worker.num_active == 0 and cache.num_free_blocks == cache.num_blocks
+
+
+def test_two_steps_are_in_flight_and_the_order_holds(pair) -> None:
+    engine = _engine(pair)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    requests = [engine.add_request([5 + i, 6, 7], params) for i in range(6)]
+    engine.advance()
+    assert engine.in_flight == 1  # after one applied, the next is already out
+    engine.submit_step()
+    assert engine.in_flight == 2
+    _drain(engine)
+    assert all(len(r.output_ids) == 20 and r.finish_reason == "length" for r in requests)
+    _assert_workers_empty(engine)
+
+
+def test_tokens_of_a_request_aborted_while_its_step_is_in_flight_are_dropped(pair) -> None:
+    engine = _engine(pair)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    victim = engine.add_request([9, 8, 7], params)
+    other = engine.add_request([1, 2, 3], params)
+    while len(victim.output_ids) < 5:
+        engine.advance()
+    engine.submit_step()  # both steps in flight carry the victim
+    assert engine.in_flight == 2
+    engine.abort_request(victim.request_id)
+    seen = list(victim.output_ids)
+    _drain(engine)
+    assert victim.output_ids == seen and victim.finish_reason == "abort"
+    assert len(other.output_ids) == 40
+    _assert_workers_empty(engine)
+
+
+def test_a_request_that_finishes_in_flight_runs_once_more_within_its_cache(pair) -> None:
+    """max_model_len 64: a request that ends exactly there is planned once more before its end is seen;
+    the workers bound that step by the cache, and its extra tokens never reach the output."""
+    engine = _engine(pair)
+    request = engine.add_request([3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    _drain(engine)
+    assert len(request.output_ids) == 60 and len(request.token_ids) == 64
+    _assert_workers_empty(engine)
+
+
+def test_planned_ahead_equals_one_in_flight(pair) -> None:
+    outputs = []
+    for max_in_flight in (1, 2):
+        engine = _engine(pair, max_in_flight)
+        params = SamplingParams(temperature=0, max_tokens=30)
+        requests = [engine.add_request([2 + i, 40 + i], params) for i in range(8)]
+        _drain(engine)
+        outputs.append([r.output_ids for r in requests])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, depth: int) -> None:
+    target, draft = pair
+    config = EngineConfig(model=target, speculative_config={**SPEC, "model": draft}, max_num_seqs=4,
+                          max_model_len=96, device="cpu")  # fmt: skip
+    port = free_port()
+    with LocalStack(config, scheduler=scheduler_settings(metrics_port=port, max_steps_in_flight=depth)) as stack:
+        url = f"http://127.0.0.1:{port}/metrics"
+        result = run_online_bench(stack.address, ["def f():", "import os", "class A:"] * 4, concurrency=8,
+                                  max_tokens=24, temperature=0.0, ignore_eos=True, metrics_url=url)  # fmt: skip
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert result.failed == 0
+    for role in ("verifier", "drafter"):
+        steps = re.search(rf'^minedraft:worker_step_seconds_count{{role="{role}"}} (\S+)$', text, re.M)
+        idle = re.search(rf'^minedraft:worker_idle_seconds_sum{{role="{role}"}} (\S+)$', text, re.M)
+        assert steps and float(steps.group(1)) > 0 and idle is not None
+    shares = result.server.worker_idle_share
+    assert set(shares) == {"verifier", "drafter"} and all(0.0 <= s < 1.0 for s in shares.values())
