@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.launcher import free_port
 from minedraft.serving import is_serving
 
 
@@ -58,3 +66,33 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+@contextmanager
+def gateway(backend: str, tokenizer: str, log_path: Path) -> Iterator[str]:
+    """`minedraft gateway` in front of one scheduler, as a process; yields its address once it serves."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([
+            sys.executable, "-m", "minedraft", "gateway", "--tokenizer", tokenizer, "--host", "127.0.0.1",
+            "--port", str(port), "--backend", backend,
+        ], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not serving(f"127.0.0.1:{port}", timeout_s=1):
+                assert process.poll() is None and time.monotonic() < deadline, f"the gateway did not start: {log_path}"
+                time.sleep(0.2)
+            yield f"127.0.0.1:{port}"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def post_json(url: str, body: bytes, timeout_s: float = 120) -> tuple[int, bytes]:
+    """POST a JSON body; (status, raw response body) for errors too."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()

@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -31,7 +26,8 @@ from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import is_serving
+
+import services
 
 MODEL = "minedraft-target"
 MAX_MODEL_LEN = 128
@@ -119,35 +115,13 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(stack, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")  # noqa: SIM115
-    process = subprocess.Popen([
-        sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(stack.config.target_path),
-        "--host", "127.0.0.1", "--port", str(port), "--backend", stack.address,
-    ], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    try:
-        channel = grpc.insecure_channel(address)
-        deadline = time.monotonic() + 120
-        while not is_serving(channel):
-            assert process.poll() is None and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
-        channel.close()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
         yield address
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
 
 
 def _post(url: str, body: dict) -> tuple[int, bytes]:
-    data = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes, as in the probe
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    return services.post_json(url, json.dumps(body).encode())  # ensure_ascii: lone surrogates go as \udXXX
 
 
 def _http_canary(stack) -> None:

@@ -11,13 +11,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import grpc
 import pytest
@@ -29,7 +24,8 @@ from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import is_serving
+
+import services
 
 MODEL = "minedraft-target"  # the bundled pair's served name
 VOCAB = 4096
@@ -77,34 +73,14 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(stack, tmp_path_factory):
     """`minedraft gateway` in front of the stack's scheduler: the public endpoint a cluster has."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")  # noqa: SIM115
-    process = subprocess.Popen([
-        sys.executable, "-m", "minedraft", "gateway", "--tokenizer", str(stack.config.target_path),
-        "--host", "127.0.0.1", "--port", str(port), "--backend", stack.address,
-    ], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    try:
-        channel = grpc.insecure_channel(address)
-        deadline = time.monotonic() + 120
-        while not is_serving(channel):
-            assert process.poll() is None and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
-        channel.close()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
         yield address
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
 
 
 def _post(stack, path: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, raw = services.post_json(stack.http_url + path, body)
+    return status, json.loads(raw)
 
 
 def _http_canary(stack) -> None:

@@ -77,8 +77,8 @@ class LLM:
         for request in requests:
             self.engine.enqueue(request)
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                finished = sum(r.finished for r in self.engine.step())
+            while self.engine.has_unfinished() or self.engine.in_flight:  # planned ahead over worker processes
+                finished = sum(r.finished for r in self.engine.advance() or [])
                 bar.update(finished)
         return [RequestOutput.from_request(r) for r in requests]
 
