@@ -8,14 +8,29 @@ renamed at scrape time (no second count that could drift); `minedraft:` stays th
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
+
+# Names other modules read back (benchmarks, the gateway's routing), in one place.
+STEP_SECONDS = "minedraft:step_seconds"
+DRAFT_STEP_SECONDS = "minedraft:draft_step_seconds"
+VERIFY_STEP_SECONDS = "minedraft:verify_step_seconds"
+STEP_OVERLAP_RATIO = "minedraft:step_overlap_ratio"
+NUM_DRAFTS = "minedraft:spec_decode_num_drafts"
+NUM_ACCEPTED_TOKENS = "minedraft:spec_decode_num_accepted_tokens"
+GENERATION_TOKENS = "minedraft:generation_tokens"
+WORKER_STEP_SECONDS = "minedraft:worker_step_seconds"
+WORKER_IDLE_SECONDS = "minedraft:worker_idle_seconds"
+NUM_REQUESTS_WAITING = "minedraft:num_requests_waiting"
+NUM_REQUESTS_RUNNING = "minedraft:num_requests_running"
 
 _FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -23,17 +38,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 # Ours -> vLLM's (v1 engine) name, for metrics that measure the same thing.
 VLLM_NAMES = {
-    "minedraft:spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    NUM_DRAFTS: "vllm:spec_decode_num_drafts",
     "minedraft:spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "minedraft:spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    NUM_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens",
     "minedraft:spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-    "minedraft:generation_tokens": "vllm:generation_tokens",
+    GENERATION_TOKENS: "vllm:generation_tokens",
     "minedraft:request_success": "vllm:request_success",
     "minedraft:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "minedraft:inter_token_latency_seconds": "vllm:request_time_per_output_token_seconds",
     "minedraft:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
-    "minedraft:num_requests_waiting": "vllm:num_requests_waiting",
-    "minedraft:num_requests_running": "vllm:num_requests_running",
+    NUM_REQUESTS_WAITING: "vllm:num_requests_waiting",
+    NUM_REQUESTS_RUNNING: "vllm:num_requests_running",
 }
 _VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's label name on request_success
 
@@ -65,10 +80,10 @@ class Metrics:
         """`model_name` set: also export the vLLM-compatible names (see VllmNames)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.num_drafts = Counter("minedraft:spec_decode_num_drafts", "Verifications carrying drafts", registry=r)
+        self.num_drafts = Counter(NUM_DRAFTS, "Verifications carrying drafts", registry=r)
         self.num_draft_tokens = Counter("minedraft:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.num_accepted_tokens = Counter(
-            "minedraft:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+            NUM_ACCEPTED_TOKENS, "Draft tokens accepted", registry=r
         )
         self.accepted_per_pos = Counter(
             "minedraft:spec_decode_num_accepted_tokens_per_pos",
@@ -77,7 +92,7 @@ class Metrics:
             registry=r,
         )
         self.generation_tokens = Counter(
-            "minedraft:generation_tokens", "Tokens delivered to clients (after stop conditions)", registry=r
+            GENERATION_TOKENS, "Tokens delivered to clients (after stop conditions)", registry=r
         )
         self.requests = Counter("minedraft:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.ttft = Histogram(
@@ -92,8 +107,8 @@ class Metrics:
         self.e2e = Histogram(
             "minedraft:e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.waiting = Gauge("minedraft:num_requests_waiting", "Requests waiting for a batch", registry=r)
-        self.running = Gauge("minedraft:num_requests_running", "Requests in a batch", registry=r)
+        self.waiting = Gauge(NUM_REQUESTS_WAITING, "Requests waiting for a batch", registry=r)
+        self.running = Gauge(NUM_REQUESTS_RUNNING, "Requests in a batch", registry=r)
         self.kv_usage = Gauge(
             "minedraft:kv_cache_usage_perc", "Share of the KV blocks charged to running requests (1 = full)", registry=r
         )
@@ -106,22 +121,22 @@ class Metrics:
             registry=r,
         )
         self.worker_step_seconds = Histogram(
-            "minedraft:worker_step_seconds", "A step's time on a worker, from its plan received to its reply sent",
+            WORKER_STEP_SECONDS, "A step's time on a worker, from its plan received to its reply sent",
             ["role"], buckets=_FINE_BUCKETS, registry=r,
         )  # fmt: skip
         self.worker_idle_seconds = Histogram(
-            "minedraft:worker_idle_seconds", "A worker's wait for the next plan while requests are running (the "
+            WORKER_IDLE_SECONDS, "A worker's wait for the next plan while requests are running (the "
             "gap between steps; on a GPU, the GPU's idle time)", ["role"], buckets=_FINE_BUCKETS, registry=r,
         )  # fmt: skip
-        self.step_seconds = Histogram("minedraft:step_seconds", "Step time", buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram(STEP_SECONDS, "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
-            "minedraft:draft_step_seconds", "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
+            DRAFT_STEP_SECONDS, "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.verify_seconds = Histogram(
-            "minedraft:verify_step_seconds", "Verification time per step", buckets=_LATENCY_BUCKETS, registry=r
+            VERIFY_STEP_SECONDS, "Verification time per step", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.overlap = Histogram(
-            "minedraft:step_overlap_ratio",
+            STEP_OVERLAP_RATIO,
             "max(draft, verify) / step time for steps that ran both (1 = perfect overlap)",
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5),
             registry=r,
@@ -176,3 +191,30 @@ class _Everything(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return self._source.collect()
+
+
+Samples = dict[str, float]
+
+
+def scrape(url: str, timeout: float = 10.0) -> Samples:
+    """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`).
+
+    Buckets and `_created` timestamps are dropped: only sums and counts are differenced. Raises
+    ConnectionError when the endpoint cannot be read.
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (a URL the user gave)
+            text = response.read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not a URL at all
+        raise ConnectionError(f"cannot scrape Prometheus metrics at {url}: {exc}") from exc
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            role = sample.labels.get("role")
+            if role is not None:  # per worker too: `name{role}`
+                key = f"{sample.name}{{{role}}}"
+                samples[key] = samples.get(key, 0.0) + sample.value
+    return samples

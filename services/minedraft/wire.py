@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from minedraft.api import generate_pb2, worker_pb2
 from minedraft.engine.plans import (
     Admission,
@@ -17,6 +19,21 @@ from minedraft.engine.request import SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
+_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """'temperature: Input should be greater than or equal to 0' rather than pydantic's long form."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    return FINISH_REASONS.get(reason or "", generate_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_reason_from_proto(value: int) -> str:
+    return _REASON_NAMES.get(value, "stop")
 
 
 def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
@@ -37,6 +54,12 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+    )
+
+
+def stats_from_proto(msg: generate_pb2.SpecDecodeStats) -> SpecDecodeStats:
+    return SpecDecodeStats(
+        msg.num_drafts, msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.num_accepted_tokens_per_pos)
     )
 
 

@@ -8,49 +8,26 @@ run (provided nothing else is using the server meanwhile).
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from minedraft.metrics import (  # scrape: re-exported for the benchmarks
+    DRAFT_STEP_SECONDS,
+    GENERATION_TOKENS,
+    NUM_ACCEPTED_TOKENS,
+    NUM_DRAFTS,
+    STEP_OVERLAP_RATIO,
+    STEP_SECONDS,
+    VERIFY_STEP_SECONDS,
+    WORKER_IDLE_SECONDS,
+    WORKER_STEP_SECONDS,
+    Samples,
+    scrape,  # noqa: F401
+)
 
-STEP = "minedraft:step_seconds"
-DRAFT = "minedraft:draft_step_seconds"
-VERIFY = "minedraft:verify_step_seconds"
-OVERLAP = "minedraft:step_overlap_ratio"
-NUM_DRAFTS = "minedraft:spec_decode_num_drafts"
-NUM_ACCEPTED = "minedraft:spec_decode_num_accepted_tokens"
-GENERATION_TOKENS = "minedraft:generation_tokens"
-WORKER_STEP = "minedraft:worker_step_seconds"
-WORKER_IDLE = "minedraft:worker_idle_seconds"
+STEP, DRAFT, VERIFY, OVERLAP = STEP_SECONDS, DRAFT_STEP_SECONDS, VERIFY_STEP_SECONDS, STEP_OVERLAP_RATIO
+NUM_ACCEPTED, WORKER_STEP, WORKER_IDLE = NUM_ACCEPTED_TOKENS, WORKER_STEP_SECONDS, WORKER_IDLE_SECONDS
 ROLES = ("verifier", "drafter")
-
-Samples = dict[str, float]
-
-
-def scrape(url: str, timeout: float = 10.0) -> Samples:
-    """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`).
-
-    Buckets and `_created` timestamps are dropped: only sums and counts are differenced. Raises
-    ConnectionError when the endpoint cannot be read.
-    """
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (a URL the user gave)
-            text = response.read().decode("utf-8")
-    except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not a URL at all
-        raise ConnectionError(f"cannot scrape Prometheus metrics at {url}: {exc}") from exc
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith(("_bucket", "_created")):
-                continue
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-            role = sample.labels.get("role")
-            if role is not None:  # per worker too: `name{role}`
-                key = f"{sample.name}{{{role}}}"
-                samples[key] = samples.get(key, 0.0) + sample.value
-    return samples
-
 
 def _delta(before: Samples, after: Samples, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)

@@ -51,11 +51,11 @@ class BatchManager:
             admitted.append(self._start(self.waiting.popleft(), index))
         return admitted
 
-    def admit_balanced(self) -> list[Request]:
-        """Before decoding starts: each waiting request goes to the smaller batch."""
+    def admit_balanced(self, prefer: int = 0) -> list[Request]:
+        """Each waiting request goes to the smaller batch (`prefer` on a tie)."""
         admitted = []
         while self.waiting:
-            index = min(range(len(self.batches)), key=lambda i: len(self.batches[i]))
+            index = min(range(len(self.batches)), key=lambda i: (len(self.batches[i]), i != prefer))
             if len(self.batches[index]) >= self.max_num_seqs or not self._fits(self.waiting[0]):
                 break
             admitted.append(self._start(self.waiting.popleft(), index))

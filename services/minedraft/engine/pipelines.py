@@ -127,9 +127,10 @@ class TwoBatchPipeline(Pipeline):
         self._step += 1
         if self.num_batches == 1 and x == 1:  # SD's verify half-step
             return [], None, self._verify_drafted(self.batches.batches[0])
-        # Before decoding starts requests spread over both batches; later they join the one drafted next.
-        starting = self.batches.num_running == 0
-        admitted = self.batches.admit_balanced() if starting else self.batches.admit_into(x)
+        # Requests join the smaller batch, the one drafted next on a tie. (Always "the one drafted next" would
+        # let the batches drift apart when steps are planned ahead: a request that ends in the step in flight
+        # is replaced while the *other* batch is planned, and synchronised streams would pile into one batch.)
+        admitted = self.batches.admit_balanced(prefer=x) if self.num_batches == 2 else self.batches.admit_into(x)
         to_draft = self.batches.batches[x]
         to_verify = self.batches.batches[1 - x] if self.num_batches == 2 else []
         return admitted, self._draft_plan(to_draft), self._verify_drafted(to_verify)

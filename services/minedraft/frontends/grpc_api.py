@@ -14,12 +14,8 @@ from minedraft.config import EngineConfig
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
 from minedraft.scheduler.loop import StreamItem
 from minedraft.serving import PUBLIC_SERVICE
-from minedraft.wire import sampling_from_proto, stats_to_proto
+from minedraft.wire import describe_validation_error, finish_reason_to_proto, sampling_from_proto, stats_to_proto
 
-_FINISH_REASONS = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-}
 STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
@@ -27,11 +23,6 @@ STATUS = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """'temperature: Input should be greater than or equal to 0' rather than pydantic's long form."""
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 class MineDraftServicer:
@@ -94,7 +85,7 @@ def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespons
     response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids)
     done = item.finished
     if done is not None:
-        response.finish_reason = _FINISH_REASONS.get(done.finish_reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
+        response.finish_reason = finish_reason_to_proto(done.finish_reason)
         response.usage.prompt_tokens = len(done.prompt_ids)
         response.usage.completion_tokens = len(done.output_ids)
         response.spec_decode_stats.CopyFrom(stats_to_proto(done.stats))

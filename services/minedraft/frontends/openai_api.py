@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
-from minedraft.frontends.grpc_api import describe_validation_error
 from minedraft.sampling.params import SamplingParams, Text
+from minedraft.wire import describe_validation_error
 
 STATUS = {
     ErrorKind.INVALID: HTTPStatus.BAD_REQUEST,

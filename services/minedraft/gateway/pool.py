@@ -22,14 +22,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import generate_pb2_grpc
-from minedraft.bench.server_metrics import scrape as _scrape
+from minedraft.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from minedraft.metrics import scrape as _scrape
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 
 log = logging.getLogger("minedraft.gateway")
 
 _REWATCH_S = 0.5  # pause before watching a group's health again after the watch broke
 LOAD_INTERVAL_S = 1.0
-_QUEUE_GAUGES = ("minedraft:num_requests_waiting", "minedraft:num_requests_running")
+_QUEUE_GAUGES = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING)
 
 
 class NoBackend(Exception):

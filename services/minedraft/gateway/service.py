@@ -32,26 +32,19 @@ from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
-from minedraft.wire import sampling_from_proto, sampling_to_proto, stats_to_proto
+from minedraft.wire import (
+    FINISH_REASONS,
+    describe_validation_error,
+    finish_reason_from_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+    stats_from_proto,
+    stats_to_proto,
+)
 
 log = logging.getLogger("minedraft.gateway")
 
-_FINISH_REASONS = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-}
-_REASON_NAMES = {v: k for k, v in _FINISH_REASONS.items()}
 _RETRY_PAUSE_S = 0.05  # between attempts on a group that failed before it was seen NOT_SERVING
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
-
-
-def stats_from_proto(msg: generate_pb2.SpecDecodeStats) -> SpecDecodeStats:
-    return SpecDecodeStats(
-        msg.num_drafts, msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.num_accepted_tokens_per_pos)
-    )
 
 
 class Migration:
@@ -91,7 +84,7 @@ class Migration:
         self.mirror.append_tokens(list(reply.token_ids))
         if reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self.stats.merge(stats_from_proto(reply.spec_decode_stats))
-            self.mirror.finish_as(_REASON_NAMES.get(reply.finish_reason, "stop"))
+            self.mirror.finish_as(finish_reason_from_proto(reply.finish_reason))
         new_ids = self.mirror.output_ids[self.sent_tokens :]  # the mirror drops tokens after a stop
         self.sent_tokens = len(self.mirror.output_ids)
         text = self.mirror.take_stream_delta()
@@ -99,7 +92,7 @@ class Migration:
             return None
         response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids)
         if self.mirror.finished:
-            response.finish_reason = _FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
+            response.finish_reason = FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
             response.usage.prompt_tokens = len(self.prompt_ids)
             response.usage.completion_tokens = len(self.mirror.output_ids)
             response.spec_decode_stats.CopyFrom(stats_to_proto(self.stats))
