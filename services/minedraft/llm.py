@@ -52,7 +52,7 @@ class LLM:
         try:
             executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
             info = executor.check_config(self.config)
-            executor.form_group(self.config, with_drafter=True, timeout_s=120)
+            executor.form_world(self.config, with_drafter=True, timeout_s=120)
             tokenizer = load_tokenizer(self.config.target_path)
             return executor.make_engine(self.config, tokenizer, info)
         except BaseException:

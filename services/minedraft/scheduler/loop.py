@@ -348,7 +348,7 @@ class EngineLoop:
         with_drafter = executor.drafter is not None and executor.drafter.serving()
         self._formed_at.append(time.monotonic())
         try:
-            executor.form_group(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
+            executor.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
             log.warning("could not form the engine group: %s", exc)
             return False
@@ -378,7 +378,7 @@ class EngineLoop:
         """A group running without its drafter checks now and then whether it serves again. The check runs
         in the background: a hung drafter does not answer, and the loop must not wait for it."""
         executor = self.engine.executor
-        if self.failed is not None or self.engine.speculating or getattr(executor, "drafter", None) is None:
+        if self.failed is not None or self.engine.speculating or executor.drafter is None:
             return
         if self._drafter_probe is None:
             if time.monotonic() >= self._next_drafter_check:

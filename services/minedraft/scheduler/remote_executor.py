@@ -64,7 +64,7 @@ class RemoteExecutor:
     and the engine sends the next step's plan while a step runs (`max_in_flight` 2), so no round trip
     stands between two steps on a worker.
 
-    The workers compute in a world that this executor forms (`form_group`): the verifier, and the drafter
+    The workers compute in a world that this executor forms (`form_world`): the verifier, and the drafter
     when it is alive. Every formation is a new epoch; the workers drop all request state when they join
     one, so a new scheduler, or one whose worker died and came back, starts from free caches.
     """
@@ -94,7 +94,7 @@ class RemoteExecutor:
     def has_drafter(self) -> bool:
         return self.drafter is not None and self.drafter in self.members
 
-    def form_group(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
+    def form_world(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
         """Form a new world of the verifier (and the drafter): every member drops its request state.
         Raises if a member does not run `config` or does not join in time."""
         members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
@@ -160,7 +160,7 @@ class RemoteExecutor:
         """Send the step's plan down each member's stream (opened once per world); it waits there, received,
         while the step before it runs."""
         if not self.members:
-            raise RuntimeError("no engine group is formed (form_group)")
+            raise RuntimeError("no world is formed (form_world)")
         if not self._streams:
             self._streams = {w.role: PlanStream(w) for w in self.members}
         self._step_id += 1

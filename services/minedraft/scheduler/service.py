@@ -58,7 +58,7 @@ def build_engine(
                               max_in_flight=settings.max_steps_in_flight)  # fmt: skip
     executor.wait_until_serving(settings.startup_timeout)
     info = executor.check_config(config)
-    executor.form_group(config, with_drafter=True, timeout_s=settings.join_timeout)
+    executor.form_world(config, with_drafter=True, timeout_s=settings.join_timeout)
     return executor.make_engine(config, tokenizer, info)
 
 
