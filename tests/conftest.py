@@ -44,3 +44,16 @@ def tiny_config(pair: tuple[str, str], spec: dict[str, Any] | None = None, **ove
     target, draft = pair
     fields = {"model": target, "max_model_len": 128, "device": "cpu", "batch_invariant": True, **overrides}
     return EngineConfig(**fields, speculative_config={**spec, "model": draft} if spec else None)
+
+
+def offline_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What the engine alone, in this process, gives each prompt greedily (EOS ignored): the reference."""
+    from minedraft.engine.engine import LLMEngine
+    from minedraft.sampling.params import SamplingParams
+
+    engine = LLMEngine.local(config)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]

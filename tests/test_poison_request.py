@@ -19,11 +19,10 @@ import pytest
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.engine.engine import LLMEngine
 from minedraft.engine.workers import FAULT_PREFIX_ENV
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
-from minedraft.sampling.params import SamplingParams
 
+from conftest import offline_greedy
 from tiny_models import make_tiny_checkpoint
 
 NUM_STREAMS = 16
@@ -52,12 +51,7 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(pair) -> list[list[int]]:
-    engine = LLMEngine.local(_config(pair, speculative=False))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [engine.add_request(p, params) for p in _prompts()]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_ids for r in requests]
+    return offline_greedy(_config(pair, speculative=False), _prompts(), MAX_TOKENS)
 
 
 def _quarantined(stack: LocalStack) -> float:

@@ -18,12 +18,10 @@ import pytest
 
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack
-from minedraft.sampling.params import SamplingParams
 from minedraft.settings import WorkerSettings
 
-from conftest import make_pair, tiny_config
+from conftest import make_pair, offline_greedy, tiny_config
 from services import serving, worker_info
 
 NUM_STREAMS = 16
@@ -46,12 +44,7 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(pair) -> list[list[int]]:
-    engine = LLMEngine.local(_config(pair, speculative=False))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [engine.add_request(p, params) for p in _prompts()]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_ids for r in requests]
+    return offline_greedy(_config(pair, speculative=False), _prompts(), MAX_TOKENS)
 
 
 class Load:

@@ -72,6 +72,22 @@ def test_tokens_of_a_request_aborted_while_its_step_is_in_flight_are_dropped(pai
     _assert_workers_empty(engine)
 
 
+def test_a_new_world_queues_the_held_requests_that_may_run_again(pair) -> None:
+    """During a search for a poison request some requests wait outside the world (engine/quarantine.py);
+    when a new world is formed after the search moved on or ended, exactly those that may not run stay out."""
+    engine = _engine(pair)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first, second = engine.add_request([1, 2, 3], params), engine.add_request([4, 5, 6], params)
+    engine.hold(second.request_id)
+    assert not second.finished  # held, not aborted
+    engine.restart(speculate=True, may_run=lambda r: r == second.request_id)  # the search tests the other now
+    assert list(engine.held) == [first.request_id]
+    engine.restart(speculate=True, may_run=lambda r: True)  # the search ended without a conviction
+    assert not engine.held
+    _drain(engine)
+    assert len(first.output_ids) == len(second.output_ids) == 4
+
+
 def test_a_request_that_finishes_in_flight_runs_once_more_within_its_cache(pair) -> None:
     """max_model_len 64: a request that ends exactly there is planned once more before its end is seen;
     the workers bound that step by the cache, and its extra tokens never reach the output."""

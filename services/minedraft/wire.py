@@ -73,7 +73,6 @@ def stats_to_proto(stats: SpecDecodeStats) -> generate_pb2.SpecDecodeStats:
 
 
 def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
-    """Raises ValueError if a value does not fit the wire (which SamplingParams' bounds rule out)."""
     return worker_pb2.Admission(
         request_id=admission.request_id,
         token_ids=admission.token_ids,

@@ -95,10 +95,16 @@ class BatchManager:
         return done
 
     def abort_waiting(self, request_id: str) -> Request | None:
+        request = self.take_waiting(request_id)
+        if request is not None:
+            request.abort()
+        return request
+
+    def take_waiting(self, request_id: str) -> Request | None:
+        """Out of the waiting queue, unchanged (to be queued again later)."""
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                request.abort()
                 return request
         return None
 

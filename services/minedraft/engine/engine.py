@@ -120,6 +120,11 @@ class LLMEngine:
         """The bounds that depend on the model, checked before a request reaches any step (the static ones
         are SamplingParams'). Raises ValueError naming the field and its range. Reads only settings fixed at
         start, so the frontends may call it from another thread."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: no room "
+                             "is left for output")  # fmt: skip
         vocab_size = getattr(self.tokenizer, "vocab_size", None)
         if vocab_size is not None:
             if any(not 0 <= t < vocab_size for t in prompt_ids):
@@ -151,7 +156,7 @@ class LLMEngine:
 
     def hold(self, request_id: str) -> None:
         """Keep a request that has not started out of the workers until `release_held` lets it go."""
-        request = self.pipeline.batches.abort_waiting(request_id)
+        request = self.pipeline.batches.take_waiting(request_id)
         if request is not None:
             self.held[request_id] = request
 
@@ -191,7 +196,7 @@ class LLMEngine:
     def max_in_flight(self) -> int:
         """Steps that may be in flight at once: 2 where the executor takes a step while one runs (the next
         plan is then on its way while the workers compute) and the mode plans without the last results."""
-        return getattr(self.executor, "max_in_flight", 1) if self.pipeline.plans_ahead else 1
+        return self.executor.max_in_flight if self.pipeline.plans_ahead else 1
 
     def submit_step(self) -> bool:
         """Plan the next step and hand it to the executor; False if there is nothing to run.
@@ -263,8 +268,9 @@ class LLMEngine:
     def restart(self, speculate: bool, may_run: Callable[[str], bool] | None = None) -> None:
         """The workers lost every request (a worker died, a new world was formed): start each unfinished
         request again from its prompt and the tokens it has so far, in arrival order, speculating or (without
-        a drafter) target-only. The workers re-prefill them; no token already produced changes. Requests
-        for which `may_run` is false are held (see `hold`)."""
+        a drafter) target-only. The workers re-prefill them; no token already produced changes. Afterwards
+        exactly the requests for which `may_run` is false are held (see `hold`): held ones that may run now
+        are queued again."""
         self._in_flight.clear()  # the steps in flight were lost with the old world
         batches = self.pipeline.batches
         running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
@@ -273,7 +279,8 @@ class LLMEngine:
         self.speculating = speculate and self.config.speculative_config is not None
         self.pipeline = make_pipeline(self.config if self.speculating else self.config.target_only())
         self._budget_blocks(self.pipeline)
-        for request in running + list(batches.waiting):
+        held, self.held = list(self.held.values()), {}
+        for request in sorted(running + list(batches.waiting) + held, key=lambda r: r.arrival_time):
             if not request.finished:
                 request.restart()
                 self.pipeline.batches.add(request)

@@ -128,14 +128,6 @@ class Generator:
     @staticmethod
     def _check_request(loop: EngineLoop, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks, here and now: a refused request never gets as far as a stream."""
-        if not prompt_ids:
-            raise GenerateError(ErrorKind.INVALID, "prompt is empty: it must contain at least one token")
-        max_model_len = loop.engine.max_model_len
-        if len(prompt_ids) >= max_model_len:
-            raise GenerateError(
-                ErrorKind.INVALID,
-                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: no room is left for output",
-            )
         try:
             loop.engine.check_request(prompt_ids, params)
         except ValueError as exc:

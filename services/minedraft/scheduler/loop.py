@@ -20,13 +20,11 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import Admission
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.remote_executor import workers_answered
-from minedraft.wire import admission_to_proto
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -127,6 +125,7 @@ class EngineLoop:
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
         self.draining = False
         self.quarantine = Quarantine()
+        self._stalled = False  # the last step could not be planned
         self._was_busy = False  # requests were running when the last step ended (its successor's wait counts)
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
         self._limit_logged_at = 0.0
@@ -147,7 +146,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            idle = not self.engine.has_unfinished() and not self.engine.in_flight
+            # Stalled: the last step could not be planned (every request held or out of room): wait for a
+            # command rather than spin.
+            idle = self._stalled or not self.engine.has_unfinished() and not self.engine.in_flight
             if self.failed is not None:
                 self._retry_after_failure()
             elif idle:
@@ -200,13 +201,10 @@ class EngineLoop:
             command.sink.put(EngineFailed(self.failed))
             return
         try:
-            request = self.engine.add_request(
+            self.engine.add_request(
                 command.prompt_ids, command.params, request_id=command.request_id, prompt=command.prompt
             )
-            # What the workers will be sent must encode: a value the wire refuses fails this request, not a step.
-            admission_to_proto(Admission(request.request_id, request.prompt_ids, request.params, request.seed))
-        except ValueError as exc:
-            self.engine.abort_request(command.request_id)
+        except ValueError as exc:  # SamplingParams' and the engine's bounds are the wire's: nothing else fails later
             command.sink.put(exc)
             return
         self._sinks[command.request_id] = command.sink
@@ -218,6 +216,10 @@ class EngineLoop:
         self.engine.abort_request(request_id)
         self._sinks.pop(request_id, None)
         self._unstarted.discard(request_id)
+        self._left(request_id)
+
+    def _left(self, request_id: str) -> None:
+        """A request left the engine: a search for a poison request may now let held requests in."""
         if self.quarantine.forget(request_id):
             self.engine.release_held(self.quarantine.may_run)
 
@@ -236,6 +238,7 @@ class EngineLoop:
         while a step runs), then apply the oldest one's results and stream them."""
         engine = self.engine
         touched = engine.advance()
+        self._stalled = touched is None
         if touched is None:
             return
         if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
@@ -250,11 +253,12 @@ class EngineLoop:
         self._was_busy = engine.has_unfinished()
         for request in touched:
             sink = self._sinks.get(request.request_id)
-            if sink is not None:
-                self._deliver(request, sink)
+            item = self._deliver(request, sink) if sink is not None else None
+            if item is not None:
+                sink.put(item)
 
-    def _deliver(self, request: Request, sink: Sink) -> None:
-        """Stream a request's new tokens and text; a failure here is this request's alone."""
+    def _deliver(self, request: Request, sink: Sink) -> StreamItem | RequestFailed | None:
+        """A request's new tokens and text, for its stream; a failure here is this request's alone."""
         try:
             new_ids = request.output_ids[sink.sent_tokens :]
             sink.sent_tokens = len(request.output_ids)
@@ -267,13 +271,14 @@ class EngineLoop:
             self.metrics.generation_tokens.inc(len(new_ids))
         if request.finished:
             del self._sinks[request.request_id]
-            self.quarantine.forget(request.request_id)
+            self._left(request.request_id)
             if self.metrics:
                 self.metrics.record_finished(request)
         if request.error is not None:
-            sink.put(RequestFailed(f"request {request.request_id} failed: {request.error}"))
-        elif text or new_ids or request.finished:
-            sink.put(StreamItem(text, new_ids, request if request.finished else None))
+            return RequestFailed(f"request {request.request_id} failed: {request.error}")
+        if text or new_ids or request.finished:
+            return StreamItem(text, new_ids, request if request.finished else None)
+        return None
 
     def _record_kv(self, batches: BatchManager, num_preemptions: int) -> None:
         budget = batches.budget
