@@ -8,7 +8,8 @@ For each decoding mode this runs, interleaved round by round on the same prompts
 
 It prints tok/s (median of the rounds), served / offline, and each worker's idle share of its time
 (`minedraft:worker_idle_seconds` against `minedraft:worker_step_seconds`), and checks that every greedy
-output equals the offline one.
+output equals the offline one. A second table says where the CPU went: CPU seconds per 1,000 output
+tokens of each process (the client is this process; Linux, from /proc), the served overhead by its owner.
 
     python benchmarks/step_protocol.py                      # ar, sd, minedraft; 32 prompts x 64 tokens
     python benchmarks/step_protocol.py --modes sd --rounds 5 --num-prompts 64
@@ -17,6 +18,7 @@ output equals the offline one.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -46,6 +48,7 @@ def main() -> None:
     engine = {"device": "cpu", "max_num_seqs": args.concurrency}
     results: dict[tuple[str, str], list[float]] = {}
     idle: dict[tuple[str, str], list[dict[str, float]]] = {}
+    cpu: dict[tuple[str, str], list[dict[str, float]]] = {}
     outputs: dict[tuple[str, str], list[list[int]]] = {}
     with ExitStack() as running, tempfile.TemporaryDirectory() as logs:
         engines = {}
@@ -66,14 +69,18 @@ def main() -> None:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for key, target in engines.items():
                 time.sleep(1.0)  # let the last run's threads settle
+                before = _cpu_seconds(target)
                 tok_s, tokens, shares = _run(target, prompts, args)
+                used = {name: seconds - before[name] for name, seconds in _cpu_seconds(target).items()}
                 if round_ == 0:
                     continue
                 results.setdefault(key, []).append(tok_s)
                 idle.setdefault(key, []).append(shares)
+                cpu.setdefault(key, []).append({n: 1000 * s / sum(map(len, tokens)) for n, s in used.items()})
                 outputs[key] = tokens
                 print(f"round {round_} {key[0]:>9} {key[1]:<9} {tok_s:8.1f} tok/s", flush=True)
     _report(modes, results, idle, outputs)
+    _report_cpu(modes, cpu)
 
 
 def _run(target, prompts: list[str], args) -> tuple[float, list[list[int]], dict[str, float]]:
@@ -89,6 +96,31 @@ def _run(target, prompts: list[str], args) -> tuple[float, list[list[int]], dict
                               temperature=0.0, ignore_eos=True, metrics_url=metrics_url)  # fmt: skip
     tokens = [r.token_ids for r in sorted(result.ok, key=lambda r: r.index)]
     return result.output_throughput, tokens, result.server.worker_idle_share if result.server else {}
+
+
+def _cpu_seconds(target) -> dict[str, float]:
+    """CPU time (user + system, every thread) used so far by this process and each service process."""
+    seconds = {"client": time.process_time()}
+    if not isinstance(target, LLM):
+        stack, _ = target
+        for name in ("scheduler", "verifier", "drafter"):
+            try:
+                fields = Path(f"/proc/{stack.process(name).pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (KeyError, OSError):
+                continue
+            seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def _report_cpu(modes, cpu) -> None:
+    names = ["client", "scheduler", "verifier", "drafter"]
+    print("\nCPU seconds per 1,000 output tokens (median round; `client` is the engine itself offline)\n")
+    print("| mode | engine | " + " | ".join(names) + " | total |")
+    print("|---|---|" + "---|" * (len(names) + 1))
+    for (mode, variant), rounds in cpu.items():
+        median = {n: statistics.median(r[n] for r in rounds) for n in names if n in rounds[0]}
+        cells = [f"{median[n]:.2f}" if n in median else "-" for n in names]
+        print(f"| {mode} | {variant} | " + " | ".join(cells) + f" | {sum(median.values()):.2f} |")
 
 
 def _report(modes, results, idle, outputs) -> None:

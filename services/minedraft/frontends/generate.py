@@ -148,6 +148,7 @@ class Generation:
         self.prompt_ids: list[int] = []
         self.sink = Sink(asyncio.get_running_loop(), on_start=self._left_queue)
         self.finished: Request | None = None
+        self._pending: BaseException | None = None  # an error read while joining deltas, raised next
         self._waiting = True
         self._client_id = request_id if client_chose_id else None
         owner.num_waiting += 1
@@ -172,13 +173,27 @@ class Generation:
     async def __anext__(self) -> StreamItem:
         if self.finished is not None:
             raise StopAsyncIteration
-        item = await self.sink.queue.get()
+        item = self._pending or await self.sink.queue.get()
+        self._pending = None
+        item = self._merge_ready(item)
         if isinstance(item, BaseException):
             self.release()
             raise _as_generate_error(item)
         if item.finished is not None:
             self.finished = item.finished
             self.release()
+        return item
+
+    def _merge_ready(self, item: StreamItem | BaseException) -> StreamItem | BaseException:
+        """Join the deltas that are already queued into one: a client that reads slower than the engine
+        steps gets fewer, larger messages instead of a growing backlog (an error is kept for the next read)."""
+        queue = self.sink.queue
+        while isinstance(item, StreamItem) and item.finished is None and not queue.empty():
+            later = queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._pending = later
+                break
+            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished)
         return item
 
     async def __aenter__(self) -> Generation:

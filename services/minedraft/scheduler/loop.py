@@ -53,6 +53,21 @@ class Sink:
             self.loop.call_soon_threadsafe(self.on_start)
 
 
+def send_all(outbox: list[tuple[Sink, StreamItem | BaseException]]) -> None:
+    """A step's outputs with one wake-up of each event loop, not one per request: every wake-up is a write
+    to the loop's self-pipe and a turn of the loop, under the GIL that the step thread needs too."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamItem | BaseException]]] = {}
+    for sink, item in outbox:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamItem | BaseException]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
 @dataclass
 class _Submit:
     request_id: str
@@ -251,11 +266,13 @@ class EngineLoop:
             self.metrics.record_step(engine.last_step, self.num_waiting, batches.num_running, self._was_busy)
             self._record_kv(batches, engine.num_preemptions)
         self._was_busy = engine.has_unfinished()
+        outbox = []
         for request in touched:
             sink = self._sinks.get(request.request_id)
             item = self._deliver(request, sink) if sink is not None else None
             if item is not None:
-                sink.put(item)
+                outbox.append((sink, item))
+        send_all(outbox)
 
     def _deliver(self, request: Request, sink: Sink) -> StreamItem | RequestFailed | None:
         """A request's new tokens and text, for its stream; a failure here is this request's alone."""
