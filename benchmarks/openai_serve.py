@@ -10,6 +10,9 @@ The same client, vLLM's own serving benchmark (`vllm.benchmarks.serve`, run from
 its Python entry point), sends the same prompts (the held-out set, as a custom dataset) with the same
 settings to each server; the rounds interleave the servers and each one's median round is reported.
 Greedy outputs are compared between servers (the benchmark's detailed results carry the texts).
+A second table says where the servers' CPU went: CPU seconds per 1,000 output tokens of each server
+process (Linux, from /proc; ours by role, vLLM's by process name). The client is left out: each of its runs
+starts a new Python process that imports vLLM, which costs more CPU than the streaming itself.
 Not part of CI: it needs the vLLM CPU build (about 1 GB, plus pandas for the benchmark's custom dataset)
 and a few minutes of every core.
 """
@@ -151,6 +154,51 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
     return json.loads(result.read_text())
 
 
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU time (user + system, all threads) of `root` and its descendants, summed by process label."""
+    parents, tick = {}, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {root}, [root]
+    while frontier:
+        children = [pid for pid, (ppid, _) in parents.items() if ppid in frontier and pid not in tree]
+        tree.update(children)
+        frontier = children
+    used: dict[str, float] = {}
+    for pid in tree & parents.keys():
+        label = _label(pid)
+        used[label] = used.get(label, 0.0) + parents[pid][1]
+    return used
+
+
+def _label(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv[:4]]
+    role = next((w for w in ("scheduler", "verifier", "drafter", "up") if w in words), None)
+    return f"minedraft {role}" if "minedraft" in words and role else comm
+
+
+def cpu_table(servers: list[Server]) -> str:
+    lines = ["| server | CPU s per 1k tokens, by process | all processes |", "|---|---|---|"]
+    for server in servers:
+        shares = [r["cpu_per_1k_tokens"] for r in server.rounds if "cpu_per_1k_tokens" in r]
+        if not shares:
+            continue
+        labels = sorted({label for share in shares for label in share})
+        median = {label: statistics.median(s.get(label, 0.0) for s in shares) for label in labels}
+        processes = ", ".join(f"{label} {median[label]:.2f}" for label in labels if median[label] >= 0.005)
+        lines.append(f"| {server.name} | {processes} | {sum(median.values()):.2f} |")
+    return "\n".join(lines)
+
+
 def table(servers: list[Server]) -> str:
     head = "| server | " + " | ".join(column for _, column in METRICS) + " | outputs != first server's |"
     lines = [head, "|" + "---|" * (len(METRICS) + 2)]
@@ -196,13 +244,19 @@ def main() -> int:
         for round_index in range(args.rounds):
             for server in servers:
                 time.sleep(2)  # vLLM's OpenMP threads spin for a while after a run
-                server.rounds.append(bench(server, args, vllm_python, data, work))
+                before = cpu_seconds(server.process.pid)
+                result = bench(server, args, vllm_python, data, work)
+                after, per_1k = cpu_seconds(server.process.pid), 1000 / max(1, result["total_output_tokens"])
+                result["cpu_per_1k_tokens"] = {name: (after[name] - before.get(name, 0.0)) * per_1k for name in after}
+                server.rounds.append(result)
                 print(f"round {round_index + 1} {server.name}: {server.rounds[-1]['output_throughput']:.0f} tok/s",
                       flush=True)  # fmt: skip
     finally:
         for server in servers:
             server.stop()
     print(table(servers))
+    print("\nServers' CPU seconds per 1,000 output tokens (median round)\n")
+    print(cpu_table(servers))
     if args.json:
         args.json.write_text(json.dumps({s.name: s.rounds for s in servers}, indent=1) + "\n")
     return 0
