@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from minedraft.engine_client import RequestFailed, StreamItem, send_all
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator, Limits
-from minedraft.scheduler.loop import RequestFailed, StreamItem, send_all
 
 
 async def _read_all(generation: Generation) -> list[StreamItem | GenerateError]:

@@ -5,7 +5,8 @@ The offline API is imported lazily so that light users (the gRPC client SDK) nev
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from minedraft.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:

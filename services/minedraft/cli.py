@@ -424,7 +424,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from minedraft.scheduler.service import PublicApi, serve_scheduler
+    from minedraft.scheduler_server import PublicApi, serve_scheduler
     from minedraft.serving import configure_logging
 
     configure_logging(args.log_level)

@@ -174,9 +174,9 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
     recovery = Recovery(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
-    loop = EngineLoop(engine, metrics, on_state=report, recovery=recovery)
+    loop = EngineLoop(engine, engine.executor, metrics, on_state=report, recovery=recovery)
     loop.start()
-    generator.loop = loop
+    generator.engine = loop
     await state.set(True)
     log.info("scheduler SERVING in %s mode", config.mode.value)
 

@@ -11,9 +11,9 @@ from typing import Any, Literal, Union
 
 import grpc
 
-from minedraft import __version__
 from minedraft.api import generate_pb2 as pb
 from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, Usage
+from minedraft.version import __version__
 
 
 class _Unset(enum.Enum):

@@ -1,4 +1,4 @@
-"""The one generate interface both public frontends (gRPC and OpenAI HTTP) use over the step loop.
+"""The one generate interface both public frontends (gRPC and OpenAI HTTP) use over an engine client.
 
 It owns what must hold for every protocol: input limits checked before any tokenizing, admission
 counted here, synchronously on the event loop (the step loop's own counters lag by a step), client
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minedraft.engine.request import Request
+from minedraft.engine_client import EngineClient, EngineFailed, RequestFailed, Sink, StreamItem
 from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams, check_unicode
-from minedraft.scheduler.loop import EngineFailed, EngineLoop, RequestFailed, Sink, StreamItem
 
 
 class ErrorKind(enum.Enum):
@@ -44,25 +44,25 @@ class Limits:
 
 
 class Generator:
-    """Validates, admits and streams requests; `loop` is set once the workers are ready."""
+    """Validates, admits and streams requests; `engine` is set once the workers are ready."""
 
     def __init__(self, tokenizer: Tokenizer, limits: Limits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self.loop: EngineLoop | None = None
+        self.engine: EngineClient | None = None
         self.num_waiting = 0  # admitted here and not yet in a batch
         self._client_ids: set[str] = set()
 
-    def check_ready(self) -> EngineLoop:
-        if self.loop is None:
+    def check_ready(self) -> EngineClient:
+        if self.engine is None:
             raise GenerateError(ErrorKind.UNAVAILABLE, "server is starting: the workers are not ready yet")
-        if self.loop.failed is not None:
-            raise GenerateError(ErrorKind.UNAVAILABLE, self.loop.failed)
-        return self.loop
+        if self.engine.failed is not None:
+            raise GenerateError(ErrorKind.UNAVAILABLE, self.engine.failed)
+        return self.engine
 
     @property
     def max_model_len(self) -> int:
-        return self.check_ready().engine.max_model_len
+        return self.check_ready().max_model_len
 
     async def start(
         self,
@@ -76,7 +76,7 @@ class Generator:
 
         `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
         (as Hugging Face tokenizes it)."""
-        loop = self.check_ready()
+        engine = self.check_ready()
         self._check_prompt_size(prompt)
         if request_id and request_id in self._client_ids:
             raise GenerateError(
@@ -92,8 +92,8 @@ class Generator:
         generation = Generation(self, request_id or uuid.uuid4().hex, bool(request_id))
         try:
             prompt_ids = await self._prompt_ids(prompt, add_special_tokens)
-            self._check_request(loop, prompt_ids, params)
-            loop.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
+            self._check_request(engine, prompt_ids, params)
+            engine.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
                         generation.sink)  # fmt: skip
         except BaseException:
             generation.release()
@@ -126,10 +126,10 @@ class Generator:
         return await asyncio.to_thread(self.tokenizer.encode_concurrently, prompt, add_special_tokens)
 
     @staticmethod
-    def _check_request(loop: EngineLoop, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_request(engine: EngineClient, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks, here and now: a refused request never gets as far as a stream."""
         try:
-            loop.engine.check_request(prompt_ids, params)
+            engine.check_request(prompt_ids, params)
         except ValueError as exc:
             raise GenerateError(ErrorKind.INVALID, str(exc)) from None
 
@@ -203,8 +203,8 @@ class Generation:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self.finished is None and self.owner.loop is not None:
-            self.owner.loop.abort(self.internal_id)  # cancelled, expired or failed: free its KV
+        if self.finished is None and self.owner.engine is not None:
+            self.owner.engine.abort(self.internal_id)  # cancelled, expired or failed: free its KV
         self.release()
 
 

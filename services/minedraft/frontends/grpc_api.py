@@ -8,12 +8,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
-import minedraft
 from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig
+from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
-from minedraft.scheduler.loop import StreamItem
 from minedraft.serving import PUBLIC_SERVICE
+from minedraft.version import __version__
 from minedraft.wire import describe_validation_error, finish_reason_to_proto, sampling_from_proto, stats_to_proto
 
 STATUS = {
@@ -48,24 +48,24 @@ class MineDraftServicer:
     async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
         await _parse(generate_pb2.GetServerInfoRequest, request_bytes, context)
         try:
-            loop = self.generator.check_ready()
+            engine = self.generator.check_ready()
         except GenerateError as exc:
             await context.abort(STATUS[exc.kind], exc.message)
         spec = self.config.speculative_config
-        budget = loop.engine.pipeline.batches.budget
+        num_kv_blocks, kv_block_size = engine.kv_pool or (0, 0)
         return generate_pb2.ServerInfo(
-            version=minedraft.__version__,
+            version=__version__,
             target_model=str(self.config.target_path),
             draft_model=str(self.config.draft_path) if spec else "",
             mode=self.config.mode.value,
             speculative_config_json=json.dumps(spec.model_dump(exclude_none=True)) if spec else "",
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_num_seqs=self.config.max_num_seqs,
-            max_model_len=loop.engine.max_model_len,
+            max_model_len=engine.max_model_len,
             max_waiting_requests=self.generator.limits.max_waiting,
             vocab_size=self.generator.tokenizer.vocab_size,
-            num_kv_blocks=budget.num_blocks if budget else 0,
-            kv_block_size=budget.block_size if budget else 0,
+            num_kv_blocks=num_kv_blocks,
+            kv_block_size=kv_block_size,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 

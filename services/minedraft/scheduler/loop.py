@@ -7,14 +7,13 @@ thread applies between steps. Outputs go back to each request's asyncio queue wi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
@@ -22,50 +21,12 @@ from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
+from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamItem, send_all
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
-from minedraft.scheduler.remote_executor import workers_answered
+from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
 
 log = logging.getLogger("minedraft.scheduler")
-
-
-@dataclass
-class StreamItem:
-    """New output of one request since the previous item; `request` is set on the last one."""
-
-    text: str
-    token_ids: list[int]
-    finished: Request | None = None
-
-
-@dataclass
-class Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    sent_tokens: int = 0
-    on_start: Callable[[], None] | None = None  # run on the event loop once the request leaves the waiting queue
-
-    def put(self, item: StreamItem | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def started(self) -> None:
-        if self.on_start is not None:
-            self.loop.call_soon_threadsafe(self.on_start)
-
-
-def send_all(outbox: list[tuple[Sink, StreamItem | BaseException]]) -> None:
-    """A step's outputs with one wake-up of each event loop, not one per request: every wake-up is a write
-    to the loop's self-pipe and a turn of the loop, under the GIL that the step thread needs too."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamItem | BaseException]]] = {}
-    for sink, item in outbox:
-        by_loop.setdefault(sink.loop, []).append((sink.queue, item))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, StreamItem | BaseException]]) -> None:
-    for queue_, item in items:
-        queue_.put_nowait(item)
 
 
 @dataclass
@@ -80,14 +41,6 @@ class _Submit:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class EngineFailed(RuntimeError):
-    """The engine group cannot run requests now (its verifier is gone); they fail with UNAVAILABLE."""
-
-
-class RequestFailed(RuntimeError):
-    """This request, and no other, could not be run (see `EngineLoop._convict`)."""
 
 
 @dataclass
@@ -119,11 +72,13 @@ class EngineLoop:
     def __init__(
         self,
         engine: LLMEngine,
+        world: WorkerWorld,
         metrics: Metrics | None = None,
         on_state: Callable[[bool, str], None] | None = None,
         recovery: Recovery | None = None,
     ) -> None:
         self.engine = engine
+        self.world = world  # the engine's executor, seen as the workers it can re-form into a new world
         self.metrics = metrics
         self.failed: str | None = None
         self.recovery = recovery or Recovery()
@@ -153,6 +108,18 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=30)
 
+    # The EngineClient interface (engine_client.py), for the frontends.
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def kv_pool(self) -> tuple[int, int] | None:
+        return self.engine.kv_pool
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_ids, params)  # reads only settings fixed at start: any thread may call
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink):
         self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink))
 
@@ -167,7 +134,7 @@ class EngineLoop:
             if self.failed is not None:
                 self._retry_after_failure()
             elif idle:
-                self._safe(self.engine.executor.flush)  # release the KV of finished/aborted requests now
+                self._safe(self.world.flush)  # release the KV of finished/aborted requests now
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
             self._take_drafter_back()
@@ -313,7 +280,7 @@ class EngineLoop:
             fn()
         except Exception as exc:
             log.warning("engine step failed (%s); re-forming the engine group", exc)
-            if workers_answered(exc) and all(w.serving() for w in self.engine.executor.members):
+            if workers_answered(exc) and all(w.serving() for w in self.world.members):
                 self._blame(exc)
             self._recover(exc)
 
@@ -347,7 +314,7 @@ class EngineLoop:
             if self._reform():
                 return
             if time.monotonic() > deadline:
-                address, wait = self.engine.executor.verifier.address, self.recovery.worker_wait_s
+                address, wait = self.world.verifier.address, self.recovery.worker_wait_s
                 self._fail_all(f"no verifier serves at {address}: requests were held {wait:.0f}s (--worker-wait) "
                                f"and then given up; the group failed with: {cause}")
                 return
@@ -364,20 +331,20 @@ class EngineLoop:
     def _reform(self) -> bool:
         """Form a new world of the live workers (the verifier is required) and re-admit every request that
         may run (during a search for a poison request, some wait outside; see engine/quarantine.py)."""
-        executor = self.engine.executor
-        if not self._may_form_world() or not executor.verifier.serving():
+        world = self.world
+        if not self._may_form_world() or not world.verifier.serving():
             return False
-        with_drafter = executor.drafter is not None and executor.drafter.serving()
+        with_drafter = world.drafter is not None and world.drafter.serving()
         self._formed_at.append(time.monotonic())
         try:
-            executor.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
+            world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
             log.warning("could not form the engine group: %s", exc)
             return False
-        self.engine.restart(speculate=executor.has_drafter, may_run=self.quarantine.may_run)
+        self.engine.restart(speculate=world.has_drafter, may_run=self.quarantine.may_run)
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
-        log.info("engine group formed (epoch %d), %s; %d requests re-admitted", executor.epoch, mode,
+        log.info("engine group formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
                  len(self.engine.requests))
         self._report(True, mode)
         return True
@@ -399,19 +366,19 @@ class EngineLoop:
     def _take_drafter_back(self) -> None:
         """A group running without its drafter checks now and then whether it serves again. The check runs
         in the background: a hung drafter does not answer, and the loop must not wait for it."""
-        executor = self.engine.executor
-        if self.failed is not None or self.engine.speculating or executor.drafter is None:
+        world = self.world
+        if self.failed is not None or self.engine.speculating or world.drafter is None:
             return
         if self._drafter_probe is None:
             if time.monotonic() >= self._next_drafter_check:
-                self._drafter_probe = executor.drafter.serving_later()
+                self._drafter_probe = world.drafter.serving_later()
             return
         if not self._drafter_probe.done():
             return
         probe, self._drafter_probe = self._drafter_probe, None
         self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
         if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
-            log.info("the drafter at %s serves again: taking it back", executor.drafter.address)
+            log.info("the drafter at %s serves again: taking it back", world.drafter.address)
             self._reform()
 
     def _fail_all(self, reason: str) -> None:

@@ -7,6 +7,7 @@ import secrets
 import time
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,6 +57,23 @@ class PlanStream:
     def close(self) -> None:
         self._plans.put(None)
         self._replies.cancel()
+
+
+class WorkerWorld(Protocol):
+    """What the step loop drives to heal a group (scheduler/loop.py): the configured workers, the world they
+    form now, and forming a new one. `RemoteExecutor` is one."""
+
+    verifier: WorkerClient
+    drafter: WorkerClient | None
+    members: list[WorkerClient]  # the workers of the current world
+    epoch: int
+
+    @property
+    def has_drafter(self) -> bool: ...
+
+    def form_world(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 class RemoteExecutor:

@@ -1,0 +1,85 @@
+"""What the public frontends need of an engine, and what comes back to them.
+
+The frontends (gRPC and OpenAI HTTP) depend on this interface, not on the step loop that implements it
+(`scheduler/loop.EngineLoop`), as vLLM's OpenAI server depends on its `EngineClient`: a request is
+submitted with a `Sink`, its outputs arrive there as `StreamItem`s on the frontend's event loop, and an
+engine-side failure arrives as an exception instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from minedraft.engine.request import Request
+from minedraft.sampling.params import SamplingParams
+
+
+@dataclass
+class StreamItem:
+    """New output of one request since the previous item; `request` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finished: Request | None = None
+
+
+@dataclass
+class Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent_tokens: int = 0
+    on_start: Callable[[], None] | None = None  # run on the event loop once the request leaves the waiting queue
+
+    def put(self, item: StreamItem | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def started(self) -> None:
+        if self.on_start is not None:
+            self.loop.call_soon_threadsafe(self.on_start)
+
+
+def send_all(outbox: list[tuple[Sink, StreamItem | BaseException]]) -> None:
+    """A step's outputs with one wake-up of each event loop, not one per request: every wake-up is a write
+    to the loop's self-pipe and a turn of the loop, under the GIL that the step thread needs too."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamItem | BaseException]]] = {}
+    for sink, item in outbox:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamItem | BaseException]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
+class EngineFailed(RuntimeError):
+    """The engine group cannot run requests now (its verifier is gone); they fail with UNAVAILABLE."""
+
+
+class RequestFailed(RuntimeError):
+    """This request, and no other, could not be run (see `EngineLoop._convict`)."""
+
+
+class EngineClient(Protocol):
+    """An engine the frontends can submit to. `failed` is why it cannot run requests now (None: it can)."""
+
+    failed: str | None
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> tuple[int, int] | None:
+        """(blocks, tokens per block) of the workers' KV pool; None where it is not known."""
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field if the engine cannot honour the request."""
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
+               sink: Sink) -> None: ...  # fmt: skip
+
+    def abort(self, request_id: str) -> None: ...
