@@ -11,13 +11,10 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import uvicorn
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
@@ -31,7 +28,7 @@ from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import RemoteExecutor
 from minedraft.scheduler.step_deadline import StepDeadline
-from minedraft.serving import MAX_MESSAGE_BYTES, PUBLIC_SERVICE
+from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
 from minedraft.settings import SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
@@ -72,27 +69,15 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def _start_grpc(
     api: PublicApi, servicer: MineDraftServicer, health: health_aio.HealthServicer
 ) -> grpc.aio.Server:
-    options = [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", api.settings.max_request_bytes),  # bigger requests fail before parsing
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options, interceptors=[GrpcAuthInterceptor(api.api_keys, [PUBLIC_SERVICE])])
-    add_public_api(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([PUBLIC_SERVICE, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
-    address = f"{api.host}:{api.port}"
-    tls = api.settings
-    if tls.tls_cert:
-        credentials = grpc.ssl_server_credentials([(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())])
-        bound = server.add_secure_port(address, credentials)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address}")
-    await server.start()
+    settings = api.settings
+    server, bound = await start_public_server(
+        lambda server: add_public_api(servicer, server), health, f"{api.host}:{api.port}",
+        max_receive_bytes=settings.max_request_bytes,
+        interceptors=[GrpcAuthInterceptor(api.api_keys, [PUBLIC_SERVICE])],
+        tls=(settings.tls_cert, settings.tls_key) if settings.tls_cert else None,
+    )  # fmt: skip
     log.info("gRPC API on %s:%d%s (NOT_SERVING until the workers are ready)", api.host, bound,
-             " with TLS" if tls.tls_cert else "")  # fmt: skip
+             " with TLS" if settings.tls_cert else "")  # fmt: skip
     return server
 
 
@@ -129,9 +114,7 @@ class _Serving:
 
     async def set(self, serving: bool) -> None:
         self.serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", PUBLIC_SERVICE):
-            await self.health.set(name, status)
+        await set_public_status(self.health, serving)
 
 
 async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None) -> None:

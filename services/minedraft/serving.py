@@ -6,8 +6,9 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,6 +43,37 @@ def add_health_and_reflection(server, health_servicer, service_name: str) -> Non
     reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
+async def start_public_server(
+    register: Callable[[grpc.aio.Server], None],
+    health_servicer,
+    address: str,
+    *,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: tuple[str, str] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Start the public MineDraft API as the scheduler and the gateway both serve it: `register` adds the
+    API, then grpc.health.v1 (`health_servicer`, an asyncio one) and reflection; `tls` is (cert, key) PEM
+    paths. Returns the server and the bound port; raises OSError if `address` cannot be bound."""
+    options = [  # requests over max_receive_bytes fail before they are parsed
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    register(server)
+    add_health_and_reflection(server, health_servicer, PUBLIC_SERVICE)
+    if tls is not None:
+        cert, key = (Path(path).read_bytes() for path in tls)
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    return server, bound
+
+
 def start_worker_server(
     servicer, host: str, port: int, max_workers: int = 8
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
@@ -73,6 +105,13 @@ def set_status(health_servicer, service_name: str, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
         health_servicer.set(name, status)
+
+
+async def set_public_status(health_servicer, serving: bool) -> None:
+    """`set_status` for the public API's asyncio health servicer (scheduler and gateway)."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", PUBLIC_SERVICE):
+        await health_servicer.set(name, status)
 
 
 def wait_for_termination(stop: Callable[[], None]) -> None:

@@ -21,9 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from minedraft.api import generate_pb2, generate_pb2_grpc
@@ -31,7 +29,7 @@ from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import PUBLIC_SERVICE, grpc_options
+from minedraft.serving import set_public_status, start_public_server
 from minedraft.wire import (
     FINISH_REASONS,
     describe_validation_error,
@@ -210,23 +208,13 @@ async def start_gateway(
 ) -> tuple[grpc.aio.Server, GatewayServicer, int]:
     """Serve the public API, grpc.health.v1 (SERVING while some group serves) and reflection."""
     servicer = GatewayServicer(pool, tokenizer, placement_timeout_s)
-    server = grpc.aio.server(options=grpc_options(server=True))
-    generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([PUBLIC_SERVICE, reflection.SERVICE_NAME, "grpc.health.v1.Health"], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-
-    def report(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", PUBLIC_SERVICE):
-            asyncio.get_running_loop().create_task(health.set(name, status))
-
-    pool.on_change.append(report)
-    report(pool.any_serving)
-    await server.start()
+    await set_public_status(health, pool.any_serving)  # before the port opens: no probe sees the default SERVING
+    server, bound = await start_public_server(
+        lambda server: generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server), health, f"{host}:{port}"
+    )
+    pool.on_change.append(lambda serving: asyncio.get_running_loop().create_task(set_public_status(health, serving)))
+    await set_public_status(health, pool.any_serving)  # in case it changed while the server started
     return server, servicer, bound
 
 
