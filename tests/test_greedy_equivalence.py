@@ -163,8 +163,8 @@ def test_chunked_prefill_matches_one_shot_prefill(pair, mode: str) -> None:
 def test_kv_budget_below_one_request_is_refused(pair) -> None:
     target, _ = pair
     budget = _kv_budget(target, 5, 16)
-    with pytest.raises(ValueError, match=rf"KV cache budget \(kv_cache_memory_bytes={budget}\) holds 5 "
-                                         r"blocks of 16 tokens .* max_model_len 96 needs 6 blocks"):
+    with pytest.raises(ValueError, match=rf"KV cache budget \(kv_cache_memory_bytes={budget}; \d+ bytes per block\) "
+                                         r"holds 5 blocks of 16 tokens, .* max_model_len 96 needs 6 blocks"):
         LLMEngine.local(EngineConfig(model=str(target), max_model_len=96, kv_cache_memory_bytes=budget))
 
 

@@ -70,8 +70,8 @@ def test_blocks_are_handed_out_lowest_first():
 
 def test_a_budget_below_one_request_is_refused_with_the_numbers(path):
     # 1 layer x 2 (k, v) x 4 kv heads x 16 tokens x 32 dims x 4 bytes = 8192 bytes per block; 32 tokens need 2
-    with pytest.raises(ValueError, match=r"KV cache budget \(kv_cache_memory_bytes=10000\) holds 1 blocks of 16 "
-                                         r"tokens .* max_model_len 32 needs 2 blocks \(16384 bytes\)"):
+    with pytest.raises(ValueError, match=r"KV cache budget \(kv_cache_memory_bytes=10000; 8192 bytes per block\) "
+                                         r"holds 1 blocks of 16 tokens, .* max_model_len 32 needs 2 blocks"):
         ModelRunner(path, num_slots=2, max_seq_len=32, kv_cache_memory_bytes=10000)
     assert ModelRunner(path, num_slots=8, max_seq_len=32, kv_cache_memory_bytes=16384).kv_cache.num_blocks == 2
 

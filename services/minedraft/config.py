@@ -210,3 +210,15 @@ def num_batches(config: EngineConfig) -> int:
 def num_slots(config: EngineConfig) -> int:
     """KV-cache slots each worker needs: one per request that can run at once."""
     return config.max_num_seqs * num_batches(config)
+
+
+def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int, source: str) -> None:
+    """The one rule for a KV pool: it must hold one request of max_model_len, or that request could never
+    finish. Checked where a worker sizes its pool and where the scheduler forms a world over pools."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget ({source}) holds {num_blocks} blocks of {block_size} tokens, but one request "
+            f"of max_model_len {max_model_len} needs {needed} blocks: raise kv_cache_memory_bytes (or "
+            "gpu_memory_utilization on CUDA) or lower max_model_len"
+        )

@@ -45,16 +45,15 @@ class LLM:
         local worker processes, exactly as the services run, and drive them from this process."""
         from minedraft.launcher import LocalStack
         from minedraft.model.tokenizer import load_tokenizer
-        from minedraft.scheduler.remote_executor import RemoteExecutor
+        from minedraft.scheduler.remote_executor import start_remote_engine
 
         self._workers = LocalStack(self.config, workers_only=True)
         self._workers.start()
         try:
-            executor = RemoteExecutor(self._workers.verifier_address, self._workers.drafter_address)
-            info = executor.check_config(self.config)
-            executor.form_world(self.config, with_drafter=True, timeout_s=120)
-            tokenizer = load_tokenizer(self.config.target_path)
-            return executor.make_engine(self.config, tokenizer, info)
+            return start_remote_engine(
+                self.config, load_tokenizer(self.config.target_path), self._workers.verifier_address,
+                self._workers.drafter_address, startup_timeout_s=600, join_timeout_s=120,
+            )  # fmt: skip
         except BaseException:
             self._workers.stop()
             raise

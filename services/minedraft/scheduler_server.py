@@ -26,7 +26,7 @@ from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
-from minedraft.scheduler.remote_executor import RemoteExecutor
+from minedraft.scheduler.remote_executor import start_remote_engine
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
 from minedraft.settings import SchedulerSettings
@@ -48,15 +48,12 @@ class PublicApi:
 def build_engine(
     config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, settings: SchedulerSettings
 ) -> LLMEngine:
-    """Wait for the workers, form the group (a new epoch: the workers drop whatever an earlier scheduler
-    left), then build the engine over them (the scheduler holds no model)."""
-    drafter = drafter if config.speculative_config is not None else None
-    executor = RemoteExecutor(verifier, drafter, StepDeadline(floor_s=settings.step_deadline_floor),
-                              max_in_flight=settings.max_steps_in_flight)  # fmt: skip
-    executor.wait_until_serving(settings.startup_timeout)
-    info = executor.check_config(config)
-    executor.form_world(config, with_drafter=True, timeout_s=settings.join_timeout)
-    return executor.make_engine(config, tokenizer, info)
+    """Wait for the workers, form the group, then build the engine over them (the scheduler holds no model)."""
+    return start_remote_engine(
+        config, tokenizer, verifier, drafter, startup_timeout_s=settings.startup_timeout,
+        join_timeout_s=settings.join_timeout, step_deadline=StepDeadline(floor_s=settings.step_deadline_floor),
+        max_in_flight=settings.max_steps_in_flight,
+    )  # fmt: skip
 
 
 class _EmbeddedUvicorn(uvicorn.Server):

@@ -17,15 +17,6 @@ from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
 
-def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    needed = -(-max_model_len // block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the workers' KV cache holds {num_blocks} blocks of {block_size} tokens, but one request of "
-            f"max_model_len {max_model_len} needs {needed}: raise kv_cache_memory_bytes or lower max_model_len"
-        )
-
-
 @dataclass
 class StepStats:
     """Step counters summed over the engine's life; averages are what benchmarks report."""
@@ -53,10 +44,7 @@ class LLMEngine:
         tokenizer: Decoder,
         eos_token_ids: list[int],
         max_model_len: int,
-        num_blocks: int | None = None,
-        block_size: int | None = None,
     ) -> None:
-        """num_blocks, block_size: the KV pool every worker can hold (None: admit by max_num_seqs only)."""
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
@@ -64,9 +52,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.pipeline = make_pipeline(config)
         self.speculating = config.speculative_config is not None
-        self.kv_pool = (num_blocks, block_size) if num_blocks is not None and block_size is not None else None
-        if self.kv_pool is not None:
-            check_pool_holds_one_request(*self.kv_pool, max_model_len)
+        self.kv_pool: tuple[int, int] | None = None  # the executor's, as of the last (re)start
         self._budget_blocks(self.pipeline)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # unfinished requests kept out of the workers (see engine/quarantine.py)
@@ -294,19 +280,13 @@ class LLMEngine:
         from minedraft.engine.local_executor import build_local_executor
 
         executor, runner = build_local_executor(config, num_slots=num_slots(config), max_in_flight=max_in_flight)
-        caches = [w.runner.kv_cache for w in (executor.verifier, executor.drafter) if w is not None]
-        return cls(
-            config,
-            executor,
-            runner.tokenizer,
-            runner.config.eos_token_ids,
-            runner.max_seq_len,
-            num_blocks=min(c.num_blocks for c in caches),
-            block_size=caches[0].block_size,
-        )
+        return cls(config, executor, runner.tokenizer, runner.config.eos_token_ids, runner.max_seq_len)
 
     def _budget_blocks(self, pipeline: Pipeline) -> None:
-        """Admission by the workers' KV pool (a step of the pipeline can write `lookahead` tokens more)."""
+        """Admission by the workers' KV pool (a step of the pipeline can write `lookahead` tokens more), as the
+        executor reports it now: a new world may hold another pool (a worker came back with another budget,
+        or the drafter left)."""
+        self.kv_pool = self.executor.kv_pool
         if self.kv_pool is not None:
             num_blocks, block_size = self.kv_pool
             # Each step in flight can write `lookahead` tokens that the engine has not seen yet.

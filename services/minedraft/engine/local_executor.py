@@ -53,6 +53,11 @@ class LocalExecutor:
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
 
+    @property
+    def kv_pool(self) -> tuple[int, int]:
+        caches = [w.runner.kv_cache for w in (self.verifier, self.drafter) if w is not None]
+        return min(c.num_blocks for c in caches), self.verifier.runner.kv_cache.block_size
+
     def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)
 

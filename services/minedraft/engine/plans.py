@@ -123,6 +123,11 @@ class Executor(Protocol):
 
     max_in_flight: int
 
+    @property
+    def kv_pool(self) -> tuple[int, int] | None:
+        """(blocks, tokens per block) that every worker of the current world holds: the engine admits by it
+        and reads it again whenever it restarts over a new world. None: admit by max_num_seqs only."""
+
     def admit(self, seqs: list[Admission]) -> None: ...
 
     def release(self, request_ids: list[str]) -> None: ...

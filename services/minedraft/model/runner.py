@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minedraft.config import check_fits_one_request
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
@@ -30,18 +31,6 @@ _DTYPES = {
 }
 _HALF = (torch.bfloat16, torch.float16)
 DEFAULT_BLOCK_SIZE = 16
-
-
-def check_fits_one_request(num_blocks: int, block_size: int, per_block: int, max_seq_len: int, source: str) -> None:
-    """Refuse a KV budget that cannot hold one request of max_model_len: it could never finish one."""
-    needed = blocks_for(max_seq_len, block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache budget ({source}) holds {num_blocks} blocks of {block_size} tokens "
-            f"({num_blocks * block_size} tokens, {per_block} bytes per block), but one request of max_model_len "
-            f"{max_seq_len} needs {needed} blocks ({needed * per_block} bytes): raise kv_cache_memory_bytes "
-            "(or gpu_memory_utilization on CUDA) or lower max_model_len"
-        )
 
 
 @dataclass
@@ -90,7 +79,7 @@ class ModelRunner:
                                     self.dtype)
         budget, source = kv_budget_bytes(self.device, kv_cache_memory_bytes, gpu_memory_utilization)
         num_blocks = self._agree(min(budget // per_block, num_slots * blocks_for(max_seq_len, block_size)))
-        check_fits_one_request(num_blocks, block_size, per_block, max_seq_len, source)
+        check_fits_one_request(num_blocks, block_size, max_seq_len, f"{source}; {per_block} bytes per block")
         self.kv_cache = KVCache(
             num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
             num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,

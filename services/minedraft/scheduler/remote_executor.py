@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.config import EngineConfig, config_differences
+from minedraft.config import EngineConfig, check_fits_one_request, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
@@ -71,7 +71,9 @@ class WorkerWorld(Protocol):
     @property
     def has_drafter(self) -> bool: ...
 
-    def form_world(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None: ...
+    def form_world(
+        self, config: EngineConfig, with_drafter: bool, timeout_s: float
+    ) -> dict[str, worker_pb2.WorkerInfo]: ...
 
     def flush(self) -> None: ...
 
@@ -94,6 +96,7 @@ class RemoteExecutor:
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.deadline = step_deadline or StepDeadline(floor_s=60.0)
         self.members: list[WorkerClient] = []  # the workers of the current world
+        self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) all members of the world hold
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
@@ -112,13 +115,18 @@ class RemoteExecutor:
     def has_drafter(self) -> bool:
         return self.drafter is not None and self.drafter in self.members
 
-    def form_world(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> None:
-        """Form a new world of the verifier (and the drafter): every member drops its request state.
-        Raises if a member does not run `config` or does not join in time."""
+    def form_world(
+        self, config: EngineConfig, with_drafter: bool, timeout_s: float
+    ) -> dict[str, worker_pb2.WorkerInfo]:
+        """Form a new world of the verifier (and the drafter): every member drops its request state. Returns
+        each member's info by role and sets `kv_pool` to what all of them hold. Raises if a member does not
+        run `config`, their pool cannot hold one request, or a member does not join in time."""
         members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
         self.members = []
         self._close_streams()  # the steps in flight belong to the old world
-        self.check_config(config, members)
+        infos = self.check_config(config, members)
+        kv_pool = min(i.num_blocks for i in infos.values()), infos["verifier"].block_size
+        check_fits_one_request(*kv_pool, infos["verifier"].max_model_len, "the smallest KV pool in the world")
         self.epoch += 1
         join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
         calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
@@ -128,7 +136,9 @@ class RemoteExecutor:
             except grpc.RpcError as exc:
                 raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
         self.members = members
+        self.kv_pool = kv_pool
         self._admit, self._release = [], []
+        return infos
 
     def wait_until_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -138,9 +148,11 @@ class RemoteExecutor:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def check_config(self, config: EngineConfig, workers: list[WorkerClient] | None = None) -> worker_pb2.WorkerInfo:
+    def check_config(
+        self, config: EngineConfig, workers: list[WorkerClient] | None = None
+    ) -> dict[str, worker_pb2.WorkerInfo]:
         """Every worker must run exactly this engine config (a setting that differs inside a group is a wrong
-        answer or a hang, not a detail). Returns the verifier's info; raises ValueError naming the fields."""
+        answer or a hang, not a detail). Returns each one's info by role; raises ValueError naming the fields."""
         infos = {}
         for worker in workers or self.workers:
             info = worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
@@ -152,13 +164,14 @@ class RemoteExecutor:
                     "engine settings (one --engine-config / ConfigMap)."
                 )
             infos[worker.role] = info
-        return infos["verifier"]
+        return infos
 
-    def make_engine(self, config: EngineConfig, tokenizer: Decoder, verifier: worker_pb2.WorkerInfo) -> LLMEngine:
-        """The engine over these workers: limits from the verifier, KV blocks from the smaller pool."""
-        infos = [w.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10) for w in self.workers]
-        return LLMEngine(config, self, tokenizer, list(verifier.eos_token_ids), verifier.max_model_len,
-                         num_blocks=min(i.num_blocks for i in infos), block_size=verifier.block_size)
+    def make_engine(
+        self, config: EngineConfig, tokenizer: Decoder, infos: dict[str, worker_pb2.WorkerInfo]
+    ) -> LLMEngine:
+        """The engine over the world just formed (`infos`: its members', from `form_world`)."""
+        verifier = infos["verifier"]
+        return LLMEngine(config, self, tokenizer, list(verifier.eos_token_ids), verifier.max_model_len)
 
     def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)
@@ -224,6 +237,24 @@ class RemoteExecutor:
         self._calls.shutdown(wait=False)
         for worker in self.workers:
             worker.close()
+
+
+def start_remote_engine(
+    config: EngineConfig, tokenizer: Decoder, verifier: str, drafter: str | None, *, startup_timeout_s: float,
+    join_timeout_s: float, step_deadline: StepDeadline | None = None, max_in_flight: int = 2,
+) -> LLMEngine:  # fmt: skip
+    """An engine over worker services (the scheduler's, and the offline API's with tensor parallelism): wait
+    until the workers serve, form a world (a new epoch: they drop whatever an earlier scheduler left), and
+    build the engine over it. The engine holds no model."""
+    executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None, step_deadline,
+                              max_in_flight=max_in_flight)  # fmt: skip
+    try:
+        executor.wait_until_serving(startup_timeout_s)
+        infos = executor.form_world(config, with_drafter=True, timeout_s=join_timeout_s)
+        return executor.make_engine(config, tokenizer, infos)
+    except BaseException:
+        executor.close()
+        raise
 
 
 # A worker that answers a step with one of these is alive: the step itself failed (not the worker).
