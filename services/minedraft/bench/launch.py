@@ -81,8 +81,8 @@ def _ratio(value: float, base: float | None) -> str:
     return f"{value / base:.2f}"
 
 
-def _opt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _opt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 COLUMNS = (
@@ -104,7 +104,7 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
     """One row per mode, with throughput and latency ratios against `ar` and `sd` when they ran."""
     base_tput = {m: results[m].output_throughput for m in ("ar", "sd") if m in results}
     base_e2e = {m: results[m].e2e.mean for m in ("ar", "sd") if m in results}
-    header = "".join(format(name, spec) for name, spec in COLUMNS)
+    header = "".join(format(name, fmt) for name, fmt in COLUMNS)
     rows = [header, "-" * len(header)]
     for mode, r in results.items():
         server = r.server
@@ -116,5 +116,5 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
             _opt(server.control_plane_overhead if server else None, ".1%"),
             _opt(server.overlap_efficiency if server else None, ".2f"),
         ]  # fmt: skip
-        rows.append("".join(format(cell, spec) for cell, (_, spec) in zip(cells, COLUMNS)))
+        rows.append("".join(format(cell, fmt) for cell, (_, fmt) in zip(cells, COLUMNS)))
     return "\n".join(rows) + "\n\n" + LEGEND

@@ -22,7 +22,7 @@ from minedraft.sampling.params import SamplingParams
 class ModeResult:
     name: str
     output_tokens: int
-    spec: SpecDecodeStats
+    spec_stats: SpecDecodeStats
     seconds: list[float] = field(default_factory=list)  # one per round
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
@@ -65,7 +65,7 @@ def format_table(results: list[ModeResult]) -> str:
     for r in results:
         vs_ar = r.tokens_per_second / by_name["ar"].tokens_per_second if "ar" in by_name else float("nan")
         vs_sd = r.tokens_per_second / by_name["sd"].tokens_per_second if "sd" in by_name else float("nan")
-        acc = f"{r.spec.mean_accepted_length:.2f}" if r.spec.num_drafts else "-"
+        acc = f"{r.spec_stats.mean_accepted_length:.2f}" if r.spec_stats.num_drafts else "-"
         rows.append(
             f"{r.name:<18}{r.tokens_per_second:>10.1f}{vs_ar:>8.2f}{vs_sd:>8.2f}{acc:>14}"
             f"{statistics.median(r.draft_seconds):>9.2f}{statistics.median(r.verify_seconds):>10.2f}"

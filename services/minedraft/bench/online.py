@@ -324,10 +324,10 @@ def _validate(
             raise ValueError(message)
 
 
-def _fmt(value: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+def _fmt(value: float | None, fmt: str = ".2f", scale: float = 1.0) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return format(value * scale, spec)
+    return format(value * scale, fmt)
 
 
 def format_result(result: BenchResult) -> str:

@@ -69,15 +69,15 @@ class _Worker:
     def device(self) -> torch.device:
         return torch.device(self.runner.device)
 
-    def admit(self, specs: list[Admission]) -> None:
-        for spec in specs:
-            if spec.request_id in self.sequences:
-                self.release([spec.request_id])  # re-admission rebuilds the request from scratch
-            self.sequences[spec.request_id] = _Sequence(
+    def admit(self, admissions: list[Admission]) -> None:
+        for admission in admissions:
+            if admission.request_id in self.sequences:
+                self.release([admission.request_id])  # re-admission rebuilds the request from scratch
+            self.sequences[admission.request_id] = _Sequence(
                 slot=self.runner.allocate_slot(),
-                tokens=list(spec.token_ids),
-                params=spec.params,
-                seed=spec.seed,
+                tokens=list(admission.token_ids),
+                params=admission.params,
+                seed=admission.seed,
             )
 
     def release(self, request_ids: list[str]) -> None:

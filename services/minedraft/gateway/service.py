@@ -187,12 +187,12 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             await context.abort(exc.code(), exc.details())
 
 
-def parse_backend(spec: str) -> tuple[str, str | None]:
+def parse_backend(backend: str) -> tuple[str, str | None]:
     """'HOST:PORT' or 'HOST:PORT@METRICS_PORT' -> (address, the scheduler's /metrics URL or None)."""
-    address, _, metrics_port = spec.partition("@")
+    address, _, metrics_port = backend.partition("@")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or (metrics_port and not metrics_port.isdigit()):
-        raise ValueError(f"a backend is HOST:PORT or HOST:PORT@METRICS_PORT, got {spec!r}")
+        raise ValueError(f"a backend is HOST:PORT or HOST:PORT@METRICS_PORT, got {backend!r}")
     return address, f"http://{host}:{metrics_port}/metrics" if metrics_port else None
 
 
