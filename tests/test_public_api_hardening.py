@@ -25,6 +25,8 @@ from minedraft.config import EngineConfig
 from minedraft.frontends.auth import ApiKeys
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
+import services
+
 MAX_PROMPT_BYTES = 16 * 1024
 MAX_WAITING = 4
 BYSTANDER = "import os\n\n\ndef main():"
@@ -38,6 +40,14 @@ def stack(tmp_path_factory):
     )
     with LocalStack(config, scheduler=settings, log_dir=tmp_path_factory.mktemp("logs")) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, tmp_path_factory):
+    """`minedraft gateway` in front of the stack's scheduler: it parses requests as the scheduler does."""
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +133,9 @@ def test_oversized_prompts_are_refused_and_harm_no_running_stream(stack, client)
         ("GetServerInfo", b"\xff"),
     ],
 )
-def test_undecodable_request_bytes_are_invalid_argument(stack, method: str, data: bytes) -> None:
-    with grpc.insecure_channel(stack.address) as channel:
+@pytest.mark.parametrize("edge", ["scheduler", "gateway"])
+def test_undecodable_request_bytes_are_invalid_argument(stack, gateway, edge: str, method: str, data: bytes) -> None:
+    with grpc.insecure_channel(stack.address if edge == "scheduler" else gateway) as channel:
         path = f"/minedraft.v1.MineDraft/{method}"
         if method == "Generate":
             call = channel.unary_stream(path, response_deserializer=pb.GenerateResponse.FromString)

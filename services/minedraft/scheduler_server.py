@@ -21,7 +21,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
-from minedraft.frontends.grpc_api import MineDraftServicer, add_public_api
+from minedraft.frontends.grpc_api import MineDraftServicer
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
@@ -68,7 +68,7 @@ async def _start_grpc(
 ) -> grpc.aio.Server:
     settings = api.settings
     server, bound = await start_public_server(
-        lambda server: add_public_api(servicer, server), health, f"{api.host}:{api.port}",
+        servicer, health, f"{api.host}:{api.port}",
         max_receive_bytes=settings.max_request_bytes,
         interceptors=[GrpcAuthInterceptor(api.api_keys, [PUBLIC_SERVICE])],
         tls=(settings.tls_cert, settings.tls_key) if settings.tls_cert else None,

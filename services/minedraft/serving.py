@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -43,8 +44,33 @@ def add_health_and_reflection(server, health_servicer, service_name: str) -> Non
     reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
+async def parse_request(message_type, data: bytes, context: grpc.aio.ServicerContext):
+    """Parse a public API request in its handler rather than in gRPC's deserializer, so that undecodable
+    bytes get INVALID_ARGUMENT with a reason (a failing deserializer surfaces as UNKNOWN)."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {message_type.DESCRIPTOR.name} message: {exc}"
+        )
+
+
+def add_public_api(servicer, server: grpc.aio.Server) -> None:
+    """Register the MineDraft service with raw-bytes requests: `servicer.Generate` and `GetServerInfo` take
+    (request bytes, context) and parse them with `parse_request`."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, response_serializer=generate_pb2.GenerateResponse.SerializeToString
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, response_serializer=generate_pb2.ServerInfo.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PUBLIC_SERVICE, handlers),))
+
+
 async def start_public_server(
-    register: Callable[[grpc.aio.Server], None],
+    servicer,
     health_servicer,
     address: str,
     *,
@@ -52,16 +78,16 @@ async def start_public_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: tuple[str, str] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start the public MineDraft API as the scheduler and the gateway both serve it: `register` adds the
-    API, then grpc.health.v1 (`health_servicer`, an asyncio one) and reflection; `tls` is (cert, key) PEM
-    paths. Returns the server and the bound port; raises OSError if `address` cannot be bound."""
+    """Start the public MineDraft API as the scheduler and the gateway both serve it: `servicer` (see
+    `add_public_api`), grpc.health.v1 (`health_servicer`, an asyncio one) and reflection; `tls` is (cert,
+    key) PEM paths. Returns the server and the bound port; raises OSError if `address` cannot be bound."""
     options = [  # requests over max_receive_bytes fail before they are parsed
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
-    register(server)
+    add_public_api(servicer, server)
     add_health_and_reflection(server, health_servicer, PUBLIC_SERVICE)
     if tls is not None:
         cert, key = (Path(path).read_bytes() for path in tls)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 
 import grpc
-from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
-from minedraft.serving import PUBLIC_SERVICE
+from minedraft.serving import parse_request
 from minedraft.version import __version__
 from minedraft.wire import describe_validation_error, finish_reason_to_proto, sampling_from_proto, stats_to_proto
 
@@ -31,7 +30,7 @@ class MineDraftServicer:
         self.config = config
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
-        request = await _parse(generate_pb2.GenerateRequest, request_bytes, context)
+        request = await parse_request(generate_pb2.GenerateRequest, request_bytes, context)
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -46,7 +45,7 @@ class MineDraftServicer:
             await context.abort(STATUS[exc.kind], exc.message)
 
     async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
-        await _parse(generate_pb2.GetServerInfoRequest, request_bytes, context)
+        await parse_request(generate_pb2.GetServerInfoRequest, request_bytes, context)
         try:
             engine = self.generator.check_ready()
         except GenerateError as exc:
@@ -70,17 +69,6 @@ class MineDraftServicer:
         )
 
 
-async def _parse(message_type, data: bytes, context):
-    """Parse here rather than in gRPC's deserializer, so that undecodable bytes get INVALID_ARGUMENT
-    with a reason (a failing deserializer surfaces as UNKNOWN)."""
-    try:
-        return message_type.FromString(data)
-    except DecodeError as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {message_type.DESCRIPTOR.name} message: {exc}"
-        )
-
-
 def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids)
     done = item.finished
@@ -90,16 +78,3 @@ def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespons
         response.usage.completion_tokens = len(done.output_ids)
         response.spec_decode_stats.CopyFrom(stats_to_proto(done.stats))
     return response
-
-
-def add_public_api(servicer: MineDraftServicer, server: grpc.aio.Server) -> None:
-    """Register MineDraft's methods with raw-bytes requests (see `_parse`)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, response_serializer=generate_pb2.GenerateResponse.SerializeToString
-        ),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo, response_serializer=generate_pb2.ServerInfo.SerializeToString
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PUBLIC_SERVICE, handlers),))

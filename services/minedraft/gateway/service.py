@@ -24,12 +24,12 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 from pydantic import ValidationError
 
-from minedraft.api import generate_pb2, generate_pb2_grpc
+from minedraft.api import generate_pb2
 from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import set_public_status, start_public_server
+from minedraft.serving import parse_request, set_public_status, start_public_server
 from minedraft.wire import (
     FINISH_REASONS,
     describe_validation_error,
@@ -97,13 +97,14 @@ class Migration:
         return response
 
 
-class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
+class GatewayServicer:
     def __init__(self, pool: Pool, tokenizer: Tokenizer, placement_timeout_s: float) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         self.placement_timeout_s = placement_timeout_s
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
+        request = await parse_request(generate_pb2.GenerateRequest, request_bytes, context)
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -176,8 +177,9 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             migration.request_id, backend.address, exc.code().name, exc.details(), len(migration.mirror.output_ids),
         )  # fmt: skip
 
-    async def GetServerInfo(self, request, context) -> generate_pb2.ServerInfo:  # noqa: N802
+    async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
         """The info of a serving group (every group of a release runs the same engine config)."""
+        request = await parse_request(generate_pb2.GetServerInfoRequest, request_bytes, context)
         backend = self.pool.pick(set())
         if backend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine group is serving")
@@ -210,9 +212,7 @@ async def start_gateway(
     servicer = GatewayServicer(pool, tokenizer, placement_timeout_s)
     health = health_aio.HealthServicer()
     await set_public_status(health, pool.any_serving)  # before the port opens: no probe sees the default SERVING
-    server, bound = await start_public_server(
-        lambda server: generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server), health, f"{host}:{port}"
-    )
+    server, bound = await start_public_server(servicer, health, f"{host}:{port}")
     pool.on_change.append(lambda serving: asyncio.get_running_loop().create_task(set_public_status(health, serving)))
     await set_public_status(health, pool.any_serving)  # in case it changed while the server started
     return server, servicer, bound
