@@ -57,3 +57,11 @@ def offline_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: i
     while engine.has_unfinished():
         engine.step()
     return [r.output_ids for r in requests]
+
+
+def target_probs(logits, params):
+    """The target's distribution for one request, each row of `logits` [m, V] -> [m, V] (greedy: one-hot):
+    the reference the sampling tests compare with."""
+    from minedraft.sampling.sampler import processed_probs
+
+    return processed_probs(logits, [params] * logits.shape[0])

@@ -74,7 +74,7 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams, int]]
         workers = [w for w in (engine.executor.verifier, engine.executor.drafter) if w is not None]
         for worker in workers:
             cache = worker.runner.kv_cache
-            assert worker.num_active == 0 and cache.num_sequences == 0, "finished requests must leave the workers"
+            assert worker.num_active == 0 and not cache.block_tables, "finished requests must leave the workers"
             assert cache.num_free_blocks == cache.num_blocks, "finished requests must free all their KV blocks"
         if stats is not None:
             stats["preemptions"] = engine.num_preemptions

@@ -25,9 +25,8 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
-from minedraft.sampling.sampler import target_probs
 
-from conftest import make_pair
+from conftest import make_pair, target_probs
 
 PROMPT = [5, 17, 42]
 NUM_SAMPLES = 3000

@@ -24,8 +24,10 @@ from scipy import stats
 from minedraft.sampling import rejection
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.rejection import rejection_sample
-from minedraft.sampling.sampler import SparseProbs, draft_sample, target_probs
+from minedraft.sampling.sampler import SparseProbs, draft_sample
 from minedraft.sampling.streams import DRAFT, RowKeys
+
+from conftest import target_probs
 
 ALPHA = 1e-4
 

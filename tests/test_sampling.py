@@ -1,4 +1,4 @@
-"""Logits processing (temperature, top-k, top-p), plain sampling and draft sampling."""
+"""Logits processing (temperature, top-k, top-p) and draft sampling."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from minedraft.sampling.sampler import (
     SparseProbs,
     draft_sample,
     processed_probs,
-    sample_next,
-    target_probs,
 )
 from minedraft.sampling.streams import DRAFT, FINAL, RowKeys, seed_tensor, uniforms
+
+from conftest import target_probs
 
 # p = [0.1, 0.2, 0.3, 0.4]: hand-checkable top-k / top-p cut-offs.
 LOGITS_1234 = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
@@ -24,6 +24,11 @@ LOGITS_1234 = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
 
 def probs_of(logits: torch.Tensor, *args: float, **kwargs: float) -> list[float]:
     return target_probs(logits, SamplingParams(*args, **kwargs))[0].tolist()
+
+
+def dense(q: SparseProbs, vocab_size: int) -> torch.Tensor:
+    """[n, vocab_size]: each row's sparse draft distribution spread over the vocabulary."""
+    return torch.zeros(len(q), vocab_size).scatter_add_(1, q.token_ids, q.probs.float())
 
 
 def draws(seeds: list[int], positions: list[int] | None = None) -> torch.Tensor:
@@ -111,43 +116,6 @@ def test_rows_with_different_params_are_processed_independently() -> None:
     assert probs[2].tolist() == pytest.approx([1 / 30, 4 / 30, 9 / 30, 16 / 30])
 
 
-def test_sample_next_greedy_rows_take_argmax() -> None:
-    logits = torch.randn(5, 50)
-    assert sample_next(logits, [SamplingParams(0.0)] * 5, draws([0] * 5)) == logits.argmax(-1).tolist()
-
-
-def test_sample_next_draws_are_a_function_of_seed_and_position() -> None:
-    torch.manual_seed(1)
-    logits = torch.randn(4, 1000)
-    params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.8, 0.9, 50), SamplingParams(1.2)]
-    batch = [sample_next(logits, params, draws([7, 0, 8, 9], [3, 0, 4, 5])) for _ in range(2)]
-    assert batch[0] == batch[1]
-    alone = [
-        sample_next(logits[i : i + 1], [params[i]], draws([s], [x]))[0] for i, s, x in [(0, 7, 3), (2, 8, 4), (3, 9, 5)]
-    ]
-    assert [batch[0][i] for i in (0, 2, 3)] == alone
-    # Positions of one request draw different numbers; replaying a position draws the same one.
-    first = [sample_next(logits[:1], params[:1], draws([3], [x]))[0] for x in range(20)]
-    assert first == [sample_next(logits[:1], params[:1], draws([3], [x]))[0] for x in range(20)]
-    assert len(set(first)) > 1
-    assert [sample_next(logits[:1], params[:1], draws([4], [x]))[0] for x in range(20)] != first
-
-
-def test_sample_next_distribution_and_support() -> None:
-    # 20k rows share one distribution; a chi-square test on the draws (fixed seed: deterministic).
-    torch.manual_seed(2)
-    vocab, rows = 6, 20_000
-    logits = torch.randn(1, vocab).repeat(rows, 1)
-    params = SamplingParams(0.9, top_k=4)
-    expected = target_probs(logits[:1], params)[0]
-    counts = torch.bincount(
-        torch.tensor(sample_next(logits, [params] * rows, draws(list(range(rows))))), minlength=vocab
-    )
-    assert counts[expected == 0].sum() == 0
-    support = expected > 0
-    assert stats.chisquare(counts[support].numpy(), expected[support].double().numpy() * rows).pvalue > 1e-4
-
-
 def test_draft_sample_truncates_and_renormalises() -> None:
     vocab, support = 10, 3
     logits = torch.log(torch.arange(1, vocab + 1, dtype=torch.float32) / 55).repeat(400, 1)
@@ -177,9 +145,9 @@ def test_draft_sample_greedy_rows_and_padding() -> None:
     assert tokens[0] == 1
     assert token_probs[0] == pytest.approx(logits[0].softmax(-1)[1].item())
     assert q.probs.shape == q.token_ids.shape == (2, 5)
-    assert q.to_dense(3)[0].tolist() == [0, 1, 0]
+    assert dense(q, 3)[0].tolist() == [0, 1, 0]
     # Support larger than the vocabulary: padded, and densifies back to the full distribution.
-    torch.testing.assert_close(q.to_dense(3)[1], logits[1].softmax(-1))
+    torch.testing.assert_close(dense(q, 3)[1], logits[1].softmax(-1))
     assert token_probs[1] == pytest.approx(logits[1].softmax(-1)[tokens[1]].item())
 
 
@@ -197,13 +165,12 @@ def test_draft_sample_seeded_rows_are_batch_independent() -> None:
 def test_sparse_probs_helpers() -> None:
     q = SparseProbs(torch.tensor([[2, 0, 0], [1, 3, 3]]), torch.tensor([[0.75, 0.25, 0.0], [0.5, 0.5, 0.0]]))
     assert len(q) == 2 and q.support_size == 3
-    assert q.to_dense(4).tolist() == [[0.25, 0, 0.75, 0], [0, 0.5, 0, 0.5]]
-    assert q.prob_of(torch.tensor([2, 0])).tolist() == [0.75, 0.0]
+    assert dense(q, 4).tolist() == [[0.25, 0, 0.75, 0], [0, 0.5, 0, 0.5]]
     both = SparseProbs.cat([q[1], q[0]])
     assert both.token_ids.tolist() == [[1, 3, 3], [2, 0, 0]]
     assert q[-1].token_ids.tolist() == [[1, 3, 3]]
     assert q[torch.tensor([1])].probs.tolist() == [[0.5, 0.5, 0.0]]
-    assert SparseProbs.one_hot(torch.tensor([4, 1])).to_dense(5).tolist() == [[0, 0, 0, 0, 1], [0, 1, 0, 0, 0]]
+    assert dense(SparseProbs.one_hot(torch.tensor([4, 1])), 5).tolist() == [[0, 0, 0, 0, 1], [0, 1, 0, 0, 0]]
     with pytest.raises(ValueError):
         SparseProbs(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2))
 
@@ -211,7 +178,7 @@ def test_sparse_probs_helpers() -> None:
 def test_batch_sizes_must_agree() -> None:
     logits = torch.randn(2, 5)
     with pytest.raises(ValueError):
-        sample_next(logits, [SamplingParams(1.0)], draws([0]))
+        draft_sample(logits, [SamplingParams(1.0)], draws([0, 0]), 3)
     with pytest.raises(ValueError):
         draft_sample(logits, [SamplingParams(1.0)] * 2, draws([0]), 3)
     with pytest.raises(ValueError):

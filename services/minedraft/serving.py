@@ -15,8 +15,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
 
 from minedraft.api import generate_pb2, worker_pb2
+from minedraft.wire import describe_validation_error, sampling_from_proto
 
 if TYPE_CHECKING:
     from minedraft.worker_node import WorkerNode
@@ -53,6 +55,15 @@ async def parse_request(message_type, data: bytes, context: grpc.aio.ServicerCon
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {message_type.DESCRIPTOR.name} message: {exc}"
         )
+
+
+async def parse_generate(data: bytes, context: grpc.aio.ServicerContext):
+    """A Generate request and its sampling parameters, or INVALID_ARGUMENT naming what is wrong."""
+    request = await parse_request(generate_pb2.GenerateRequest, data, context)
+    try:
+        return request, sampling_from_proto(request.sampling)
+    except ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
 
 
 def add_public_api(servicer, server: grpc.aio.Server) -> None:

@@ -51,10 +51,6 @@ class SpecDecodeStats:
         """Tokens gained per verification that carried drafts: accepted drafts + the target's token."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 @dataclass(eq=False)
 class Request:

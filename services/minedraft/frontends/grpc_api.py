@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 
 import grpc
-from pydantic import ValidationError
 
 from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
-from minedraft.serving import parse_request
+from minedraft.serving import parse_generate, parse_request
 from minedraft.version import __version__
-from minedraft.wire import describe_validation_error, finish_reason_to_proto, sampling_from_proto, stats_to_proto
+from minedraft.wire import finish_reason_to_proto, stats_to_proto
 
 STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -30,11 +29,7 @@ class MineDraftServicer:
         self.config = config
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
-        request = await parse_request(generate_pb2.GenerateRequest, request_bytes, context)
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
+        request, params = await parse_generate(request_bytes, context)
         prompt = list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
         try:
             generation = await self.generator.start(prompt, params, request.request_id or None)

@@ -22,19 +22,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
-from pydantic import ValidationError
 
 from minedraft.api import generate_pb2
 from minedraft.engine.request import Request, SpecDecodeStats
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import parse_request, set_public_status, start_public_server
+from minedraft.serving import parse_generate, parse_request, set_public_status, start_public_server
 from minedraft.wire import (
     FINISH_REASONS,
-    describe_validation_error,
     finish_reason_from_proto,
-    sampling_from_proto,
     sampling_to_proto,
     stats_from_proto,
     stats_to_proto,
@@ -104,11 +101,7 @@ class GatewayServicer:
         self.placement_timeout_s = placement_timeout_s
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
-        request = await parse_request(generate_pb2.GenerateRequest, request_bytes, context)
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
+        request, params = await parse_generate(request_bytes, context)
         if request.HasField("prompt_token_ids"):
             prompt_ids = list(request.prompt_token_ids.ids)
         else:

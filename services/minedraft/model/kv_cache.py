@@ -72,10 +72,6 @@ class KVCache:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self.block_tables)
-
     def allocate(self) -> int:
         """A new, empty sequence; its id indexes block_tables and lengths."""
         seq_id = self._next_id

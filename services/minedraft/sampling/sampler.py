@@ -120,25 +120,6 @@ def _check_batch(logits: Tensor, params_list: Sequence[SamplingParams], uniforms
         raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {uniforms.shape[0]} uniforms")
 
 
-def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """One request's logits [m, V] -> probabilities [m, V] under its temperature, top-k and top-p
-    (greedy: one-hot at the argmax)."""
-    return processed_probs(logits, [params] * logits.shape[0])
-
-
-def sample_next(logits: Tensor, params_list: list[SamplingParams], uniforms: Tensor) -> list[int]:
-    """Plain decoding: one token per row of ``logits`` [B, V], row i under ``params_list[i]`` with
-    ``uniforms[i]`` (greedy rows ignore theirs)."""
-    _check_batch(logits, params_list, uniforms)
-    tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params_list) if not p.greedy]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        probs = processed_probs(logits[index], [params_list[i] for i in rows])
-        tokens[index] = sample_from(probs, uniforms.to(logits.device)[index])
-    return tokens.tolist()
-
-
 @dataclass
 class SparseProbs:
     """Draft distributions over their top-S support, one row per draft token.
@@ -185,16 +166,6 @@ class SparseProbs:
         """Deterministic proposals: all mass on ``token_ids`` [n], support size 1."""
         ids = token_ids.reshape(-1, 1).long()
         return SparseProbs(ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
-
-    def to_dense(self, vocab_size: int) -> Tensor:
-        """[n, vocab_size] float32."""
-        dense = torch.zeros(len(self), vocab_size, dtype=torch.float32, device=self.device)
-        return dense.scatter_add_(1, self.token_ids, self.probs.float())
-
-    def prob_of(self, tokens: Tensor) -> Tensor:
-        """q_i(tokens[i]) for each row i, [n] float32."""
-        match = self.token_ids == tokens.reshape(-1, 1).to(self.token_ids.device)
-        return (self.probs.float() * match).sum(dim=1)
 
 
 def draft_sample(
