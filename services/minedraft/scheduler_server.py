@@ -129,18 +129,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     metrics = Metrics(model_name=model_name)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, addr=api.host)
-    http = None
-    if settings.http_port:
-        frontend = OpenAIFrontend(
-            generator,
-            served_model_name=model_name,
-            chat_template=ChatTemplate.from_checkpoint(config.target_path),
-            api_keys=api.api_keys,
-            is_serving=lambda: state.serving,
-            registry=metrics.registry,
-            max_body_bytes=settings.max_request_bytes,
-        )
-        http = await _start_http(api, frontend)
+    http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
 
     try:
         engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings)
@@ -160,16 +149,35 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     await state.set(True)
     log.info("scheduler SERVING in %s mode", config.mode.value)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        event_loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await _until_signalled()
     await drain(state, loop, settings.request_drain_timeout)
     if http is not None:
         http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
     await server.stop(grace=5)
     await _stop_http(http)
     engine.executor.close()
+
+
+async def _start_openai(
+    api: PublicApi, config: EngineConfig, generator: Generator, state: _Serving, metrics: Metrics, model_name: str
+) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
+    frontend = OpenAIFrontend(
+        generator,
+        served_model_name=model_name,
+        chat_template=ChatTemplate.from_checkpoint(config.target_path),
+        api_keys=api.api_keys,
+        is_serving=lambda: state.serving,
+        registry=metrics.registry,
+        max_body_bytes=api.settings.max_request_bytes,
+    )
+    return await _start_http(api, frontend)
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 async def drain(state, loop: EngineLoop, timeout_s: float) -> None:
