@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -92,6 +94,14 @@ def _until(condition, timeout_s: float = 60, what: str = "") -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def _http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def _kill(stack: LocalStack, name: str) -> None:
@@ -183,16 +193,22 @@ def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
     with LocalStack(config, workers_only=True) as workers:
         from minedraft.launcher import engine_flags, free_port
 
-        port = free_port()
+        port, http_port = free_port(), free_port()
         scheduler = subprocess.Popen([
             sys.executable, "-m", "minedraft", "scheduler", *engine_flags(config), "--host", "127.0.0.1",
-            "--port", str(port), "--metrics-port", "0", "--verifier", workers.verifier_address, "--worker-wait", "3",
+            "--port", str(port), "--metrics-port", "0", "--verifier", workers.verifier_address, "--worker-wait", "6",
+            "--http-port", str(http_port),
         ])  # fmt: skip
         try:
             _until(lambda: serving(f"127.0.0.1:{port}"), what="the scheduler")
             _kill(workers, "verifier")
-            with Client(f"127.0.0.1:{port}", timeout=60, retries=0) as client, pytest.raises(grpc.RpcError) as info:
-                client.generate([1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
+            with Client(f"127.0.0.1:{port}", timeout=60, retries=0) as client, ThreadPoolExecutor(1) as pool:
+                held = pool.submit(client.generate, [1, 2, 3], max_tokens=50, temperature=0, ignore_eos=True)
+                _until(lambda: _http_status(http_port, "/health") == 503, timeout_s=30, what="not serving")
+                # Held, not failed yet: still not ready, and tools that poll /v1/models must see that too.
+                assert _http_status(http_port, "/v1/models") == 503 and not held.done()
+                with pytest.raises(grpc.RpcError) as info:
+                    held.result()
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "--worker-wait" in info.value.details()
             assert not serving(f"127.0.0.1:{port}")
         finally:

@@ -8,11 +8,13 @@ real processes (their failure paths under SIGKILL are in test_self_healing.py, w
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 import pytest
 
 from minedraft.bench.online import run_online_bench
+from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
@@ -127,3 +129,31 @@ def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, 
         assert steps and float(steps.group(1)) > 0 and idle is not None
     shares = result.server.worker_idle_share
     assert set(shares) == {"verifier", "drafter"} and all(0.0 <= s < 1.0 for s in shares.values())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_cancelled_stream_leaves_the_load_gauges_at_zero(pair, depth: int) -> None:
+    """A request whose client went away may end in no step (always with one step in flight): the gauges must
+    still come back to zero."""
+    target, draft = pair
+    config = EngineConfig(model=target, speculative_config={**SPEC, "model": draft}, max_num_seqs=4,
+                          max_model_len=512, device="cpu")  # fmt: skip
+    port = free_port()
+    settings = scheduler_settings(metrics_port=port, max_steps_in_flight=depth)
+    with LocalStack(config, scheduler=settings) as stack, Client(stack.address, retries=0, timeout=120) as client:
+        url = f"http://127.0.0.1:{port}/metrics"
+        stream = client.stream([1, 2, 3], max_tokens=400, temperature=0, ignore_eos=True)
+        next(stream)
+        assert _gauges(url)["running"] == 1
+        stream.close()  # the client goes away mid-stream
+        deadline = time.monotonic() + 30
+        while _gauges(url) != {"running": 0, "waiting": 0, "kv": 0} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gauges(url) == {"running": 0, "waiting": 0, "kv": 0}
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    names = {"running": "num_requests_running", "waiting": "num_requests_waiting", "kv": "kv_cache_usage_perc"}
+    return {key: float(re.search(rf"^minedraft:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+            for key, name in names.items()}  # fmt: skip

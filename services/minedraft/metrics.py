@@ -149,11 +149,9 @@ class Metrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def record_step(self, result: StepResult, waiting: int, running: int, was_busy: bool = True) -> None:
+    def record_step(self, result: StepResult, was_busy: bool = True) -> None:
         """`was_busy`: requests were running when the previous step ended, so the workers' wait for this
         step's plan is a bubble in the pipeline (not a quiet server)."""
-        self.waiting.set(waiting)
-        self.running.set(running)
         for role, seconds in result.worker_seconds.items():
             self.worker_step_seconds.labels(role=role).observe(seconds)
             if was_busy:

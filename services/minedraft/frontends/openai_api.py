@@ -222,6 +222,9 @@ class OpenAIFrontend:
             )
 
     async def models(self) -> dict:
+        if not self.is_serving():  # tools poll this to know when to start: ready means a request could run
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is not serving now (starting, or forming its "
+                           "engine group again after a worker failed): retry later")  # fmt: skip
         model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
                  "max_model_len": self.generator.max_model_len}  # fmt: skip
         return {"object": "list", "data": [model]}

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
-from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
@@ -135,6 +134,7 @@ class EngineLoop:
                 self._retry_after_failure()
             elif idle:
                 self._safe(self.world.flush)  # release the KV of finished/aborted requests now
+                self._record_load()  # the gauges go back to what is left (cancelled requests leave no step)
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
             self._take_drafter_back()
@@ -225,13 +225,11 @@ class EngineLoop:
             return
         if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
             engine.release_held(self.quarantine.may_run)
-        batches = engine.pipeline.batches
-        self.num_waiting = len(batches.waiting)
         if self._unstarted:
             self._report_started()
+        self._record_load()
         if self.metrics:
-            self.metrics.record_step(engine.last_step, self.num_waiting, batches.num_running, self._was_busy)
-            self._record_kv(batches, engine.num_preemptions)
+            self.metrics.record_step(engine.last_step, self._was_busy)
         self._was_busy = engine.has_unfinished()
         outbox = []
         for request in touched:
@@ -264,13 +262,18 @@ class EngineLoop:
             return StreamItem(text, new_ids, request if request.finished else None)
         return None
 
-    def _record_kv(self, batches: BatchManager, num_preemptions: int) -> None:
-        budget = batches.budget
-        if self.metrics is None or budget is None:
+    def _record_load(self) -> None:
+        """Requests waiting and running, KV usage and preemptions, as the engine holds them now."""
+        batches = self.engine.pipeline.batches
+        self.num_waiting = len(batches.waiting)
+        if self.metrics is None:
             return
-        self.metrics.kv_usage.set(batches.used_blocks / budget.num_blocks)
-        self.metrics.preemptions.inc(num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = num_preemptions
+        self.metrics.waiting.set(self.num_waiting)
+        self.metrics.running.set(batches.num_running)
+        if batches.budget is not None:
+            self.metrics.kv_usage.set(batches.used_blocks / batches.budget.num_blocks)
+        self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = self.engine.num_preemptions
 
     def _safe(self, fn) -> None:
         """A failed step leaves the workers out of lockstep (a peer may be waiting in a collective), so no
