@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from minedraft import LLM, SamplingParams
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
+from minedraft.launcher import free_port
 
 pytestmark = pytest.mark.skipif(
     not all((p / "model.safetensors").is_file() for p in (BUNDLED_TARGET, BUNDLED_DRAFT)),
@@ -57,6 +59,33 @@ def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("service", "flag"),
+    [("scheduler", "--port"), ("scheduler", "--metrics-port"), ("scheduler", "--http-port"), ("verifier", "--port"),
+     ("gateway", "--port"), ("up", "--metrics-port")],  # fmt: skip
+)
+def test_a_taken_port_is_one_line_naming_the_flag(service: str, flag: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--metrics-port": "0", "--http-port": "0", flag: str(port)}
+        if service == "up":  # it waits on its scheduler's port, so that one must be known
+            ports["--port"] = str(free_port())
+        args = [service, "--host", "127.0.0.1", "--port", ports["--port"]]
+        if service == "scheduler":
+            args += ["--metrics-port", ports["--metrics-port"], "--http-port", ports["--http-port"],
+                     "--verifier", "127.0.0.1:1"]  # fmt: skip
+        if service == "up":
+            args += ["--metrics-port", ports["--metrics-port"]]
+        if service == "gateway":
+            args += ["--tokenizer", str(BUNDLED_TARGET), "--backend", "127.0.0.1:1"]
+        result = _minedraft(*args)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port} ({flag})" in result.stderr
+    assert "Traceback" not in result.stderr
+    if service == "up":
+        assert "minedraft up: the scheduler exited with code 2 during start-up" in result.stderr
 
 
 def test_offline_bench_prints_every_mode() -> None:

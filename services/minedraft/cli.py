@@ -15,7 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from minedraft.settings import GatewaySettings, SchedulerSettings, ServiceSettings, WorkerSettings
+from minedraft.settings import (
+    GatewaySettings,
+    ListenError,
+    SchedulerSettings,
+    ServiceSettings,
+    StartupError,
+    WorkerSettings,
+)
 from minedraft.supervision import watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
@@ -677,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"minedraft {args.command}: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ListenError, StartupError) as exc:
         print(f"minedraft {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import grpc
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.serving import is_serving
-from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, WorkerSettings, settings_flags
+from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, StartupError, WorkerSettings, settings_flags
 from minedraft.supervision import supervised_child
 
 # How long the scheduler may take to exit after its request drain.
@@ -186,7 +186,8 @@ class LocalStack:
                 while not is_serving(channel, timeout_s=1):
                     for name, process in self._processes:
                         if process.poll() is not None:
-                            raise RuntimeError(f"the {name} exited with code {process.returncode} during start-up")
+                            raise StartupError(f"the {name} exited with code {process.returncode} during start-up "
+                                               "(its error is above)")  # fmt: skip
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
                     time.sleep(0.25)

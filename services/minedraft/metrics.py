@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
+from minedraft.settings import ListenError
 
 # Names other modules read back (benchmarks, the gateway's routing), in one place.
 STEP_SECONDS = "minedraft:step_seconds"
@@ -147,7 +148,10 @@ class Metrics:
             self.registry.register(VllmNames(ours, model_name))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            raise ListenError("--metrics-port", f"{addr}:{port}", exc.strerror or str(exc)) from exc
 
     def record_step(self, result: StepResult, was_busy: bool = True) -> None:
         """`was_busy`: requests were running when the previous step ended, so the workers' wait for this

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,7 +30,7 @@ from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
-from minedraft.settings import SchedulerSettings
+from minedraft.settings import ListenError, SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -86,14 +87,23 @@ async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_Embedd
         lifespan="off", access_log=False, log_level="warning",
     )  # fmt: skip
     server = _EmbeddedUvicorn(config)
-    task = asyncio.create_task(server.serve(), name="openai-http")
-    while not server.started:  # fail now, not later, if the port is taken
+    sock = _listen("--http-port", api.host, settings.http_port)  # ours: uvicorn would sys.exit on a taken port
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="openai-http")
+    while not server.started:
         if task.done():
             task.result()
-            raise OSError(f"cannot listen on {api.host}:{settings.http_port}")
+            raise OSError(f"the HTTP server on {api.host}:{settings.http_port} stopped while starting")
         await asyncio.sleep(0.05)
     log.info("OpenAI HTTP API on %s://%s:%d", "https" if settings.tls_cert else "http", api.host, settings.http_port)
     return server, task
+
+
+def _listen(flag: str, host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ListenError(flag, f"{host}:{port}", exc.strerror or str(exc)) from exc
 
 
 async def _stop_http(http: tuple[_EmbeddedUvicorn, asyncio.Task] | None) -> None:
@@ -123,15 +133,14 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)
-    server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
-
     model_name = settings.served_model_name or config.target_path.name
     metrics = Metrics(model_name=model_name)
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port, addr=api.host)
-    http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
-
+        metrics.serve(settings.metrics_port, addr=api.host)  # first: a taken port stops us before we listen
+    server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
+    http = None
     try:
+        http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
         engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings)
     except BaseException:
         await _stop_http(http)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from minedraft.api import generate_pb2, worker_pb2
+from minedraft.settings import ListenError
 from minedraft.wire import describe_validation_error, sampling_from_proto
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ async def start_public_server(
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: tuple[str, str] | None = None,
+    flag: str = "--port",
 ) -> tuple[grpc.aio.Server, int]:
     """Start the public MineDraft API as the scheduler and the gateway both serve it: `servicer` (see
     `add_public_api`), grpc.health.v1 (`health_servicer`, an asyncio one) and reflection; `tls` is (cert,
@@ -100,15 +102,24 @@ async def start_public_server(
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
     add_public_api(servicer, server)
     add_health_and_reflection(server, health_servicer, PUBLIC_SERVICE)
+    credentials = None
     if tls is not None:
         cert, key = (Path(path).read_bytes() for path in tls)
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        credentials = grpc.ssl_server_credentials([(key, cert)])
+    bound = _bind(server, address, flag, credentials)
     await server.start()
     return server, bound
+
+
+def _bind(server, address: str, flag: str, credentials=None) -> int:
+    """Listen on `address`; ListenError naming `flag` if that fails (grpc raises or returns 0, by version)."""
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ListenError(flag, address)
+    return bound
 
 
 def start_worker_server(
@@ -122,9 +133,7 @@ def start_worker_server(
     health_servicer = health.HealthServicer()
     set_status(health_servicer, WORKER_SERVICE, serving=False)
     add_health_and_reflection(server, health_servicer, WORKER_SERVICE)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    bound = _bind(server, f"{host}:{port}", "--port")
     server.start()
     return server, health_servicer, bound
 

@@ -19,6 +19,18 @@ from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 MESSAGE_HEADROOM_BYTES = 64 * 1024
 
 
+class ListenError(OSError):
+    """A service cannot listen where its settings say (the port is taken, or not allowed): the CLI prints
+    this one line, naming the flag, and exits 2."""
+
+    def __init__(self, flag: str, address: str, reason: str = "the port is in use or not allowed") -> None:
+        super().__init__(f"cannot listen on {address} ({flag}): {reason}")
+
+
+class StartupError(RuntimeError):
+    """A service of a local stack exited before the stack served (it printed its own reason)."""
+
+
 class ServiceSettings(BaseModel):
     """What the settings models share: unknown keys are errors, and how the CLI names the whole model."""
 
