@@ -7,12 +7,14 @@ offline autoregressive output of the target, streamed or not, and through the bu
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import ssl
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -211,6 +213,13 @@ def test_health_and_metrics_stay_open(stack, tls, client) -> None:
     assert "minedraft:spec_decode_num_drafts_total" in text
     assert f'vllm:spec_decode_num_drafts_total{{model_name="{MODEL}"}}' in text
     assert "vllm:num_requests_running" in text
+    # Answered at /metrics itself (not a redirect to /metrics/, which some scrapers do not follow).
+    address = urllib.parse.urlsplit(stack.http_url)
+    connection = http.client.HTTPSConnection(address.hostname, address.port, context=ssl.create_default_context(
+        cafile=str(tls[1])), timeout=60)  # fmt: skip
+    connection.request("GET", "/metrics")
+    assert connection.getresponse().status == 200
+    connection.close()
 
 
 def test_grpc_needs_the_key_and_tls(stack, tls, expected) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -272,8 +272,8 @@ class OpenAIFrontend:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/health", self.health, methods=["GET"])
-        if self.registry is not None:
-            app.mount("/metrics", make_asgi_app(self.registry))
+        if self.registry is not None:  # a route, not a mounted app: /metrics answers itself, no redirect
+            app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_exception_handler(APIError, _api_error)
         app.add_exception_handler(GenerateError, _generate_error)
         app.add_exception_handler(RequestValidationError, _validation_error)
@@ -281,6 +281,9 @@ class OpenAIFrontend:
         if self.max_body_bytes:
             app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         return app
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self) -> Response:
         serving = self.is_serving()
