@@ -112,12 +112,13 @@ def test_planned_ahead_equals_one_in_flight(pair) -> None:
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, depth: int) -> None:
+def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, depth: int, tmp_path) -> None:
     target, draft = pair
     config = EngineConfig(model=target, speculative_config={**SPEC, "model": draft}, max_num_seqs=4,
                           max_model_len=96, device="cpu")  # fmt: skip
     port = free_port()
-    with LocalStack(config, scheduler=scheduler_settings(metrics_port=port, max_steps_in_flight=depth)) as stack:
+    settings = scheduler_settings(metrics_port=port, max_steps_in_flight=depth, log_stats_interval=0.2)
+    with LocalStack(config, scheduler=settings, log_dir=tmp_path) as stack:
         url = f"http://127.0.0.1:{port}/metrics"
         result = run_online_bench(stack.address, ["def f():", "import os", "class A:"] * 4, concurrency=8,
                                   max_tokens=24, temperature=0.0, ignore_eos=True, metrics_url=url)  # fmt: skip
@@ -129,6 +130,11 @@ def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, 
         assert steps and float(steps.group(1)) > 0 and idle is not None
     shares = result.server.worker_idle_share
     assert set(shares) == {"verifier", "drafter"} and all(0.0 <= s < 1.0 for s in shares.values())
+    # The operator's view in the log: capacity at start, then a stats line while requests ran.
+    log = (tmp_path / "scheduler.log").read_text()
+    assert re.search(r"SERVING in minedraft mode; KV cache \d+ blocks of 16 tokens .* of max_model_len 96", log)
+    assert re.search(r"generation [\d.]+ tok/s, running \d+, waiting \d+, KV cache [\d.]+% used, draft acceptance "
+                     r"[\d.]+%, drafter idle [\d.]+%, verifier idle [\d.]+%", log)  # fmt: skip
 
 
 @pytest.mark.parametrize("depth", [1, 2])

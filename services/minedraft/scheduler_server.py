@@ -152,11 +152,12 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
     recovery = Recovery(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
-    loop = EngineLoop(engine, engine.executor, metrics, on_state=report, recovery=recovery)
+    loop = EngineLoop(engine, engine.executor, metrics, on_state=report, recovery=recovery,
+                      stats_interval_s=settings.log_stats_interval)  # fmt: skip
     loop.start()
     generator.engine = loop
     await state.set(True)
-    log.info("scheduler SERVING in %s mode", config.mode.value)
+    log.info("scheduler SERVING in %s mode; %s", config.mode.value, _capacity(engine))
 
     await _until_signalled()
     await drain(state, loop, settings.request_drain_timeout)
@@ -165,6 +166,16 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     await server.stop(grace=5)
     await _stop_http(http)
     engine.executor.close()
+
+
+def _capacity(engine: LLMEngine) -> str:
+    """What the workers' KV pool allows, for the start-up line."""
+    if engine.kv_pool is None:
+        return f"max_num_seqs {engine.config.max_num_seqs}"
+    blocks, block_size = engine.kv_pool
+    full = blocks // -(-engine.max_model_len // block_size)
+    return (f"KV cache {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens): {full} requests of "
+            f"max_model_len {engine.max_model_len} at once, max_num_seqs {engine.config.max_num_seqs} per batch")
 
 
 async def _start_openai(

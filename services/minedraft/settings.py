@@ -77,6 +77,10 @@ class SchedulerSettings(ServiceSettings):
         60.0, gt=0, description="A step that takes longer than max(this, 10 x the 99th percentile of recent steps) "
         "counts as a hung worker: the scheduler re-forms the world without it.",
     )  # fmt: skip
+    log_stats_interval: float = Field(
+        10.0, ge=0, description="Seconds between the scheduler's stats log lines while requests run (generation "
+        "throughput, running and waiting requests, KV usage, draft acceptance, worker idle); 0 = none.",
+    )  # fmt: skip
     max_steps_in_flight: int = Field(
         2, ge=1, le=2, description="Steps sent to the workers ahead of their results: 2 = the next plan travels while "
         "a step runs (no round trip between steps); 1 = wait for each step's results before planning the next.",

@@ -24,6 +24,7 @@ from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamIte
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
+from minedraft.scheduler.stats_log import StatsLog
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -75,7 +76,9 @@ class EngineLoop:
         metrics: Metrics | None = None,
         on_state: Callable[[bool, str], None] | None = None,
         recovery: Recovery | None = None,
+        stats_interval_s: float = 0.0,
     ) -> None:
+        """`stats_interval_s`: seconds between stats log lines while requests run (0: none)."""
         self.engine = engine
         self.world = world  # the engine's executor, seen as the workers it can re-form into a new world
         self.metrics = metrics
@@ -94,6 +97,7 @@ class EngineLoop:
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
         self.draining = False
         self.quarantine = Quarantine()
+        self.stats_log = StatsLog(stats_interval_s)
         self._stalled = False  # the last step could not be planned
         self._was_busy = False  # requests were running when the last step ended (its successor's wait counts)
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
@@ -230,7 +234,7 @@ class EngineLoop:
         self._record_load()
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
-        self._was_busy = engine.has_unfinished()
+        was_busy, self._was_busy = self._was_busy, engine.has_unfinished()
         outbox = []
         for request in touched:
             sink = self._sinks.get(request.request_id)
@@ -238,6 +242,15 @@ class EngineLoop:
             if item is not None:
                 outbox.append((sink, item))
         send_all(outbox)
+        self._log_stats(sum(len(item.token_ids) for _, item in outbox if isinstance(item, StreamItem)), was_busy)
+
+    def _log_stats(self, generated_tokens: int, was_busy: bool) -> None:
+        self.stats_log.record(self.engine.last_step, generated_tokens, was_busy)
+        batches = self.engine.pipeline.batches
+        kv_usage = batches.used_blocks / batches.budget.num_blocks if batches.budget is not None else None
+        line = self.stats_log.line(batches.num_running, len(batches.waiting), kv_usage)
+        if line is not None:
+            log.info("%s", line)
 
     def _deliver(self, request: Request, sink: Sink) -> StreamItem | RequestFailed | None:
         """A request's new tokens and text, for its stream; a failure here is this request's alone."""
