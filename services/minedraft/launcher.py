@@ -7,6 +7,7 @@ service addresses on 127.0.0.1 and free ports.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,40 @@ from minedraft.supervision import supervised_child
 _EXIT_MARGIN_S = 15.0
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS starts its range higher still
+
+
 def free_port() -> int:
+    """A port nobody listens on, for a service started a moment later.
+
+    Chosen below the kernel's ephemeral range: outgoing connections (gloo pairs, gRPC channels)
+    take their local port from that range and could otherwise take this one before the service
+    binds it. A port is handed out once per process.
+    """
+    floor = _ephemeral_floor()
+    candidates = range(max(1024, floor - 16384), floor)
+    for _ in range(200):
+        port = random.choice(candidates)
+        if port not in _PORTS_GIVEN and _can_bind(port):
+            _PORTS_GIVEN.add(port)
+            return port
+    raise OSError(f"no free port found in {candidates.start}-{candidates.stop - 1}")
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
