@@ -57,6 +57,10 @@ from transformers import (  # noqa: E402
 EOS = "<|endoftext|>"
 TARGET_DIR = "minedraft-target"
 DRAFT_DIR = "minedraft-draft"
+PARD_DIR = "minedraft-draft-pard"
+# PARD's mask token is the byte-level token of byte 0xFF: UTF-8 text never contains that byte, so the
+# tokenizer never emits the token and the PARD draft keeps the target's vocabulary as it is.
+PARD_MASK = "\u00ff"
 PROMPTS_FILE = "prompts/heldout.jsonl"
 # Folders whose code we do not train on: third-party packages and test suites.
 # Tests are excluded to keep the corpus "library code" and the run short.
@@ -351,6 +355,78 @@ def mixed_batches(
         yield torch.cat([corpus, rows])
 
 
+# --------------------------------------------------------------------------- PARD
+
+
+def pard_layout(inputs: torch.Tensor, anchors: torch.Tensor, depth: int, mask_id: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One PARD training row per input row: the real tokens, then for each anchor t a chain of `depth`
+    mask tokens at positions t+1 .. t+depth.
+
+    Mask j of a chain sees the real tokens up to t and the chain's masks before it, exactly what it sees
+    when the draft proposes k tokens in one forward, and learns the token after position t+j: so each
+    token's target is the teacher's prediction at its own position id. Returns (input ids, position ids,
+    a boolean [B, 1, T, T] attention mask, True = attend).
+    """
+    batch, length = inputs.shape
+    steps = torch.arange(1, depth + 1)
+    mask_pos = (anchors[:, :, None] + steps).flatten(1)  # [B, A * depth]
+    pos = torch.cat([torch.arange(length).expand(batch, -1), mask_pos], dim=1)
+    ids = torch.cat([inputs, torch.full_like(mask_pos, mask_id)], dim=1)
+    is_real = torch.arange(pos.size(1)) < length
+    chain = torch.cat([torch.full((length,), -1), torch.arange(anchors.size(1)).repeat_interleave(depth)])
+    sees_real_up_to = torch.cat([pos[:, :length], anchors.repeat_interleave(depth, dim=1)], dim=1)
+    real_key = is_real[None, None, :] & (pos[:, None, :] <= sees_real_up_to[:, :, None])
+    same_chain = (chain[None, :, None] == chain[None, None, :]) & ~is_real[None, None, :]
+    chain_key = same_chain & (pos[:, None, :] <= pos[:, :, None])
+    return ids, pos, (real_key | chain_key)[:, None]
+
+
+def pard_loss(teacher: torch.nn.Module, student: torch.nn.Module, mask_id: int, args: argparse.Namespace,
+              gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The draft recipe's KL + hard loss at every real position and at every mask of `pard_anchors` random
+    chains per row (all anchors kept: at this scale the whole chain costs little)."""
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        inputs = x[:, :-1]
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
+        room = inputs.size(1) - args.pard_depth
+        anchors = torch.rand(inputs.size(0), room, generator=gen).argsort(dim=1)[:, : args.pard_anchors]
+        ids, pos, attend = pard_layout(inputs, anchors, args.pard_depth, mask_id)
+        s_logits = student(input_ids=ids, position_ids=pos, attention_mask=attend).logits.float()
+        s_logp = F.log_softmax(s_logits, dim=-1)
+        t_logp = t_logp.gather(1, pos[..., None].expand(-1, -1, t_logp.size(-1)))
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+        hard = F.cross_entropy(s_logits.flatten(0, 1), t_logp.argmax(-1).flatten())
+        return kl + args.hard_weight * hard
+
+    return loss
+
+
+@torch.no_grad()
+def pard_propose(draft: torch.nn.Module, ctx: torch.Tensor, k: int, mask_id: int) -> torch.Tensor:
+    """k greedy draft tokens from one forward over [ctx, mask x (k - 1)]."""
+    ids = torch.cat([ctx, torch.full((1, k - 1), mask_id)], dim=1)
+    return draft(input_ids=ids, logits_to_keep=k).logits[:, -k:].argmax(-1)
+
+
+def train_pard(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: argparse.Namespace,
+               gen: torch.Generator) -> dict:
+    """PARD: the shipped draft, fine-tuned to propose k tokens in one forward; saved with its mask token."""
+    mask_id = tok.token_to_id(PARD_MASK)
+    teacher = load_model(out / TARGET_DIR, torch.bfloat16)
+    generated = generate_distill_set(teacher, train_stream, args, gen)
+    batches = mixed_batches(train_stream, generated, args, gen)
+    draft = load_model(out / DRAFT_DIR)
+    draft.config.pard_token = mask_id  # read by MineDraft (and vLLM) as the mask token
+    run = train_loop(draft, lambda: next(batches), pard_loss(teacher, draft, mask_id, args, gen),
+                     Budget(args.pard_steps, args.pard_minutes), args.pard_lr, "pard", args.log_every)
+    save_model(draft, out / PARD_DIR, tok.token_to_id(EOS))
+    save_tokenizer(tok, out / PARD_DIR, args.max_positions)
+    return {"pard_token": mask_id, "pard_training": run, "pard_generated_rows": len(generated)}
+
+
 # ---------------------------------------------------------------------- evaluation
 
 
@@ -366,16 +442,19 @@ def eval_windows(stream: torch.Tensor, count: int, length: int, seed: int) -> to
     return random_windows(stream, count, length, torch.Generator().manual_seed(seed))
 
 
+Propose = Callable[[torch.Tensor, int], torch.Tensor]  # (context [1, T], k) -> k draft tokens [1, k]
+
+
 @torch.no_grad()
-def speculative_round(target: torch.nn.Module, draft: torch.nn.Module, ctx: torch.Tensor, k: int
+def speculative_round(target: torch.nn.Module, propose: Propose, ctx: torch.Tensor, k: int
                       ) -> tuple[torch.Tensor, int]:
-    """One greedy speculative step: draft proposes k tokens, target verifies them in one pass.
+    """One greedy speculative step: the draft proposes k tokens, the target verifies them in one pass.
 
     Returns (tokens emitted this round, number of accepted draft tokens).  Emitted
     tokens are the accepted prefix plus the target's own next token, so the output
     is exactly the target's greedy decoding (lossless).
     """
-    proposal = greedy_extend(draft, ctx, k)[:, ctx.size(1):]
+    proposal = propose(ctx, k)
     logits = target(input_ids=torch.cat([ctx, proposal], dim=1), logits_to_keep=k + 1).logits
     verified = logits[0].argmax(-1)  # target's choice after ctx, ctx+p1, ..., ctx+p1..pk
     matches = (verified[:k] == proposal[0]).int()
@@ -383,18 +462,28 @@ def speculative_round(target: torch.nn.Module, draft: torch.nn.Module, ctx: torc
     return verified[: accepted + 1].unsqueeze(0), accepted
 
 
+def sequential_propose(draft: torch.nn.Module) -> Propose:
+    return lambda ctx, k: greedy_extend(draft, ctx, k)[:, ctx.size(1):]
+
+
 @torch.no_grad()
 def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module, tok: Tokenizer,
-                       prompts: Sequence[str], new_tokens: int, k: int) -> dict[str, float]:
+                       prompts: Sequence[str], new_tokens: int, k: int, propose: Propose | None = None
+                       ) -> dict[str, float]:
+    """Greedy speculative decoding of every prompt; `propose` defaults to k sequential draft forwards."""
+    propose = propose or sequential_propose(draft)
     agree = positions = rounds = emitted_total = 0
+    reached = [0] * k  # rounds whose draft position j + 1 was accepted
     for text in prompts:
         ctx = torch.tensor([tok.encode(text).ids])
         plen = ctx.size(1)
         while ctx.size(1) - plen < new_tokens:
-            emitted, _ = speculative_round(target, draft, ctx, k)
+            emitted, accepted = speculative_round(target, propose, ctx, k)
             ctx = torch.cat([ctx, emitted], dim=1)
             rounds += 1
             emitted_total += emitted.size(1)
+            for j in range(accepted):
+                reached[j] += 1
         # alpha: teacher-forced top-1 agreement along the target's greedy trajectory.
         cont = ctx[0, plen : plen + new_tokens]
         draft_top1 = draft(input_ids=ctx[:, : plen + new_tokens - 1]).logits[0, plen - 1 :].argmax(-1)
@@ -408,6 +497,7 @@ def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module, tok: Tok
         "alpha": round(alpha, 4),
         "implied_mean_accepted_length": round((1 - alpha ** (k + 1)) / (1 - alpha), 3) if alpha < 1 else k + 1,
         "simulated_mean_accepted_length": round(emitted_total / rounds, 3),
+        "accepted_per_position": [round(n / rounds, 3) for n in reached],
         "rounds": rounds,
     }
 
@@ -468,6 +558,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-minutes", type=float, default=8.0, help="wall-clock cap for the draft (<= 0: none)")
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--hard-weight", type=float, default=0.5, help="weight of CE on target argmax")
+    p.add_argument("--pard-steps", type=int, default=600, help="PARD fine-tuning steps of the draft")
+    p.add_argument("--pard-minutes", type=float, default=10.0, help="wall-clock cap for PARD (<= 0: none)")
+    p.add_argument("--pard-lr", type=float, default=1e-3)
+    p.add_argument("--pard-depth", type=int, default=7, help="masks per chain: trains k up to depth + 1")
+    p.add_argument("--pard-anchors", type=int, default=48, help="mask chains per training row")
+    p.add_argument("--phase", choices=("all", "pard"), default="all",
+                   help="all: everything; pard: only the PARD draft, from the target and draft already in --out")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--min-prompt-tokens", type=int, default=20)
@@ -482,9 +579,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("target_steps", "draft_steps", "gen_seqs"):
+    for name in ("target_steps", "draft_steps", "pard_steps", "gen_seqs"):
         setattr(args, name, max(1, round(getattr(args, name) * args.scale)))
-    for name in ("target_minutes", "draft_minutes", "gen_minutes"):
+    for name in ("target_minutes", "draft_minutes", "pard_minutes", "gen_minutes"):
         setattr(args, name, getattr(args, name) * args.scale)
     return args
 
@@ -501,6 +598,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     root = Path(sysconfig.get_paths()["stdlib"])
     train_docs, heldout_docs = split_docs(collect_docs(root, args.max_file_kib * 1024), args.heldout_permille)
     log.info("corpus %s: %d train files, %d held-out files", root, len(train_docs), len(heldout_docs))
+
+    if args.phase == "pard":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        report = train_pard(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)
+        report["acceptance"] = evaluate_pard(out, tok, args)
+        report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        print(json.dumps(report, indent=2))
+        return
 
     tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)
     eos_id = tok.token_to_id(EOS)
@@ -539,7 +644,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_jsonl(prompts, out / PROMPTS_FILE)
     log.info("wrote %d prompts to %s", len(prompts), out / PROMPTS_FILE)
 
+    pard = train_pard(out, tok, train_stream, args, gen)
     report = evaluate(out, tok, train_stream, heldout_stream, prompts, args)
+    report["pard"] = {**pard, "acceptance": evaluate_pard(out, tok, args)}
     report["target_training"], report["draft_training"] = target_run, draft_run
     report["generated_rows"] = len(generated)
     report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
@@ -568,6 +675,23 @@ def evaluate(out: Path, tok: Tokenizer, train_stream: torch.Tensor, heldout_stre
     texts = [p["prompt"] for p in prompts[: args.eval_prompts]]
     report["acceptance"] = measure_acceptance(target, draft, tok, texts, args.eval_new_tokens, args.k)
     log.info("acceptance: %s", report["acceptance"])
+    return report
+
+
+def evaluate_pard(out: Path, tok: Tokenizer, args: argparse.Namespace) -> dict:
+    """Greedy acceptance of the shipped draft proposing k tokens in k forwards, and of its PARD version in one."""
+    target, draft, pard = load_model(out / TARGET_DIR), load_model(out / DRAFT_DIR), load_model(out / PARD_DIR)
+    mask_id = tok.token_to_id(PARD_MASK)
+    rows = [json.loads(line) for line in (out / PROMPTS_FILE).read_text().splitlines()]
+    texts = [r["prompt"] for r in rows[: args.eval_prompts]]
+    report = {}
+    for k in sorted({2, args.k, args.pard_depth + 1}):
+        report[f"k={k}"] = {
+            "sequential_draft": measure_acceptance(target, draft, tok, texts, args.eval_new_tokens, k),
+            "pard": measure_acceptance(target, pard, tok, texts, args.eval_new_tokens, k,
+                                       lambda ctx, k: pard_propose(pard, ctx, k, mask_id)),
+        }
+        log.info("acceptance k=%d: %s", k, report[f"k={k}"])
     return report
 
 

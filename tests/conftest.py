@@ -1,6 +1,8 @@
 """Test-session settings and fixtures shared by every test module."""
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,16 @@ def pair(tmp_path_factory) -> tuple[str, str]:
     under its own embeddings and head: it agrees with the target now and then, so windows are accepted in
     part."""
     return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def pard_draft(draft: str | Path, root: Path, mask_token: int = 7) -> str:
+    """A copy of a draft checkpoint whose config.json names a PARD mask token. Its weights were never trained
+    for parallel drafting: every mode must still be lossless with it, only slower."""
+    folder = root / "draft-pard"
+    shutil.copytree(draft, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "pard_token": mask_token}))
+    return str(folder)
 
 
 def tiny_config(pair: tuple[str, str], spec: dict[str, Any] | None = None, **overrides: Any) -> EngineConfig:

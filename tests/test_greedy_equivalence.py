@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET, EngineConfig
+from minedraft.config import BUNDLED_DRAFT, BUNDLED_PARD_DRAFT, BUNDLED_TARGET, EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
+
+from conftest import pard_draft
 
 STRICT = {"device": "cpu", "batch_invariant": True}
 # A mismatch is excused only where the target's two best logits are closer than this.
@@ -39,6 +41,10 @@ MODES = {
         "tetris_capacity": 5,
     },
 }
+
+
+# Parallel drafting (PARD) in every mode: one draft forward per window instead of k.
+PARD_MODES = {f"{mode}+pard": {**spec, "parallel_drafting": True} for mode, spec in MODES.items()}
 
 
 def _workload(vocab_size: int, n: int, seed: int) -> list[tuple[list[int], SamplingParams, int]]:
@@ -114,6 +120,46 @@ def test_pair_matches_autoregressive(pair, mode: str, max_num_seqs: int, in_flig
     _assert_same(target, work, expected, got, mode)
 
 
+@pytest.fixture(scope="module")
+def pard_pair(pair, tmp_path_factory) -> tuple[str, str]:
+    return pair[0], pard_draft(pair[1], tmp_path_factory.mktemp("pard"))
+
+
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["one-in-flight", "planned-ahead"])
+@pytest.mark.parametrize("mode", list(PARD_MODES))
+def test_parallel_drafting_matches_autoregressive(pard_pair, mode: str, in_flight: int) -> None:
+    """A draft that was never trained for PARD proposes poor windows: every mode is still exactly ar."""
+    target, draft = pard_pair
+    vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
+    work = _workload(vocab, n=10, seed=3)
+    base = {"model": str(target), "max_num_seqs": 3, "max_model_len": 96, **STRICT}
+    expected = _run(EngineConfig(**base), work)
+    got = _run(EngineConfig(**base, speculative_config={**PARD_MODES[mode], "model": draft}), work,
+               in_flight=in_flight)  # fmt: skip
+    _assert_same(target, work, expected, got, mode)
+
+
+def test_parallel_drafting_under_preemption_matches_autoregressive(pard_pair) -> None:
+    target, draft = pard_pair
+    vocab = ModelRunner(target, max_seq_len=8).config.vocab_size
+    work = _workload(vocab, n=24, seed=11)
+    base = {"model": str(target), "max_num_seqs": 4, "max_model_len": 96, **STRICT}
+    small = {**base, "block_size": 8, "kv_cache_memory_bytes": _kv_budget(target, 14, 8)}
+    stats: dict = {}
+    spec = {**PARD_MODES["minedraft+pard"], "model": draft}
+    got = _run(EngineConfig(**small, speculative_config=spec), work, stats, in_flight=2)
+    assert stats["preemptions"] > 0, "the budget is meant to force preemption"
+    _assert_same(target, work, _run(EngineConfig(**base), work), got, "minedraft+pard")
+
+
+def test_parallel_drafting_needs_a_mask_token(pair) -> None:
+    target, draft = pair
+    spec = {"num_speculative_tokens": 3, "parallel_drafting": True, "model": draft}
+    with pytest.raises(ValueError, match=r"parallel_drafting needs a draft model trained for it \(PARD\): .*names no "
+                                         r"pard_token"):
+        LLMEngine.local(EngineConfig(model=target, speculative_config=spec, device="cpu"))
+
+
 def _kv_budget(target: Path, blocks: int, block_size: int) -> int:
     """Bytes of `blocks` target KV blocks (the drafter's blocks are smaller: the target's pool is the limit)."""
     config = ModelRunner(target, max_seq_len=8).config
@@ -186,10 +232,13 @@ def test_draft_equal_to_target_accepts_everything(pair, mode: str) -> None:
     not all((p / "model.safetensors").is_file() for p in (BUNDLED_TARGET, BUNDLED_DRAFT)),
     reason="bundled models not trained yet (python models/train.py)",
 )
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [*MODES, *PARD_MODES])
 def test_bundled_pair_matches_autoregressive(mode: str) -> None:
     from minedraft.bench.prompts import load_prompts
     from minedraft.model.tokenizer import load_tokenizer
+
+    if mode in PARD_MODES and not (BUNDLED_PARD_DRAFT / "model.safetensors").is_file():
+        pytest.skip("bundled PARD draft not trained yet (python models/train.py --phase pard)")
 
     tokenizer = load_tokenizer(BUNDLED_TARGET)
     prompts = [tokenizer.encode(p) for p in load_prompts(limit=12)]
@@ -199,5 +248,6 @@ def test_bundled_pair_matches_autoregressive(mode: str) -> None:
     ]
     base = {"max_num_seqs": 4, **STRICT}
     expected = _run(EngineConfig(**base), work)
-    got = _run(EngineConfig(**base, speculative_config={**MODES[mode], "model": str(BUNDLED_DRAFT)}), work)
+    spec = {**MODES, **PARD_MODES}[mode]  # no model: the bundled draft, its PARD version with parallel_drafting
+    got = _run(EngineConfig(**base, speculative_config=spec), work)
     _assert_same(BUNDLED_TARGET, work, expected, got, mode)

@@ -26,7 +26,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 
-from conftest import make_pair, target_probs
+from conftest import make_pair, pard_draft, target_probs
 
 PROMPT = [5, 17, 42]
 NUM_SAMPLES = 3000
@@ -74,11 +74,17 @@ def _sample(config: EngineConfig) -> Counter:
         {"num_speculative_tokens": 2},
         {"num_speculative_tokens": 2, "is_parallel": True, "force_pearl": True},
         {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True, "tetris_extra_proposals": 1},
+        {"num_speculative_tokens": 2, "parallel_drafting": True},
+        {"num_speculative_tokens": 2, "is_parallel": True, "parallel_drafting": True},
     ],
-    ids=["ar", "sd", "pearl", "minedraft+tetris"],
+    ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard"],
 )
-def test_sampled_pairs_follow_the_target_distribution(pair, spec) -> None:
+def test_sampled_pairs_follow_the_target_distribution(pair, spec, tmp_path) -> None:
+    """With parallel drafting the second draft token comes from the mask position's q, drawn without
+    seeing the first: the rejection rule must still give the target's distribution."""
     target, draft = pair
+    if spec and spec.get("parallel_drafting"):
+        draft = pard_draft(draft, tmp_path)
     joint = _exact_joint(target)
     config = EngineConfig(
         model=str(target),

@@ -78,6 +78,17 @@ def test_eos_ids_prefer_generation_config():
     assert parse_model_config(raw, {"eos_token_id": 5}).eos_token_ids == [5]
 
 
+def test_pard_mask_token_is_read_under_both_names():
+    raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert parse_model_config(raw).pard_token is None
+    assert parse_model_config({**raw, "pard_token": 9}).pard_token == 9
+    assert parse_model_config({**raw, "ptd_token_id": 3}).pard_token == 3
+    for bad in (10, -1, "9", True):
+        with pytest.raises(CheckpointError, match=f"pard_token must be a token id below vocab_size, got {bad!r}"):
+            parse_model_config({**raw, "pard_token": bad})
+
+
 def test_legacy_rope_keys_are_understood():
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,

@@ -28,7 +28,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack, engine_flags, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 
-from conftest import tiny_config
+from conftest import pard_draft, tiny_config
 from services import children, serving, wait_serving, worker_info
 
 MAX_MODEL_LEN = 128
@@ -96,6 +96,21 @@ def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) 
         with Client(stack.address) as client:
             info = client.server_info()
         assert (info.mode, info.tensor_parallel_size) == (mode.split("+")[0], tp)
+        _assert_idle(stack)
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["sd", "minedraft"])
+def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str, tmp_path) -> None:
+    """PARD across the services: the drafter proposes each window in one forward; the verifier's two ranks
+    get the drafts over the tensor channel as always."""
+    spec = {**MODES[mode], "parallel_drafting": True}
+    config = _config((pair[0], pard_draft(pair[1], tmp_path)), spec, tensor_parallel_size=2)
+    with LocalStack(config) as stack:
+        got = _generate_concurrently(stack.address, _workload())
+        with Client(stack.address) as client:
+            info = client.server_info()
+        assert (info.mode, info.draft_method, info.speculative_config["parallel_drafting"]) == (mode, "pard", True)
         _assert_idle(stack)
     assert got == expected
 
@@ -234,14 +249,22 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
         verifier.wait(timeout=30)
 
 
-def test_unknown_speculative_config_key_fails_at_startup(pair) -> None:
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
+        ('{"method": "eagle3"}', "method 'eagle3' (EAGLE-3 draft heads) is not implemented yet"),
+        ('{"method": "medusa"}', "Input should be 'draft_model'"),
+    ],
+    ids=["unknown-key", "eagle3", "unknown-method"],
+)
+def test_a_speculative_config_we_do_not_implement_fails_at_startup(pair, spec, message) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "minedraft", "up", "--model", pair[0],
-         "--speculative-config", '{"num_speculative_tokens": 2, "bogus_key": 1}'],
+        [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--speculative-config", spec],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "bogus_key" in result.stderr and "Extra inputs are not permitted" in result.stderr
+    assert message in result.stderr
 
 
 def _every_field_off_default(pair) -> EngineConfig:

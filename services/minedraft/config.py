@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODELS_DIR = REPO_ROOT / "models"
 BUNDLED_TARGET = BUNDLED_MODELS_DIR / "minedraft-target"
 BUNDLED_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft"
+BUNDLED_PARD_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft-pard"  # the bundled draft trained for PARD
 
 
 class Mode(str, Enum):
@@ -34,9 +35,17 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     method: Literal["draft_model"] = Field(
-        "draft_model", description="Proposal method; a separate small draft model is the one supported."
+        "draft_model", description="Proposal method: draft_model, a separate small causal LM (eagle3 is refused: "
+        "not implemented yet)."
     )
-    model: str | None = Field(None, description="Draft checkpoint folder (HF format); None = bundled draft.")
+    model: str | None = Field(
+        None, description="Draft checkpoint folder (HF format); None = the bundled draft (its PARD version with "
+        "parallel_drafting)."
+    )
+    parallel_drafting: bool = Field(
+        False, description="Draft all k tokens in one forward (PARD: the draft checkpoint names its mask token "
+        "in config.json as pard_token)."
+    )
     draft_tensor_parallel_size: Literal[1] = Field(
         1, description="Tensor-parallel size of the drafter; the drafter runs on one device."
     )
@@ -50,6 +59,16 @@ class SpeculativeConfig(BaseModel):
     )
     tetris_extra_proposals: int = Field(2, ge=0, le=32, description="e: extra draft tokens per request.")
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known_method(cls, value: Any) -> Any:
+        if value == "eagle3":  # vLLM's name: say so rather than "unknown"
+            raise ValueError(
+                "method 'eagle3' (EAGLE-3 draft heads) is not implemented yet; use method 'draft_model' (with "
+                "parallel_drafting: true for a PARD checkpoint)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> SpeculativeConfig:
         if self.force_pearl and not self.is_parallel:
@@ -61,6 +80,11 @@ class SpeculativeConfig(BaseModel):
         if not self.is_parallel:
             return Mode.SD
         return Mode.PEARL if self.force_pearl else Mode.MINEDRAFT
+
+    @property
+    def draft_method(self) -> str:
+        """How drafts are proposed, as the server reports it: draft_model (k forwards) or pard (one)."""
+        return "pard" if self.parallel_drafting else self.method
 
     @property
     def max_draft_len(self) -> int:
@@ -155,6 +179,15 @@ class EngineConfig(BaseModel):
     def mode(self) -> Mode:
         return Mode.AR if self.speculative_config is None else self.speculative_config.mode
 
+    def decoding(self) -> dict[str, str]:
+        """How this engine decodes, as /v1/models and the metrics report it."""
+        spec = self.speculative_config
+        return {
+            "mode": self.mode.value,
+            "draft_method": spec.draft_method if spec else "",
+            "num_speculative_tokens": str(spec.num_speculative_tokens if spec else 0),
+        }
+
     @property
     def target_path(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_TARGET
@@ -162,7 +195,9 @@ class EngineConfig(BaseModel):
     @property
     def draft_path(self) -> Path:
         spec = self.speculative_config
-        return Path(spec.model) if spec and spec.model else BUNDLED_DRAFT
+        if spec and spec.model:
+            return Path(spec.model)
+        return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
 
     def target_only(self) -> EngineConfig:
         """This config without speculation, for a group whose drafter is gone: the same requests run at

@@ -129,6 +129,10 @@ class Metrics:
             WORKER_IDLE_SECONDS, "A worker's wait for the next plan while requests are running (the "
             "gap between steps; on a GPU, the GPU's idle time)", ["role"], buckets=_FINE_BUCKETS, registry=r,
         )  # fmt: skip
+        self.decoding = Gauge(
+            "minedraft:decoding_info", "How the server decodes (1 for its one label set)",
+            ["mode", "draft_method", "num_speculative_tokens"], registry=r,
+        )  # fmt: skip
         self.step_seconds = Histogram(STEP_SECONDS, "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             DRAFT_STEP_SECONDS, "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r

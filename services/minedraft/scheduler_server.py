@@ -135,6 +135,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     await state.set(False)
     model_name = settings.served_model_name or config.target_path.name
     metrics = Metrics(model_name=model_name)
+    metrics.decoding.labels(**config.decoding()).set(1)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, addr=api.host)  # first: a taken port stops us before we listen
     server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
@@ -188,6 +189,7 @@ async def _start_openai(
         api_keys=api.api_keys,
         is_serving=lambda: state.serving,
         registry=metrics.registry,
+        decoding=config.decoding(),
         max_body_bytes=api.settings.max_request_bytes,
     )
     return await _start_http(api, frontend)

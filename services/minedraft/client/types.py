@@ -114,6 +114,7 @@ class ServerInfo:
     num_kv_blocks: int = 0  # KV-cache blocks the server admits requests by
     kv_block_size: int = 0  # tokens per block
     max_num_batched_tokens: int = 0  # a step's token budget; longer prompts are prefilled in chunks
+    draft_method: str = ""  # draft_model | pard; empty for ar
 
     @property
     def speculative_config(self) -> dict[str, Any]:
@@ -136,4 +137,5 @@ class ServerInfo:
             num_kv_blocks=msg.num_kv_blocks,
             kv_block_size=msg.kv_block_size,
             max_num_batched_tokens=msg.max_num_batched_tokens,
+            draft_method=msg.draft_method,
         )

@@ -6,8 +6,7 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
-from minedraft.engine.local_executor import draft_runner
-from minedraft.engine.workers import DraftWorker
+from minedraft.engine.local_executor import draft_runner, draft_worker
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import plan_from_proto
@@ -22,7 +21,7 @@ class DrafterNode:
         self.dist = dist
         self.device = _drafter_device(config)
         self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), self.device)
-        self.worker = DraftWorker(self.runner, support_size=config.draft_support_size)
+        self.worker = draft_worker(config, self.runner)
         self.rank = topology_of(config).drafter_rank
         self.groups: WorldGroups | None = None
         self.channel: StepChannel | None = None

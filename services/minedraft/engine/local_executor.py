@@ -142,7 +142,7 @@ def build_local_executor(
     if config.speculative_config is not None:
         draft = draft_runner(config, num_slots, max_len, device)
         check_compatible(target.config, draft.config)
-        drafter = DraftWorker(draft, support_size=config.draft_support_size)
+        drafter = draft_worker(config, draft)
     overlapped = drafter is not None and device == "cpu"
     stage_threads = max(1, torch.get_num_threads() // 2) if overlapped else None
     return LocalExecutor(VerifyWorker(target), drafter, stage_threads, max_in_flight), target
@@ -160,6 +160,19 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         batch_invariant=False,
         **kv_cache_options(config),
     )
+
+
+def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
+    """The drafter's worker; with parallel_drafting, it drafts with the mask token the checkpoint names."""
+    mask_token = None
+    if config.speculative_config is not None and config.speculative_config.parallel_drafting:
+        mask_token = runner.config.pard_token
+        if mask_token is None:
+            raise ValueError(
+                f"parallel_drafting needs a draft model trained for it (PARD): {config.draft_path}/config.json "
+                "names no pard_token"
+            )
+    return DraftWorker(runner, support_size=config.draft_support_size, mask_token=mask_token)
 
 
 def kv_cache_options(config: EngineConfig) -> dict[str, Any]:

@@ -111,11 +111,16 @@ class _Worker:
 
 
 class DraftWorker(_Worker):
-    """Proposes draft windows with the small model and hands them over at the step's end."""
+    """Proposes draft windows with the small model and hands them over at the step's end.
 
-    def __init__(self, runner: ModelRunner, support_size: int) -> None:
+    With a mask token (PARD) a window takes one forward over [pending tokens, mask x (k - 1)]; without, k
+    forwards of one token each.
+    """
+
+    def __init__(self, runner: ModelRunner, support_size: int, mask_token: int | None = None) -> None:
         super().__init__(runner)
         self.support_size = support_size
+        self.mask_token = mask_token
         self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
         self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
 
@@ -126,17 +131,37 @@ class DraftWorker(_Worker):
             self._handed.pop(request_id, None)
 
     def draft(self, plan: DraftPlan) -> None:
-        """Draft every task's window autoregressively, all requests batched in each forward."""
+        """Draft every task's window, all requests batched in each forward."""
         plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
         tasks = [t for t in plan.tasks if t.num_tokens > 0]
         seqs = [self.sequences[t.request_id] for t in tasks]
         bases = [self._base(t) for t in tasks]
+        prefill = self._prefill_inputs(plan.prefill)  # rides along with the (first) draft forward
+        if not tasks:
+            drafts = []
+            if prefill:
+                self.runner.forward(prefill)
+        elif self.mask_token is None:
+            drafts = self._draft_token_by_token(tasks, seqs, bases, prefill)
+        else:
+            drafts = self._draft_in_one_forward(tasks, seqs, bases, prefill)
+        self._prefilled(plan.prefill)
+        if plan.tetris_capacity is not None and drafts:
+            keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
+            for d, n in zip(drafts, keep):
+                d.truncate(n)
+        for task, base, window in zip(tasks, bases, drafts):
+            self._windows[task.request_id] = (base, window)
+        for task in plan.tasks:
+            if task.num_tokens <= 0:  # nothing to draft: the verifier will decode one token plainly
+                self._windows[task.request_id] = (self._base(task), Drafts())
+
+    def _draft_token_by_token(
+        self, tasks: list[DraftTask], seqs: list[_Sequence], bases: list[list[int]], prefill: list[SeqInput]
+    ) -> list[Drafts]:
         drafts = [Drafts() for _ in tasks]
         inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
-        prefill = self._prefill_inputs(plan.prefill)  # rides along with the first draft forward
-        num_steps = max((t.num_tokens for t in tasks), default=0)
-        if prefill and not num_steps:
-            self.runner.forward(prefill)
+        num_steps = max(t.num_tokens for t in tasks)
         draws = self._window_draws(seqs, bases, num_steps)
         for step in range(num_steps):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
@@ -153,16 +178,34 @@ class DraftWorker(_Worker):
                 drafts[i].q_ids.append(q.token_ids[row])
                 drafts[i].q_probs.append(q.probs[row])
                 inputs[i] = (start + len(written), [tokens[row]])
-        self._prefilled(plan.prefill)
-        if plan.tetris_capacity is not None and drafts:
-            keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
-            for d, n in zip(drafts, keep):
-                d.truncate(n)
-        for task, base, window in zip(tasks, bases, drafts):
-            self._windows[task.request_id] = (base, window)
-        for task in plan.tasks:
-            if task.num_tokens <= 0:  # nothing to draft: the verifier will decode one token plainly
-                self._windows[task.request_id] = (self._base(task), Drafts())
+        return drafts
+
+    def _draft_in_one_forward(
+        self, tasks: list[DraftTask], seqs: list[_Sequence], bases: list[list[int]], prefill: list[SeqInput]
+    ) -> list[Drafts]:
+        """PARD: position j of [pending tokens, mask x (k - 1)] predicts the window's token j + 1. Each token
+        is drawn from its own position's q (not conditioned on the drafts before it), which the rejection rule
+        allows like any other q. The masks' KV is not recorded: the next forward writes over it."""
+        widths = [t.num_tokens for t in tasks]
+        inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
+        logits = self.runner.forward(
+            [
+                SeqInput(seq.slot, written + [self.mask_token] * (n - 1), start, num_logits=n)
+                for seq, (start, written), n in zip(seqs, inputs, widths)
+            ]
+            + prefill
+        )
+        draws = self._window_draws(seqs, bases, max(widths))
+        params = [seq.params for seq, n in zip(seqs, widths) for _ in range(n)]
+        row_draws = torch.cat([draws[i, :n] for i, n in enumerate(widths)])
+        tokens, token_probs, q = draft_sample(logits, params, row_draws, self.support_size)
+        drafts, row = [], 0
+        for seq, (start, written), n in zip(seqs, inputs, widths):
+            seq.kv_tokens[start:] = written
+            rows = slice(row, row + n)
+            drafts.append(Drafts(tokens[rows], token_probs[rows], list(q.token_ids[rows]), list(q.probs[rows])))
+            row += n
+        return drafts
 
     def _window_draws(self, seqs: list[_Sequence], bases: list[list[int]], width: int) -> torch.Tensor:
         """[tasks, width] uniforms for the whole window at once, keyed by the output position and by where

@@ -61,6 +61,7 @@ class MineDraftServicer:
             num_kv_blocks=num_kv_blocks,
             kv_block_size=kv_block_size,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            draft_method=spec.draft_method if spec else "",
         )
 
 

@@ -194,8 +194,10 @@ class OpenAIFrontend:
         is_serving: Callable[[], bool],
         registry: CollectorRegistry | None = None,
         max_body_bytes: int | None = None,
+        decoding: dict[str, str] | None = None,
     ) -> None:
         self.generator = generator
+        self.decoding = decoding or {}
         self.max_body_bytes = max_body_bytes
         self.model_name = served_model_name
         self.chat_template = chat_template
@@ -226,7 +228,7 @@ class OpenAIFrontend:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is not serving now (starting, or forming its "
                            "engine group again after a worker failed): retry later")  # fmt: skip
         model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
-                 "max_model_len": self.generator.max_model_len}  # fmt: skip
+                 "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
         return {"object": "list", "data": [model]}
 
     async def completions(self, body: CompletionBody) -> Response:

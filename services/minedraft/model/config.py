@@ -45,6 +45,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    pard_token: int | None = None  # the mask token of a draft trained for parallel drafting (PARD)
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +103,7 @@ def parse_model_config(
         eos_token_ids=_eos_ids(generation, raw),
         bos_token_id=raw.get("bos_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        pard_token=_pard_token(raw, source),
     )
 
 
@@ -159,6 +161,17 @@ def _rope_config(raw: dict[str, Any], source: str | Path) -> RopeConfig:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def _pard_token(raw: dict[str, Any], source: str | Path) -> int | None:
+    """PARD checkpoints name their mask token `pard_token` (some `ptd_token_id`, as vLLM also reads)."""
+    value = raw.get("pard_token", raw.get("ptd_token_id"))
+    if value is None:
+        return None
+    in_vocab = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < int(raw.get("vocab_size", 0))
+    if not in_vocab:
+        raise CheckpointError(f"{source}: pard_token must be a token id below vocab_size, got {value!r}")
+    return value
 
 
 def _eos_ids(generation: dict[str, Any] | None, raw: dict[str, Any]) -> list[int]:
