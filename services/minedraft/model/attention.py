@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +75,17 @@ class AttentionPlan:
     seqs: list[SeqAttention]  # sdpa, one call each
     groups: list[BlockGroup]  # batch-invariant
     padded: PaddedGroup | None = None  # sdpa, one call for all
+    paged: Any = None  # triton_attention.PagedMeta: the whole batch in one paged kernel call
 
 
 def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]], block_size: int,
-                   num_heads: int, num_kv_heads: int, device: torch.device, batch_invariant: bool) -> AttentionPlan:
+                   num_heads: int, num_kv_heads: int, device: torch.device, batch_invariant: bool,
+                   paged_kernel: bool = False) -> AttentionPlan:
     """Host-side bookkeeping shared by all layers of one forward pass."""
+    if paged_kernel:
+        from minedraft.model.triton_attention import paged_meta  # triton is imported only where it runs
+
+        return AttentionPlan([], [], paged=paged_meta(starts, lengths, tables, NULL_BLOCK, device))
     offsets = [0, *itertools.accumulate(lengths)][:-1]
     if not batch_invariant:
         short = [i for i, n in enumerate(lengths) if n <= PADDED_MAX_QUERY]
@@ -200,6 +207,10 @@ def _build_group(pieces: list[_Piece], block_size: int, device: torch.device) ->
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
            scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] of the whole batch; caches: [kv_heads, blocks, block_size, head_dim]."""
+    if plan.paged is not None:
+        from minedraft.model.triton_attention import paged_attention
+
+        return paged_attention(q, k_cache, v_cache, plan.paged, scale)
     if plan.padded is not None and plan.padded.src is None:
         return _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)  # the whole batch in one call
     out = torch.empty_like(q)

@@ -61,10 +61,13 @@ class ModelRunner:
     def __init__(self, path: str | Path, *, max_seq_len: int, num_slots: int = 1, device: str = "cpu",
                  dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None) -> None:
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
+                 attention_kernel: str = "auto") -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
-        kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes)."""
+        kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
+        attention_kernel: torch, triton (paged: reads the cache in place) or auto (triton on CUDA where it is
+        installed and the shapes suit it, torch elsewhere)."""
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
         self.tokenizer: Tokenizer = load_tokenizer(self.path)
@@ -84,6 +87,22 @@ class ModelRunner:
             num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
             num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
         )
+        self.paged_kernel = self._use_triton(attention_kernel)
+
+    def _use_triton(self, kernel: str) -> bool:
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_kernel {kernel!r}: use auto, torch or triton")
+        if kernel == "torch" or (kernel == "auto" and (self.device.type != "cuda" or self.batch_invariant)):
+            return False
+        try:
+            from minedraft.model.triton_attention import supports
+        except ImportError as exc:
+            if kernel == "triton":
+                raise ValueError(f"attention_kernel triton needs the triton package: {exc}") from exc
+            return False
+        if kernel == "triton" and self.batch_invariant:
+            raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
+        return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
 
     def _load_model(self) -> CausalLM:
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -189,7 +208,7 @@ class ModelRunner:
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
                               self.kv_cache.block_size, self.config.num_attention_heads // self.tp.size,
-                              self.kv_cache.k[0].shape[0], self.device, self.batch_invariant)
+                              self.kv_cache.k[0].shape[0], self.device, self.batch_invariant, self.paged_kernel)
         batch = batch.to(self.device)
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)

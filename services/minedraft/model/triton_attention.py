@@ -1,0 +1,122 @@
+"""Paged attention in Triton: keys and values read in place through the block table, no gather.
+
+The GPU path's attention for every pass (decode, k + 1 verification tokens, draft steps, prefill): one
+program per (sequence, head, block of BLOCK_M query rows) walks the sequence's cache blocks in order with
+an online softmax, so the context is read once and never copied. Queries sit bottom-right as everywhere
+in the engine: query i of a sequence is at position start + i and sees keys 0 .. start + i. GQA: query
+head h reads kv head h // (heads / kv_heads).
+
+Importing this module imports triton; nothing on the CPU path does. With `TRITON_INTERPRET=1` set before
+triton is imported, the same kernel runs on CPU tensors, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # query rows per program (tl.dot needs at least 16 on a GPU)
+MIN_BLOCK_SIZE = 16  # cache blocks of fewer tokens are below tl.dot's minimum tile
+# Triton's interpreter multiplies 16-bit floats wrongly in tl.dot (3.9): interpreted, the kernel upcasts its
+# dot operands to fp32. Compiled for a GPU it multiplies bf16/fp16 on the tensor cores.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class PagedMeta:
+    """A forward's sequences as the kernel reads them (device tensors, built once per forward)."""
+
+    block_tables: torch.Tensor  # [seqs, width] int32, padded with the zero block
+    starts: torch.Tensor  # [seqs] int32: tokens in the cache before this pass
+    query_starts: torch.Tensor  # [seqs + 1] int32: each sequence's first row in the flattened batch
+    max_query_len: int
+
+
+def paged_meta(starts: list[int], lengths: list[int], tables: list[list[int]], null_block: int,
+               device: torch.device) -> PagedMeta:
+    width = max(len(t) for t in tables)
+    rows = [t + [null_block] * (width - len(t)) for t in tables]
+    query_starts = [0]
+    for n in lengths:
+        query_starts.append(query_starts[-1] + n)
+    as_int32 = {"dtype": torch.int32, "device": device}
+    return PagedMeta(torch.tensor(rows, **as_int32), torch.tensor(starts, **as_int32),
+                     torch.tensor(query_starts, **as_int32), max(lengths))
+
+
+def supports(block_size: int, head_dim: int) -> bool:
+    """Shapes the kernel compiles for on a GPU (the interpreter would take any)."""
+    return block_size >= MIN_BLOCK_SIZE and block_size & (block_size - 1) == 0 and head_dim >= 16
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
+                    scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] -> [tokens, heads, head_dim]."""
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    seqs = meta.starts.shape[0]
+    grid = (seqs, heads, triton.cdiv(meta.max_query_len, BLOCK_M))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.starts, meta.query_starts,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), scale,
+        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, Out, block_tables, starts, query_starts,
+    stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_ot, stride_oh, stride_table,
+    scale,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    seq, head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first_row = tl.load(query_starts + seq)
+    length = tl.load(query_starts + seq + 1) - first_row
+    if row_block * BLOCK_M < length:
+        start = tl.load(starts + seq)
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        row_ok, dim_ok = rows < length, dims < HEAD_DIM
+        q_ptrs = Q + (first_row + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        kv_base = (head // GROUP) * stride_kh
+        offsets = tl.arange(0, BLOCK_SIZE)
+        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # The last key any row of this program sees: the cache blocks after it are not read.
+        last_key = start + tl.minimum(length, (row_block + 1) * BLOCK_M) - 1
+        for page in range(0, last_key // BLOCK_SIZE + 1):
+            block = tl.load(block_tables + seq * stride_table + page).to(tl.int64)
+            kv_ptrs = kv_base + block * stride_kb + offsets[:, None] * stride_kt + dims[None, :]
+            # Slots past the sequence's end hold whatever an earlier sequence left: never read them.
+            kv_ok = ((page * BLOCK_SIZE + offsets) <= last_key)[:, None] & dim_ok[None, :]
+            k = tl.load(K + kv_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(V + kv_ptrs, mask=kv_ok, other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            visible = (page * BLOCK_SIZE + offsets)[None, :] <= (start + rows)[:, None]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: key 0 is visible to every row
+            probs = tl.exp(scores - new_best[:, None])
+            rescale = tl.exp(best - new_best)
+            total = total * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+            best = new_best
+        out = acc / total[:, None]
+        o_ptrs = Out + (first_row + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
