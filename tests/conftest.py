@@ -14,6 +14,10 @@ import torch
 # against each other (tests start several processes at once). Child processes inherit the variable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors. Triton reads the variable
+# when it is first imported, so it is set here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models, services
 

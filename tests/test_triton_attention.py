@@ -9,15 +9,11 @@ model runner with the kernel against the runner without it.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-if "minedraft.model.triton_attention" not in sys.modules:  # the interpreter is chosen when triton compiles it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from minedraft.model.attention import attend, plan_attention  # noqa: E402

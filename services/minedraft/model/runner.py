@@ -62,12 +62,17 @@ class ModelRunner:
                  dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
-                 attention_kernel: str = "auto") -> None:
+                 attention_kernel: str = "auto", load_format: str = "auto") -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
         attention_kernel: torch, triton (paged: reads the cache in place) or auto (triton on CUDA where it is
-        installed and the shapes suit it, torch elsewhere)."""
+        installed and the shapes suit it, torch elsewhere).
+        load_format: auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as
+        vLLM's --load-format dummy: for timing a model's shape without its weights)."""
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {load_format!r}: use auto or dummy")
+        self.load_format = load_format
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
         self.tokenizer: Tokenizer = load_tokenizer(self.path)
@@ -107,6 +112,8 @@ class ModelRunner:
     def _load_model(self) -> CausalLM:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
+        if self.load_format == "dummy":
+            return _random_weights(model).eval()
         reader = CheckpointReader(self.path)
         try:
             model.load_weights(reader)
@@ -213,6 +220,17 @@ class ModelRunner:
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
+
+
+@torch.no_grad()
+def _random_weights(model: CausalLM) -> CausalLM:
+    """Matrices ~ N(0, 0.02), norm weights 1: activations stay in range, so timings are those of real weights."""
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02)
+        else:
+            param.fill_(1.0)
+    return model
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> torch.dtype:

@@ -1,0 +1,263 @@
+"""The GPU path in one command, on a machine with one CUDA GPU and PyTorch (no vLLM, no network).
+
+    pip install torch==<the box's build> triton && pip install -e '.[test]'
+    python benchmarks/gpu_suite.py                   # every step; writes gpu-suite.json and gpu-suite.md
+    python benchmarks/gpu_suite.py --dry-run         # anywhere: the steps that run without a GPU (kernels
+                                                     # under Triton's interpreter, small CPU runs); the
+                                                     # CUDA-only steps are reported as skipped, with why
+
+Steps:
+  numerics   the bundled target on CUDA (bf16) against the CPU float32 reference: logit error, top-1 agreement
+  triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32)
+  greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
+  bench      the offline benchmark (ar, sd, minedraft, sd+pard), and the services (drafter and verifier
+             processes sharing the one GPU) through `minedraft bench --launch`
+  floor      one decode step of a Llama-3-8B-shaped model (random bf16 weights, config written here)
+             against the HBM floor: (weight bytes + KV bytes) / measured copy bandwidth
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+class Skip(Exception):
+    """A step that cannot run here (the reason is reported)."""
+
+
+def _cuda(dry_run: bool):
+    import torch
+
+    if dry_run:
+        raise Skip("dry run")
+    if not torch.cuda.is_available():
+        raise Skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return torch.device("cuda")
+
+
+def step_numerics(args: argparse.Namespace) -> dict:
+    import torch
+
+    from minedraft.config import BUNDLED_TARGET
+    from minedraft.model.runner import ModelRunner, SeqInput
+
+    device = _cuda(args.dry_run)
+    prompts = [[(7 * i + 3 * j) % 4000 + 1 for j in range(n)] for i, n in enumerate((5, 37, 120))]
+    logits = {}
+    for name, dev, dtype in (("cpu", "cpu", torch.float32), ("cuda", str(device), torch.bfloat16)):
+        runner = ModelRunner(BUNDLED_TARGET, max_seq_len=256, num_slots=len(prompts), device=dev, dtype=dtype)
+        slots = [runner.allocate_slot() for _ in prompts]
+        logits[name] = runner.forward([SeqInput(s, p, 0, num_logits=len(p)) for s, p in zip(slots, prompts)]).cpu()
+    error = (logits["cuda"] - logits["cpu"]).abs().max().item()
+    agree = (logits["cuda"].argmax(-1) == logits["cpu"].argmax(-1)).float().mean().item()
+    passed = agree >= 0.98 and error < 0.5  # bf16 weights and activations against float32
+    return {"passed": passed, "max_abs_logit_error": round(error, 4), "top1_agreement": round(agree, 4)}
+
+
+def step_triton(args: argparse.Namespace) -> dict:
+    import torch
+
+    from minedraft.model.attention import attend, plan_attention
+    from minedraft.model.kv_cache import NULL_BLOCK
+    from minedraft.model.triton_attention import _INTERPRETED, paged_attention, paged_meta
+
+    device = torch.device("cpu") if args.dry_run or not torch.cuda.is_available() else torch.device("cuda")
+    if device.type == "cuda":  # Llama-3-8B's attention shape, decode to prefill
+        heads, kv_heads, dim, block = 32, 8, 128, 16
+        starts, lengths = [0, 1, 15, 16, 300, 1000, 64, 7], [200, 1, 1, 1, 5, 1, 8, 33]
+    else:  # interpreted: the same cases, smaller
+        heads, kv_heads, dim, block = 8, 2, 32, 16
+        starts, lengths = [0, 1, 15, 16, 40, 7], [20, 1, 1, 1, 5, 9]
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(sum(-(-(s + n) // block) for s, n in zip(starts, lengths)) + 4, generator=gen) + 1
+    tables, used = [], 0
+    for s, n in zip(starts, lengths):
+        need = -(-(s + n) // block)
+        tables.append(order[used : used + need].tolist())
+        used += need
+    results = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = [torch.randn(kv_heads, int(order.max()) + 1, block, dim, generator=gen).to(device, dtype) for _ in "kv"]
+        q = torch.randn(sum(lengths), heads, dim, generator=gen).to(device, dtype)
+        plan = plan_attention(starts, lengths, tables, block, heads, kv_heads, device, batch_invariant=False)
+        expected = attend(q.float(), cache[0].float(), cache[1].float(), plan, dim**-0.5)
+        got = paged_attention(q, cache[0], cache[1], paged_meta(starts, lengths, tables, NULL_BLOCK, device),
+                              dim**-0.5)  # fmt: skip
+        results[str(dtype).removeprefix("torch.")] = round((got.float() - expected).abs().max().item(), 5)
+    passed = results["float32"] < 1e-3 and results["bfloat16"] < 5e-2
+    return {"passed": passed, "device": device.type, "interpreted": _INTERPRETED, "max_abs_error": results}
+
+
+def step_greedy(args: argparse.Namespace) -> dict:
+    from minedraft import LLM, SamplingParams
+    from minedraft.bench.offline import mode_configs
+    from minedraft.bench.prompts import load_prompts
+
+    device = _device(args)
+    prompts = load_prompts(limit=4 if args.dry_run else 16)
+    params = SamplingParams(temperature=0, max_tokens=8 if args.dry_run else 48, ignore_eos=True)
+    outputs, differing = {}, {}
+    for mode, spec in mode_configs({"num_speculative_tokens": 4}).items():
+        llm = LLM(speculative_config=spec, device=device, max_num_seqs=8)
+        try:
+            outputs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+        differing[mode] = sum(a != b for a, b in zip(outputs[mode], outputs["ar"]))
+    # The fast kernels may differ from ar on a near-tie of the target's top-2 logits; count, do not hide.
+    return {"passed": all(n == 0 for n in differing.values()), "device": device, "outputs_differing_from_ar": differing}
+
+
+def step_bench(args: argparse.Namespace) -> dict:
+    from minedraft import SamplingParams
+    from minedraft.bench.launch import run_launch_bench
+    from minedraft.bench.offline import run_offline_bench
+    from minedraft.bench.prompts import load_prompts
+
+    device = _device(args)
+    prompts = load_prompts(limit=4 if args.dry_run else 64)
+    max_tokens = 8 if args.dry_run else 128
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = {"device": device, "max_num_seqs": 32}
+    offline = run_offline_bench(prompts, ["ar", "sd", "minedraft", "sd+pard"], {"num_speculative_tokens": 4}, params,
+                                repeats=1 if args.dry_run else 3, **engine)  # fmt: skip
+    report = {"device": device, "offline_tok_s": {r.name: round(r.tokens_per_second, 1) for r in offline}}
+    if args.dry_run:
+        report["served"] = "skipped: dry run"
+    else:
+        served = run_launch_bench(["ar", "sd", "minedraft"], {"num_speculative_tokens": 4}, engine, prompts,
+                                  log_dir=Path(tempfile.mkdtemp(prefix="gpu-suite-")), max_tokens=max_tokens,
+                                  concurrency=32, temperature=0.0, ignore_eos=True, repeats=3)  # fmt: skip
+        report["served_tok_s"] = {mode: round(r.output_throughput, 1) for mode, r in served.items()}
+    return {"passed": True, **report}
+
+
+def step_floor(args: argparse.Namespace) -> dict:
+    import torch
+
+    from minedraft.model.runner import ModelRunner, SeqInput
+
+    device = _cuda(args.dry_run)
+    context = 1024
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(LLAMA3_8B))
+        shutil.copy(REPO / "models" / "minedraft-target" / "tokenizer.json", folder)  # never used to encode
+        runner = ModelRunner(folder, max_seq_len=context + 8, device=str(device), dtype=torch.bfloat16,
+                             load_format="dummy", kv_cache_memory_bytes=4 << 30)  # fmt: skip
+    slot = runner.allocate_slot()
+    runner.forward([SeqInput(slot, [1] * context, 0, num_logits=1)])
+    times = []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.forward([SeqInput(slot, [2], context, num_logits=1)])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * context * 2
+    bandwidth = _copy_bandwidth(torch, device)
+    floor = (weights + kv) / bandwidth
+    step = statistics.median(times[5:])
+    return {"passed": True, "decode_step_ms": round(step * 1e3, 3), "hbm_floor_ms": round(floor * 1e3, 3),
+            "step_over_floor": round(step / floor, 2), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+            "weight_bytes": weights, "kv_bytes": kv, "attention_kernel": "triton" if runner.paged_kernel else "torch"}
+
+
+def _copy_bandwidth(torch, device) -> float:
+    """Bytes per second one device-to-device copy moves (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+
+
+STEPS: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "numerics": step_numerics, "triton": step_triton, "greedy": step_greedy, "bench": step_bench,
+    "floor": step_floor,
+}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    report = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                          "dry_run": args.dry_run}, "steps": {}}  # fmt: skip
+    for name in args.steps.split(","):
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            result = {"status": "passed", **STEPS[name](args)}
+            if not result.pop("passed"):
+                result["status"] = "failed"
+        except Skip as reason:
+            result = {"status": "skipped", "reason": str(reason)}
+        except Exception as exc:  # one broken step must not hide the others' numbers
+            result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        report["steps"][name] = result
+        print(json.dumps({k: v for k, v in result.items() if k != "trace"}), flush=True)
+    return report
+
+
+def markdown(report: dict) -> str:
+    rows = ["| step | status | numbers |", "|---|---|---|"]
+    for name, result in report["steps"].items():
+        numbers = {k: v for k, v in result.items() if k not in ("status", "trace")}
+        rows.append(f"| {name} | {result['status']} | `{json.dumps(numbers)}` |")
+    return f"GPU: {report['machine']['gpu'] or 'none'}, torch {report['machine']['torch']}\n\n" + "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="without a GPU: kernels under Triton's interpreter, small CPU runs, CUDA steps skipped")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {','.join(STEPS)}")
+    parser.add_argument("--out", type=Path, default=Path("gpu-suite"), help="writes OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.steps.split(",") if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {unknown}; choose from {list(STEPS)}")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    report = run(args)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 1 if any(r["status"] == "failed" for r in report["steps"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
