@@ -563,8 +563,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pard-lr", type=float, default=1e-3)
     p.add_argument("--pard-depth", type=int, default=7, help="masks per chain: trains k up to depth + 1")
     p.add_argument("--pard-anchors", type=int, default=48, help="mask chains per training row")
-    p.add_argument("--phase", choices=("all", "pard"), default="all",
-                   help="all: everything; pard: only the PARD draft, from the target and draft already in --out")
+    p.add_argument("--phase", choices=("all", "pard", "pard-eval"), default="all",
+                   help="all: everything; pard: only the PARD draft, from the target and draft already in --out; "
+                        "pard-eval: only measure the shipped PARD draft's acceptance")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--min-prompt-tokens", type=int, default=20)
@@ -599,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_docs, heldout_docs = split_docs(collect_docs(root, args.max_file_kib * 1024), args.heldout_permille)
     log.info("corpus %s: %d train files, %d held-out files", root, len(train_docs), len(heldout_docs))
 
+    if args.phase == "pard-eval":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        print(json.dumps({"acceptance": evaluate_pard(out, tok, args)}, indent=2))
+        return
     if args.phase == "pard":
         tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
         report = train_pard(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)

@@ -26,8 +26,8 @@ from minedraft.settings import (
 from minedraft.supervision import watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
-MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris")
-OFFLINE_MODES = ",".join(MODE_NAMES)
+MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard")
+OFFLINE_MODES = ",".join(MODE_NAMES[:5])
 LAUNCH_MODES = "ar,sd,minedraft"
 
 
@@ -568,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--modes",
         default=None,
-        help=f"comma-separated modes to compare, of {OFFLINE_MODES}; default: {OFFLINE_MODES} "
+        help=f"comma-separated modes to compare, of {','.join(MODE_NAMES)} (+pard: parallel drafting with the "
+        f"PARD draft); default: {OFFLINE_MODES} "
         f"with --offline, {LAUNCH_MODES} with --launch",
     )
     bench.add_argument(

@@ -33,7 +33,7 @@ class ModeResult:
 
 
 # The keys that make a mode; every other speculative key (k, draft model, Tetris knobs) the modes share.
-MODE_KEYS = ("is_parallel", "force_pearl", "tetris")
+MODE_KEYS = ("is_parallel", "force_pearl", "tetris", "parallel_drafting")
 
 
 def mode_configs(shared: dict) -> dict[str, dict | None]:
@@ -46,6 +46,8 @@ def mode_configs(shared: dict) -> dict[str, dict | None]:
         "pearl": {**shared, "is_parallel": True, "force_pearl": True},
         "minedraft": {**shared, "is_parallel": True},
         "minedraft+tetris": {**shared, "is_parallel": True, "tetris": True},
+        "sd+pard": {**shared, "parallel_drafting": True},
+        "minedraft+pard": {**shared, "is_parallel": True, "parallel_drafting": True},
     }
 
 
