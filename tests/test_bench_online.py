@@ -23,7 +23,8 @@ NUM_PROMPTS, CONCURRENCY, MAX_TOKENS = 12, 4, 16
 @pytest.fixture(scope="module")
 def result(pair, tmp_path_factory) -> BenchResult:
     root = tmp_path_factory.mktemp("bench")
-    config = tiny_config(pair, {"num_speculative_tokens": 3, "is_parallel": True}, max_num_seqs=4,
+    # Fixed k: the step statistics below need overlapped steps, which adaptive k may turn off on tiny models.
+    config = tiny_config(pair, {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False}, max_num_seqs=4,
                          batch_invariant=False)  # fmt: skip
     prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(NUM_PROMPTS)]
     metrics_port = free_port()
@@ -121,3 +122,9 @@ def test_overhead_when_every_step_overlaps_is_one_minus_the_mean_ratio() -> None
                verify_seconds_sum=6, overlap_steps=4, overlap_ratio_sum=3.2)  # fmt: skip
     assert math.isclose(s.overlap_efficiency, 0.8)
     assert math.isclose(s.control_plane_overhead, 0.2)
+
+
+def test_adaptive_choices_are_reported() -> None:
+    s = _stats(chosen_k={0: 2, 4: 6}, plain_steps=2, worker_step_seconds_sum={}, worker_idle_seconds_sum={})
+    assert s.mean_chosen_k == 3.0 and s.to_dict()["mean_chosen_k"] == 3.0
+    assert _stats(chosen_k={}).mean_chosen_k is None  # fixed k or ar: no such line

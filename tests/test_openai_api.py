@@ -93,6 +93,8 @@ def _https(stack, tls, path: str, data: bytes | None = None, key: str | None = K
 def test_models_lists_the_served_model(client) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    assert models[0].decoding == {"mode": "minedraft", "draft_method": "draft_model", "num_speculative_tokens": "3",
+                                  "speculation": "adaptive"}
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -213,6 +215,9 @@ def test_health_and_metrics_stay_open(stack, tls, client) -> None:
     assert "minedraft:spec_decode_num_drafts_total" in text
     assert f'vllm:spec_decode_num_drafts_total{{model_name="{MODEL}"}}' in text
     assert "vllm:num_requests_running" in text
+    assert ('minedraft:decoding_info{draft_method="draft_model",mode="minedraft",num_speculative_tokens="3",'
+            'speculation="adaptive"} 1.0') in text
+    assert "minedraft:spec_decode_plain_steps_total" in text and "minedraft:spec_decode_chosen_k_total{k=" in text
     # Answered at /metrics itself (not a redirect to /metrics/, which some scrapers do not follow).
     address = urllib.parse.urlsplit(stack.http_url)
     connection = http.client.HTTPSConnection(address.hostname, address.port, context=ssl.create_default_context(

@@ -49,7 +49,13 @@ class SpeculativeConfig(BaseModel):
     draft_tensor_parallel_size: Literal[1] = Field(
         1, description="Tensor-parallel size of the drafter; the drafter runs on one device."
     )
-    num_speculative_tokens: int = Field(4, ge=1, le=32, description="k: draft tokens per verification.")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=32, description="k: draft tokens per verification (with adaptive, the most a step drafts)."
+    )
+    adaptive: bool = Field(
+        True, description="Choose each request's k in 0..num_speculative_tokens every step from the acceptance and "
+        "step costs measured while serving (0: plain decoding, the drafter idle); false: always k."
+    )
     is_parallel: bool = Field(False, description="Overlap drafting with verification (MineDraft / PEARL).")
     force_pearl: bool = Field(False, description="With is_parallel: one batch, PEARL-style post-verify.")
     tetris: bool = Field(False, description="Draft k + e tokens and keep the most likely prefixes.")
@@ -186,6 +192,7 @@ class EngineConfig(BaseModel):
             "mode": self.mode.value,
             "draft_method": spec.draft_method if spec else "",
             "num_speculative_tokens": str(spec.num_speculative_tokens if spec else 0),
+            "speculation": ("adaptive" if spec.adaptive else "fixed") if spec else "",
         }
 
     @property

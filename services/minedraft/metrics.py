@@ -16,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from minedraft.engine.adaptive import SpeculationController
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 from minedraft.settings import ListenError
@@ -32,6 +33,8 @@ WORKER_STEP_SECONDS = "minedraft:worker_step_seconds"
 WORKER_IDLE_SECONDS = "minedraft:worker_idle_seconds"
 NUM_REQUESTS_WAITING = "minedraft:num_requests_waiting"
 NUM_REQUESTS_RUNNING = "minedraft:num_requests_running"
+CHOSEN_K = "minedraft:spec_decode_chosen_k"
+PLAIN_STEPS = "minedraft:spec_decode_plain_steps"
 
 _FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -131,8 +134,16 @@ class Metrics:
         )  # fmt: skip
         self.decoding = Gauge(
             "minedraft:decoding_info", "How the server decodes (1 for its one label set)",
-            ["mode", "draft_method", "num_speculative_tokens"], registry=r,
+            ["mode", "draft_method", "num_speculative_tokens", "speculation"], registry=r,
         )  # fmt: skip
+        self.chosen_k = Counter(
+            CHOSEN_K, "Draft windows by the k adaptive speculation chose for them (0: the request decoded plainly)",
+            ["k"], registry=r,
+        )  # fmt: skip
+        self.plain_steps = Counter(
+            PLAIN_STEPS, "Decisions of adaptive speculation to draft nothing in a step (plain decoding)", registry=r
+        )
+        self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
         self.step_seconds = Histogram(STEP_SECONDS, "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             DRAFT_STEP_SECONDS, "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
@@ -179,6 +190,19 @@ class Metrics:
                 for pos in range(verified.num_accepted):
                     self.accepted_per_pos.labels(position=str(pos)).inc()
 
+    def record_choices(self, controller: SpeculationController | None) -> None:
+        """The adaptive controller's decisions since the last call (a restarted engine brings a new one)."""
+        if controller is None:
+            return
+        seen, windows, plain = self._choices_seen
+        if seen is not controller:
+            windows, plain = {}, 0
+        for k, count in controller.windows.items():
+            if count > windows.get(k, 0):
+                self.chosen_k.labels(k=str(k)).inc(count - windows.get(k, 0))
+        self.plain_steps.inc(controller.num_plain - plain)
+        self._choices_seen = (controller, dict(controller.windows), controller.num_plain)
+
     def record_finished(self, request: Request) -> None:
         self.requests.labels(finish_reason=request.finish_reason or "unknown").inc()
         if request.first_token_time is None or request.finish_time is None:
@@ -203,7 +227,8 @@ Samples = dict[str, float]
 
 
 def scrape(url: str, timeout: float = 10.0) -> Samples:
-    """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`).
+    """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`),
+    and per worker role or chosen k too (`name{verifier}`, `name{4}`).
 
     Buckets and `_created` timestamps are dropped: only sums and counts are differenced. Raises
     ConnectionError when the endpoint cannot be read.
@@ -219,8 +244,9 @@ def scrape(url: str, timeout: float = 10.0) -> Samples:
             if sample.name.endswith(("_bucket", "_created")):
                 continue
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-            role = sample.labels.get("role")
-            if role is not None:  # per worker too: `name{role}`
-                key = f"{sample.name}{{{role}}}"
-                samples[key] = samples.get(key, 0.0) + sample.value
+            for label in ("role", "k"):
+                value = sample.labels.get(label)
+                if value is not None:
+                    key = f"{sample.name}{{{value}}}"
+                    samples[key] = samples.get(key, 0.0) + sample.value
     return samples

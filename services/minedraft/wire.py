@@ -151,4 +151,7 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.drafted.update(reply.drafted)
         result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)
         result.verify_seconds = max(result.verify_seconds, reply.verify_seconds)
+        result.draft_forwards = max(result.draft_forwards, reply.draft_forwards)
+        result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
+        result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
     return result

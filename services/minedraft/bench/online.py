@@ -365,6 +365,11 @@ def _format_server(s: ServerStepStats) -> list[str]:
         f"    overlap efficiency        {_fmt(s.overlap_efficiency, '.2f')}",
         "    worker idle (% of wall)   "
         + (", ".join(f"{role} {share:.1%}" for role, share in s.worker_idle_share.items()) or "-"),
+        *(
+            [f"    adaptive k                mean {s.mean_chosen_k:.2f}, plain steps {s.plain_steps}  (windows by k: "
+             + ", ".join(f"{k}: {n}" for k, n in sorted(s.chosen_k.items())) + ")"]
+            if s.mean_chosen_k is not None else []
+        ),
     ]
 
 

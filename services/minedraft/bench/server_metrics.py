@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from minedraft.metrics import (  # scrape: re-exported for the benchmarks
+    CHOSEN_K,
     DRAFT_STEP_SECONDS,
     GENERATION_TOKENS,
     NUM_ACCEPTED_TOKENS,
     NUM_DRAFTS,
+    PLAIN_STEPS,
     STEP_OVERLAP_RATIO,
     STEP_SECONDS,
     VERIFY_STEP_SECONDS,
@@ -28,6 +30,7 @@ from minedraft.metrics import (  # scrape: re-exported for the benchmarks
 STEP, DRAFT, VERIFY, OVERLAP = STEP_SECONDS, DRAFT_STEP_SECONDS, VERIFY_STEP_SECONDS, STEP_OVERLAP_RATIO
 NUM_ACCEPTED, WORKER_STEP, WORKER_IDLE = NUM_ACCEPTED_TOKENS, WORKER_STEP_SECONDS, WORKER_IDLE_SECONDS
 ROLES = ("verifier", "drafter")
+_MAX_K = 32  # num_speculative_tokens' bound
 
 def _delta(before: Samples, after: Samples, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
@@ -61,6 +64,8 @@ class ServerStepStats:
     generation_tokens: int
     worker_step_seconds_sum: dict[str, float] = field(default_factory=dict)  # per worker role
     worker_idle_seconds_sum: dict[str, float] = field(default_factory=dict)
+    chosen_k: dict[int, int] = field(default_factory=dict)  # adaptive speculation: windows per chosen k
+    plain_steps: int = 0  # adaptive speculation's steps that drafted nothing
 
     @classmethod
     def from_scrapes(cls, before: Samples, after: Samples) -> ServerStepStats:
@@ -81,7 +86,14 @@ class ServerStepStats:
             generation_tokens=count(GENERATION_TOKENS + "_total"),
             worker_step_seconds_sum={r: _delta(before, after, f"{WORKER_STEP}_sum{{{r}}}") for r in ROLES},
             worker_idle_seconds_sum={r: _delta(before, after, f"{WORKER_IDLE}_sum{{{r}}}") for r in ROLES},
+            chosen_k={k: n for k in range(_MAX_K + 1) if (n := count(f"{CHOSEN_K}_total{{{k}}}"))},
+            plain_steps=count(PLAIN_STEPS + "_total"),
         )
+
+    @property
+    def mean_chosen_k(self) -> float | None:
+        """Adaptive speculation: the mean k of the windows it chose (0 counts: requests decoded plainly)."""
+        return _ratio(sum(k * n for k, n in self.chosen_k.items()), sum(self.chosen_k.values()))
 
     @property
     def worker_idle_share(self) -> dict[str, float]:
@@ -162,6 +174,7 @@ class ServerStepStats:
                 "control_plane_overhead",
                 "mean_accepted_length",
                 "worker_idle_share",
+                "mean_chosen_k",
             )
         }
         return {**asdict(self), **derived}

@@ -56,6 +56,7 @@ class DrafterNode:
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start
+            reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
         if verify is not None:
             self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
         if draft is not None:

@@ -213,6 +213,8 @@ class LLMEngine:
         """Apply the oldest step in flight; return the requests that got new tokens or finished in it."""
         step = self._in_flight.popleft()
         result = self.executor.collect()
+        if self.pipeline.controller is not None:
+            self.pipeline.controller.observe(result)
         self.step_stats.add(result)
         self.last_step = result
         touched = []
@@ -222,6 +224,7 @@ class LLMEngine:
                 continue
             request.pending_drafts = None
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
+            request.num_rejections += verified.num_accepted < verified.num_draft_tokens
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # finished or aborted meanwhile: its tokens are dropped
                 self._append(request, verified.token_ids)

@@ -107,6 +107,10 @@ class LocalExecutor:
             _, result.draft_seconds = _timed(run_draft)
         elif run_verify:
             result.verified, result.verify_seconds = _timed(run_verify)
+        if run_draft:
+            result.draft_forwards, result.draft_tokens = self.drafter.runner.take_work()
+        if run_verify:
+            result.verify_tokens = self.verifier.runner.take_work()[1]
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
             self.drafter.apply_results(result.verified)
             handed_over = self.drafter.take_drafts()

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 
 from minedraft.config import EngineConfig, Mode, SpeculativeConfig
+from minedraft.engine.adaptive import SpeculationController
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
 from minedraft.engine.request import Request
@@ -27,6 +28,8 @@ class Pipeline(ABC):
     # Whether the next step can be planned before the last one's results are applied (see
     # `LLMEngine.submit_step`): true where a schedule needs only what it planned itself.
     plans_ahead = True
+    # Whether drafting runs beside verification, so that a step costs its slower part (adaptive k's model).
+    overlapped = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.spec: SpeculativeConfig | None = config.speculative_config
@@ -34,6 +37,12 @@ class Pipeline(ABC):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
         self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
+        spec = self.spec
+        self.controller = (
+            SpeculationController(spec.num_speculative_tokens, overlapped=self.overlapped,
+                                  one_forward_drafts=spec.parallel_drafting)
+            if spec is not None and spec.adaptive else None
+        )  # fmt: skip
 
     @property
     def lookahead(self) -> int:
@@ -80,8 +89,10 @@ class Pipeline(ABC):
             new_draft = replace(draft, tasks=draft_tasks, prefill=chunks) if draft else DraftPlan([], prefill=chunks)
         return new_draft, VerifyPlan(verify_tasks, prefill=chunks) if verify_tasks or chunks else None
 
-    def _draft_plan(self, requests: list[Request], continuing: frozenset[str] = frozenset()) -> DraftPlan | None:
-        """Draft k tokens per request (k + e and a capacity when Tetris is on for this batch size).
+    def _draft_plan(self, requests: list[Request], continuing: frozenset[str] = frozenset(),
+                    others: int = 0) -> DraftPlan | None:
+        """Draft k tokens per request (k + e and a capacity when Tetris is on for this batch size); with
+        adaptive speculation each request's k is the controller's (`others`: requests of the other batch).
 
         Requests in `continuing` draft on after the window the verifier holds for them (PEARL).
         """
@@ -90,12 +101,12 @@ class Pipeline(ABC):
         spec = self.spec
         tetris = spec.tetris and len(requests) >= spec.tetris_turn_on_batch_size
         k = spec.max_draft_len if tetris else spec.num_speculative_tokens
-        tasks = []
-        for r in requests:
-            cont = r.request_id in continuing
-            carried = (r.pending_drafts or 0) if cont else 0
-            # Drafts past the request's last token are wasted: each verification adds one token of its own.
-            tasks.append(DraftTask(r.request_id, max(0, min(k, r.remaining_tokens - carried - 1)), cont))
+        # Drafts past the request's last token are wasted: each verification adds one token of its own.
+        carried = [(r.pending_drafts or 0) if r.request_id in continuing else 0 for r in requests]
+        caps = [max(0, min(k, r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
+        if self.controller is not None and not tetris:
+            caps = self.controller.choose(requests, caps, others)
+        tasks = [DraftTask(r.request_id, n, r.request_id in continuing) for r, n in zip(requests, caps)]
         capacity = (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
         return DraftPlan(tasks, tetris_capacity=capacity)
 
@@ -117,6 +128,7 @@ class TwoBatchPipeline(Pipeline):
     """
 
     num_batches = 2
+    overlapped = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -124,8 +136,8 @@ class TwoBatchPipeline(Pipeline):
 
     def _schedule(self) -> Schedule:
         x = self._step % 2
-        self._step += 1
         if self.num_batches == 1 and x == 1:  # SD's verify half-step
+            self._step += 1
             return [], None, self._verify_drafted(self.batches.batches[0])
         # Requests join the smaller batch, the one drafted next on a tie. (Always "the one drafted next" would
         # let the batches drift apart when steps are planned ahead: a request that ends in the step in flight
@@ -133,7 +145,13 @@ class TwoBatchPipeline(Pipeline):
         admitted = self.batches.admit_balanced(prefer=x) if self.num_batches == 2 else self.batches.admit_into(x)
         to_draft = self.batches.batches[x]
         to_verify = self.batches.batches[1 - x] if self.num_batches == 2 else []
-        return admitted, self._draft_plan(to_draft), self._verify_drafted(to_verify)
+        draft = self._draft_plan(to_draft, others=len(to_verify))
+        if self.controller is not None and draft is not None and not any(t.num_tokens for t in draft.tasks):
+            # Speculation does not pay now: one plain step over every running request (the windows held for
+            # the other batch are verified with it), and the same batch is drafted next time.
+            return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in to_draft + to_verify])
+        self._step += 1
+        return admitted, draft, self._verify_drafted(to_verify)
 
     def _verify_drafted(self, batch: list[Request]) -> VerifyPlan | None:
         """Verify the requests of `batch` that the previous step drafted (planned, not yet necessarily run:
@@ -146,6 +164,7 @@ class SequentialPipeline(TwoBatchPipeline):
     """Standard speculative decoding: draft the batch, then verify it."""
 
     num_batches = 1
+    overlapped = False
 
 
 class PearlPipeline(Pipeline):
@@ -156,6 +175,7 @@ class PearlPipeline(Pipeline):
     results before planning the next."""
 
     plans_ahead = False
+    overlapped = True
 
     def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)

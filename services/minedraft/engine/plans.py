@@ -112,6 +112,11 @@ class StepResult:
     # Per worker role, when the workers run apart: the step's time on it, and its wait for the step's plan.
     worker_seconds: dict[str, float] = field(default_factory=dict)
     idle_seconds: dict[str, float] = field(default_factory=dict)
+    # The work those seconds paid for (the adaptive controller's cost model): forwards and tokens of the draft
+    # model, tokens of the target (drafts, pending tokens, prompts and prefill chunks alike).
+    draft_forwards: int = 0
+    draft_tokens: int = 0
+    verify_tokens: int = 0
 
 
 class Executor(Protocol):

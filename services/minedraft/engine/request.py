@@ -70,6 +70,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why it failed, with finish_reason "error"
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_rejections: int = 0  # verifications that rejected a draft token (adaptive k reads its acceptance)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None

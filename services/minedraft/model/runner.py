@@ -73,6 +73,7 @@ class ModelRunner:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
+        self._work = (0, 0)  # forwards and tokens since take_work
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
         self.tokenizer: Tokenizer = load_tokenizer(self.path)
@@ -150,7 +151,13 @@ class ModelRunner:
         logits = self.execute(batch)
         for seq in seqs:
             self.kv_cache.lengths[seq.slot] = seq.start_pos + len(seq.token_ids)
+        self._work = (self._work[0] + 1, self._work[1] + sum(len(seq.token_ids) for seq in seqs))
         return logits
+
+    def take_work(self) -> tuple[int, int]:
+        """(forwards, tokens) run since the last call: what a step's seconds paid for."""
+        work, self._work = self._work, (0, 0)
+        return work
 
     def prepare(self, seqs: list[SeqInput]) -> ForwardBatch:
         """Validate the batch, fit each sequence's blocks to what it will hold, flatten into host tensors."""

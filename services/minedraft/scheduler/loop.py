@@ -234,6 +234,7 @@ class EngineLoop:
         self._record_load()
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
+            self.metrics.record_choices(engine.pipeline.controller)
         was_busy, self._was_busy = self._was_busy, engine.has_unfinished()
         outbox = []
         for request in touched:

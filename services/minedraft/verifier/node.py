@@ -120,6 +120,7 @@ class VerifierNode:
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None
             reply.verify_seconds = time.perf_counter() - start
+            reply.verify_tokens = self.worker.runner.take_work()[1]
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
                     self.channel.send_results(results)
