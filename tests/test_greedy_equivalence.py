@@ -251,3 +251,28 @@ def test_bundled_pair_matches_autoregressive(mode: str) -> None:
     spec = {**MODES, **PARD_MODES}[mode]  # no model: the bundled draft, its PARD version with parallel_drafting
     got = _run(EngineConfig(**base, speculative_config=spec), work)
     _assert_same(BUNDLED_TARGET, work, expected, got, mode)
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory) -> tuple[str, str]:
+    """A Qwen3-MoE target (routed experts in layer 0) and a Qwen3-MoE draft of one layer, vocabulary shared."""
+    from tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    target = make_tiny_checkpoint(root / "target", "qwen3_moe", num_layers=2, seed=5)
+    draft = make_tiny_checkpoint(root / "draft", "qwen3_moe", num_layers=2, hidden_size=32, seed=6)
+    return str(target), str(draft)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "sd+pard"])
+def test_mixture_of_experts_matches_autoregressive(moe_pair, mode: str) -> None:
+    """Qwen3-MoE as target and as draft: every mode is exactly the target alone (routing included)."""
+    target, draft = moe_pair
+    if mode.endswith("+pard"):
+        draft = pard_draft(draft, Path(draft).parent / "pard")
+    vocab = ModelRunner(target, num_slots=1, max_seq_len=8).config.vocab_size
+    work = _workload(vocab, n=10, seed=7)
+    base = {"model": target, "max_num_seqs": 3, "max_model_len": 96, **STRICT}
+    spec = {**(PARD_MODES if mode.endswith("+pard") else MODES)[mode], "model": draft}
+    got = _run(EngineConfig(**base, speculative_config=spec), work, in_flight=2)
+    _assert_same(Path(target), work, _run(EngineConfig(**base), work), got, mode)

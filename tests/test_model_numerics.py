@@ -11,12 +11,14 @@ from tiny_models import load_hf_model, make_tiny_checkpoint, torch_threads
 
 ATOL, RTOL = 1e-4, 1e-5
 
-# arch -> checkpoint options: GQA, MQA and MHA; qwen3 has head_dim != hidden / heads and tied embeddings.
+# arch -> checkpoint options: GQA, MQA and MHA; qwen3 has head_dim != hidden / heads and tied embeddings;
+# qwen3_moe routes each token to 2 of 4 experts.
 CASES = {
     "llama": {"num_heads": 4, "num_kv_heads": 1},
     "llama3": {"num_heads": 4, "num_kv_heads": 2},
     "qwen2": {"num_heads": 4, "num_kv_heads": 2},
     "qwen3": {"num_heads": 4, "num_kv_heads": 2},
+    "qwen3_moe": {"num_heads": 4, "num_kv_heads": 2},  # layer 0 routed experts, layer 1 dense (tiny_models)
 }
 KERNELS = {"invariant": True, "sdpa": False}
 

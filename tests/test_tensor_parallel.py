@@ -52,7 +52,10 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
         layer = runner.model.model.layers[0]
         tensors[f"{name}.qkv"] = layer.self_attn.qkv_proj.weight
         tensors[f"{name}.o"] = layer.self_attn.o_proj.weight
-        tensors[f"{name}.gate_up"] = layer.mlp.gate_up_proj.weight
+        if hasattr(layer.mlp, "experts"):  # routed experts: each rank holds a slice of every expert
+            tensors[f"{name}.w13"], tensors[f"{name}.w2"] = layer.mlp.experts.w13, layer.mlp.experts.w2
+        else:
+            tensors[f"{name}.gate_up"] = layer.mlp.gate_up_proj.weight
         tensors[f"{name}.embed"] = runner.model.model.embed_tokens.weight
     save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out_dir}/rank{rank}.safetensors")
     dist.destroy_process_group()
@@ -60,6 +63,8 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    from test_quantization import fp8_pair
+
     from minedraft.launcher import free_port
 
     from tiny_models import make_tiny_checkpoint
@@ -69,7 +74,11 @@ def results(tmp_path_factory):
         "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", vocab_size=321, num_heads=4, num_kv_heads=2),
         # llama: 1 kv head replicated on both ranks, biases nowhere, separate lm head
         "llama": make_tiny_checkpoint(root / "llama", "llama3", num_heads=4, num_kv_heads=1, seed=1),
+        # qwen3_moe: layer 0 routes to 2 of 4 experts whose intermediate size 32 splits 16 per rank
+        "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", num_heads=4, num_kv_heads=2, seed=2),
     }
+    # the same MoE in block-scaled FP8: each rank dequantizes, then takes its slice
+    checkpoints["qwen3_moe_fp8"] = fp8_pair(checkpoints["qwen3_moe"], root / "fp8")[0]
     args = [str(HERE), str(free_port()), json.dumps({k: str(v) for k, v in checkpoints.items()}), str(root)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, *args[:1], str(rank), *args[1:]], env=env) for rank in range(WORLD)]
@@ -83,7 +92,7 @@ def results(tmp_path_factory):
     return checkpoints, [load_file(root / f"rank{r}.safetensors") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen3_moe", "qwen3_moe_fp8"])
 def test_tp2_logits_match_tp1(results, name):
     _, ranks = results
     tp0, tp1, ref = (r[f"{name}.logits"] for r in ranks)
@@ -121,3 +130,16 @@ def test_each_rank_holds_only_its_shard(results, name):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])
+
+
+def test_each_rank_holds_its_slice_of_every_expert(results):
+    checkpoints, ranks = results
+    full = load_file(Path(checkpoints["qwen3_moe"]) / "model.safetensors")
+    expert = lambda e, part: full[f"model.layers.0.mlp.experts.{e}.{part}.weight"]  # noqa: E731
+    for rank in range(TP):
+        w13, w2 = ranks[rank]["qwen3_moe.w13"], ranks[rank]["qwen3_moe.w2"]
+        local = w2.shape[2]
+        rows = slice(rank * local, (rank + 1) * local)
+        for e in range(w13.shape[0]):
+            assert torch.equal(w13[e], torch.cat([expert(e, "gate_proj")[rows], expert(e, "up_proj")[rows]]))
+            assert torch.equal(w2[e], expert(e, "down_proj")[:, rows])

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "llama3", "qwen2", "qwen3")  # llama3 = Llama with llama3 rope scaling
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe")  # llama3 = Llama with llama3 rope scaling
+# qwen3_moe: 4 experts of intermediate size 32, top 2, the last layer dense (mlp_only_layers)
+MOE_KWARGS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 0
 _SPECIALS = ["<pad>", "<s>", "</s>"]
 
@@ -53,7 +55,7 @@ def make_tiny_checkpoint(
         intermediate_size=intermediate_size or 2 * hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        head_dim=head_dim or (2 * hidden_size // num_heads if arch == "qwen3" else hidden_size // num_heads),
+        head_dim=head_dim or (2 * hidden_size // num_heads if arch.startswith("qwen3") else hidden_size // num_heads),
         tie_word_embeddings=(arch == "qwen3") if tie_word_embeddings is None else tie_word_embeddings,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
@@ -65,7 +67,16 @@ def make_tiny_checkpoint(
 
 
 def _random_model(arch: str, *, seed: int, init_std: float, **config_kwargs):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )  # fmt: skip
 
     if arch == "llama3":
         config_kwargs["rope_scaling"] = {
@@ -75,9 +86,12 @@ def _random_model(arch: str, *, seed: int, init_std: float, **config_kwargs):
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM), "llama3": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     if arch == "qwen2":
         config_kwargs.pop("head_dim")  # Qwen2 derives it
+    if arch == "qwen3_moe":
+        config_kwargs.update(MOE_KWARGS, mlp_only_layers=[config_kwargs["num_hidden_layers"] - 1])
     model = model_cls(config_cls(**config_kwargs))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

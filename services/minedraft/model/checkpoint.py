@@ -15,6 +15,8 @@ from safetensors import SafetensorError, safe_open
 if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
     import torch
 
+    from minedraft.model.quantization import DequantizedTensor, QuantConfig
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -59,6 +61,7 @@ class TensorSlice:
         self.name, self.file = name, file
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.dtype: str = self._slice.get_dtype()  # safetensors' name: F32, BF16, F8_E4M3, I32, ...
 
     def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
         if dim is None:
@@ -73,17 +76,34 @@ class TensorSlice:
 
 
 class CheckpointReader:
-    """Maps tensor names to safetensors files and opens each file once, on first use."""
+    """Maps tensor names to safetensors files and opens each file once, on first use. With a quantization
+    config, `tensor` reads quantized weights dequantized (model/quantization.py)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, quant: QuantConfig | None = None) -> None:
         self.folder = Path(folder)
         self.weight_map = find_weight_files(self.folder)
+        self.quant = quant
         self._handles: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def tensor(self, name: str) -> TensorSlice:
+    def tensor(self, name: str) -> TensorSlice | DequantizedTensor:
+        """The model's view of tensor `name`: dequantized where the checkpoint stores it quantized."""
+        if self.quant is not None:
+            from minedraft.model.quantization import quantized_tensor
+
+            view = quantized_tensor(self, name, self.quant)
+            if view is not None:
+                return view
+        tensor = self.raw_tensor(name)
+        if tensor.dtype.startswith(("F8", "I8", "U8", "I32")):  # never copy quantized codes as if they were weights
+            raise CheckpointError(f"tensor {name} in {tensor.file.name} is stored as {tensor.dtype} without scales "
+                                  "that config.json's quantization_config tells how to read")  # fmt: skip
+        return tensor
+
+    def raw_tensor(self, name: str) -> TensorSlice:
+        """Tensor `name` exactly as stored."""
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.folder}")

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from minedraft.model.checkpoint import CheckpointError, read_json, resolve_checkpoint_dir
+from minedraft.model.quantization import QuantConfig, parse_quant_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -46,6 +47,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: str | None = None
     pard_token: int | None = None  # the mask token of a draft trained for parallel drafting (PARD)
+    quantization: QuantConfig | None = None  # how the checkpoint's weights are stored (None: plain floats)
+    # Mixture of experts (Qwen3-MoE): the layers whose MLP routes each token to its top experts.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -82,13 +90,14 @@ def parse_model_config(
     _check_unsupported_features(raw, source)
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    layers = _require_int(raw, "num_hidden_layers", source)
     return ModelConfig(
         architecture=arch,
         model_type=str(raw.get("model_type", "")),
         vocab_size=_require_int(raw, "vocab_size", source),
         hidden_size=hidden,
         intermediate_size=_require_int(raw, "intermediate_size", source),
-        num_hidden_layers=_require_int(raw, "num_hidden_layers", source),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -98,13 +107,33 @@ def parse_model_config(
         qkv_bias=is_qwen2 or attention_bias,
         o_proj_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(generation, raw),
         bos_token_id=raw.get("bos_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         pard_token=_pard_token(raw, source),
+        quantization=parse_quant_config(raw, source),
+        **(_moe_fields(raw, layers, source) if arch == "Qwen3MoeForCausalLM" else {}),
     )
+
+
+def _moe_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str, Any]:
+    """Qwen3-MoE: experts in every `decoder_sparse_step`-th layer except `mlp_only_layers`."""
+    raw = {**raw, "num_experts": raw.get("num_experts", raw.get("num_local_experts"))}
+    experts, top_k = _require_int(raw, "num_experts", source), _require_int(raw, "num_experts_per_tok", source)
+    if top_k > experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or [])
+    if step < 1:
+        raise CheckpointError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
+    return {
+        "moe_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": _require_int(raw, "moe_intermediate_size", source),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+    }
 
 
 def _architecture(raw: dict[str, Any], source: str | Path) -> str:

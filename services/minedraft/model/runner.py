@@ -115,7 +115,7 @@ class ModelRunner:
             model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
         if self.load_format == "dummy":
             return _random_weights(model).eval()
-        reader = CheckpointReader(self.path)
+        reader = CheckpointReader(self.path, self.config.quantization)
         try:
             model.load_weights(reader)
         finally:

@@ -1,7 +1,9 @@
-"""One decoder for Llama, Qwen2 and Qwen3 (GQA; Qwen2 qkv bias; Qwen3 q/k norm and tied embeddings).
+"""One decoder for Llama, Qwen2, Qwen3 and Qwen3-MoE (GQA; Qwen2 qkv bias; Qwen3 q/k norm and tied
+embeddings; Qwen3-MoE routed experts in place of the MLP, model/moe.py).
 
 Module names mirror the Hugging Face checkpoints, except the packed ``qkv_proj`` and ``gate_up_proj``,
-which PACKED_MODULES maps back to their checkpoint tensors.
+which PACKED_MODULES maps back to their checkpoint tensors, and the stacked experts, whose parameters list
+their own (``checkpoint_parts``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from minedraft.model.layers import (
     VocabParallelEmbedding,
     rms_normalize,
 )
+from minedraft.model.moe import SparseMoeBlock
 from minedraft.model.parallel import TensorParallel
 
 PACKED_MODULES: dict[str, tuple[tuple[str, str | int], ...]] = {
@@ -94,7 +97,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, tp, batch_invariant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp, batch_invariant)
+        self.mlp = SparseMoeBlock(config, tp, batch_invariant) if layer in config.moe_layers else MLP(
+            config, tp, batch_invariant)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -134,12 +138,16 @@ class CausalLM(nn.Module):
     def load_weights(self, reader: CheckpointReader) -> None:
         """Fill every parameter from the checkpoint; each parameter's loader reads only its shard."""
         for name, param in self.named_parameters():
-            for tensor_name, shard_id in checkpoint_sources(name):
+            for tensor_name, shard_id in checkpoint_sources(name, param):
                 param.weight_loader(param, reader.tensor(tensor_name), shard_id)  # type: ignore[attr-defined]
 
 
-def checkpoint_sources(param_name: str) -> list[tuple[str, str | int | None]]:
+def checkpoint_sources(param_name: str, param: nn.Parameter | None = None) -> list[tuple[str, object]]:
     """Checkpoint tensors (and their shard ids) that make up one model parameter."""
+    parts_of_param = getattr(param, "checkpoint_parts", None)
+    if parts_of_param is not None:  # named relative to the parameter's module
+        module = param_name.rsplit(".", 1)[0]
+        return [(f"{module}.{part}", shard) for part, shard in parts_of_param]
     for packed, parts in PACKED_MODULES.items():
         if f".{packed}." in param_name:
             return [(param_name.replace(packed, part), shard) for part, shard in parts]
