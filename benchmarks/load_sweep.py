@@ -5,9 +5,9 @@ side by side at each number of requests in flight.
     python benchmarks/load_sweep.py --loads 1,16 --out /tmp/sweep     # a quick look
 
 At each load every engine runs in a process of its own (benchmarks/vs_vllm.py: loaded once, a warm-up,
-then interleaved rounds, medians reported) on the first 2 x load bundled held-out prompts (at least 8),
-64 greedy output tokens each. Writes OUT.json (every round), OUT.md (the table) and OUT.png (tok/s
-against load; needs matplotlib, `pip install -e '.[bench]'`).
+then interleaved rounds, medians reported; MineDraft's two batches from 2 in flight on) on the first
+2 x load bundled held-out prompts (at least 8), 64 greedy output tokens each. Writes OUT.json (every
+round), OUT.md (the table) and OUT.png (tok/s against load; needs matplotlib, `pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ ENGINES = "vllm-ar,vllm-sd,vllm-sd-k2,ar,sd-k2-fixed,sd-fixed,minedraft-fixed,sd
 
 
 def measure(load: int, args: argparse.Namespace) -> dict[str, dict]:
-    """{engine: {tok_s, mean_accepted_length, mean_k, differing}} at one load."""
+    """{engine: {tok_s, mean_accepted_length, mean_k, differing}} at one load (MineDraft, two batches, from 2)."""
+    engines = [n for n in args.engines.split(",") if load >= 2 or not n.startswith("minedraft")]
     run_args = argparse.Namespace(
-        modes=args.engines, num_prompts=max(8, min(160, 2 * load)), max_tokens=args.max_tokens,
+        modes=",".join(engines), num_prompts=max(8, min(160, 2 * load)), max_tokens=args.max_tokens,
         max_num_seqs=load, k=args.k, rounds=args.rounds, warmup=1, settle=args.settle, device="cpu",
         venv=args.venv, log_dir=args.log_dir,
     )  # fmt: skip
@@ -48,14 +49,14 @@ def measure(load: int, args: argparse.Namespace) -> dict[str, dict]:
 def table(results: dict[int, dict[str, dict]]) -> str:
     """Tokens/s per engine and load, then adaptive's ratio to our best fixed mode and to vLLM's best."""
     loads = sorted(results)
-    names = list(next(iter(results.values())))
+    names = list(dict.fromkeys(name for load in loads for name in results[load]))
     rows = ["| engine | " + " | ".join(f"{n} in flight" for n in loads) + " |", "|---|" + "---|" * len(loads)]
     for name in names:
         cells = []
         for load in loads:
-            r = results[load][name]
-            k = f" (k {r['mean_k']:.1f})" if r["mean_k"] is not None else ""
-            cells.append(f"{r['tok_s']:.0f}{k}")
+            r = results[load].get(name)
+            k = f" (k {r['mean_k']:.1f})" if r and r["mean_k"] is not None else ""
+            cells.append(f"{r['tok_s']:.0f}{k}" if r else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     for adaptive in ("sd", "minedraft"):
         if adaptive not in names:
@@ -65,7 +66,8 @@ def table(results: dict[int, dict[str, dict]]) -> str:
             cells = []
             for load in loads:
                 best = max((r["tok_s"] for n, r in results[load].items() if pool(n)), default=None)
-                cells.append(f"{results[load][adaptive]['tok_s'] / best:.2f}" if best else "-")
+                ours = results[load].get(adaptive)
+                cells.append(f"{ours['tok_s'] / best:.2f}" if best and ours else "-")
             rows.append(f"| {adaptive} (adaptive) / {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -78,9 +80,10 @@ def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
 
     loads = sorted(results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in results[loads[0]]:
+    for name in dict.fromkeys(name for load in loads for name in results[load]):
         style = "--" if name.startswith("vllm-") else ("-" if name in ("sd", "minedraft") else ":")
-        ax.plot(loads, [results[n][name]["tok_s"] for n in loads], style, marker="o", label=name)
+        points = [(n, results[n][name]["tok_s"]) for n in loads if name in results[n]]
+        ax.plot(*zip(*points), style, marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(loads, [str(n) for n in loads])
     ax.set_xlabel("requests in flight")

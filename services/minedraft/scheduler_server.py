@@ -25,6 +25,7 @@ from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
+from minedraft.model.hub import is_hub_id
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
@@ -133,7 +134,8 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)
-    model_name = settings.served_model_name or config.target_path.name
+    model_name = settings.served_model_name or (config.model if is_hub_id(config.model or "") else
+                                                config.target_path.name)  # fmt: skip
     metrics = Metrics(model_name=model_name)
     metrics.decoding.labels(**config.decoding()).set(1)
     if settings.metrics_port:

@@ -16,6 +16,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from minedraft.model.hub import local_folder
+
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -33,7 +35,8 @@ class ChatTemplate:
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ChatTemplate | None:
         """The checkpoint's default chat template, or None if it has none."""
-        file = Path(path) / TOKENIZER_CONFIG
+        path = local_folder(path)
+        file = path / TOKENIZER_CONFIG
         if not file.is_file():
             return None
         config = json.loads(file.read_text(encoding="utf-8"))

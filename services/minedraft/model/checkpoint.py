@@ -30,7 +30,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
-    folder = Path(path).expanduser()
+    """The checkpoint folder `path` names: a folder, or a hub id resolved to its local snapshot (model/hub.py)."""
+    from minedraft.model.hub import local_folder
+
+    folder = local_folder(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"checkpoint folder not found: {folder}")
     if not folder.is_dir():

@@ -7,6 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from minedraft.model.checkpoint import CheckpointError, CheckpointNotFoundError
+from minedraft.model.hub import local_folder
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -40,8 +41,8 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load <path>/tokenizer.json (path may also be the file itself)."""
-    path = Path(path).expanduser()
+    """Load <path>/tokenizer.json (path may also be the file itself, or a hub id: model/hub.py)."""
+    path = local_folder(path)
     file = path if path.is_file() else path / TOKENIZER_FILE
     if not path.exists():
         raise CheckpointNotFoundError(f"tokenizer folder not found: {path}")
