@@ -114,12 +114,14 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
         if self.load_format == "dummy":
-            return _random_weights(model).eval()
-        reader = CheckpointReader(self.path, self.config.quantization)
-        try:
-            model.load_weights(reader)
-        finally:
-            reader.close()
+            _random_weights(model)
+        else:
+            reader = CheckpointReader(self.path, self.config.quantization)
+            try:
+                model.load_weights(reader)
+            finally:
+                reader.close()
+        model.pack_weights()
         return model.eval()
 
     def _agree(self, num_blocks: int) -> int:

@@ -19,6 +19,7 @@ from minedraft.model.checkpoint import CheckpointReader
 from minedraft.model.config import ModelConfig
 from minedraft.model.kv_cache import KVCache
 from minedraft.model.layers import (
+    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -26,6 +27,7 @@ from minedraft.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    pack_for_onednn,
     rms_normalize,
 )
 from minedraft.model.moe import SparseMoeBlock
@@ -134,6 +136,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, ctx)[logits_indices]
         return self.lm_head(self.model.norm(hidden))
+
+    def pack_weights(self) -> None:
+        """Hold every linear layer's weight (and the LM head's) in oneDNN's layout too, where that applies
+        (layers.pack_for_onednn). Not for the strict kernels, whose fixed-shape GEMMs are the point."""
+        for module in self.modules():
+            if isinstance(module, (LinearBase, ParallelLMHead)) and not module.batch_invariant:
+                module.packed = pack_for_onednn(module.weight)
 
     def load_weights(self, reader: CheckpointReader) -> None:
         """Fill every parameter from the checkpoint; each parameter's loader reads only its shard."""
