@@ -3,7 +3,7 @@ the most it may when they are perfect and cheap, and output stays exactly the ta
 
 The decisions follow from measured step costs, but never narrowly: a draft that is never accepted makes every
 k > 0 cost more for the same tokens, and a perfect draft six times cheaper than its target makes every extra
-token nearly free, on any machine. Probes (one decision in 16 tries k one off) and the warm-up (k = max
+token nearly free, on any machine. Probes (one decision in 16 drafts the most or nothing) and the warm-up (k = max
 until the cost fits have data) are why the shares asserted are not 1.
 """
 

@@ -7,9 +7,8 @@ temperature > 0. Re-admission happens where a real one happens: after a step tha
 The strict kernels (`batch_invariant=True`) make the logits independent of batch shape and prefill
 length, so the resumed run may also have different neighbours in its batch.
 
-Speculative modes run with fixed k here (`adaptive: false`): adaptive k picks windows from measured
-step times, and a window's draws are keyed by where it starts, so a resumed request keeps the target's
-distribution (tests/test_lossless_sampling.py) but not necessarily the same draws.
+The speculative modes run with adaptive k on (the default): requests that sample with a seed keep the
+fixed k (windows chosen from measured times would move where windows start, and with them the draws).
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ PROMPTS = [[5, 17, 42], [7, 7, 1, 300, 2], [99]]
 MAX_TOKENS = 24
 MODES = {
     "ar": None,
-    "sd": {"num_speculative_tokens": 3, "adaptive": False},
-    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False},
+    "sd": {"num_speculative_tokens": 3},
+    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
 }
 
 

@@ -5,15 +5,16 @@ Two online models (docs/engine.md, "Adaptive speculation"):
 - acceptance: the chance that the draft token at position j is accepted when every one before it was,
   from decayed counts over all verifications, scaled per request by its own acceptance so far (shrunk
   towards the global figure while it has few verifications);
-- cost: the seconds of a verify part as a + b x target tokens, of a draft part as c x draft forwards +
-  d x draft tokens, and each step's overhead beyond its slower part (planning, transport, the engine's
-  bookkeeping: the time between two steps' ends less the slower part); least squares with forgetting over
-  the work the workers report (StepResult), so nothing is tuned for one machine.
+- cost: the seconds of a verify part as a + c x requests + b x target tokens, of a draft part as
+  c' x draft forwards + d x draft tokens, and each step's overhead beyond its slower part (planning,
+  transport, the engine's bookkeeping: the time between two steps' ends less the slower part); least
+  squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one machine.
 
 Each time a batch is drafted the controller takes the k in 0..max that maximises expected tokens per
 second for the mode's step shape, then trims each request's window where its next token is expected to
 be worth less than it costs. k = 0 is plain decoding. The choice reads only verifications already made,
-never the token about to be sampled, so every output stays exactly the target's.
+never the token about to be sampled, so every output stays exactly the target's. Requests that sample with
+a seed keep the fixed k, so that their text is the same on every run.
 """
 
 from __future__ import annotations
@@ -28,44 +29,65 @@ from minedraft.engine.request import Request
 
 _DECAY = 0.98  # forgetting per step: the last ~50 steps carry the fits
 _WARMUP_STEPS = 4  # draft and verify parts seen before the cost fits are trusted (until then: k = max)
-_PROBE_EVERY = 16  # one decision in this many tries k one off the best, so the fits keep seeing variety
+# One decision in this many drafts the most it may or nothing, in turn: the two ends of the range keep the
+# cost fits anchored (a fit fed only the shape it chose extrapolates badly, and would stay where it is).
+_PROBE_EVERY = 16
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
 
 
 class _Fit:
-    """y ~ w0 * x0 + w1 * x1 by least squares on relative error (weight 1 / y^2) with exponential forgetting;
-    both weights kept >= 0. Relative error, so that a prompt's prefill (many tokens, seconds) does not outweigh
-    the decoding steps (few tokens, milliseconds) that the choice of k is about."""
+    """y ~ w . x by least squares on relative error (weight 1 / y^2) with exponential forgetting, every weight
+    kept >= 0. Relative error, so that a long step does not outweigh the short ones the choice of k is about;
+    a touch of ridge, so that features that have not varied apart yet share their cost instead of failing."""
 
-    def __init__(self) -> None:
-        self.xx = [0.0, 0.0, 0.0]  # sums of x0 x0, x0 x1, x1 x1
-        self.xy = [0.0, 0.0]
+    def __init__(self, features: int) -> None:
+        self.xx = [[0.0] * features for _ in range(features)]
+        self.xy = [0.0] * features
         self.count = 0
 
-    def add(self, x0: float, x1: float, y: float) -> None:
+    def add(self, x: Sequence[float], y: float) -> None:
         w = 1.0 / (y * y)
-        self.xx = [s * _DECAY + w * v for s, v in zip(self.xx, (x0 * x0, x0 * x1, x1 * x1))]
-        self.xy = [s * _DECAY + w * v for s, v in zip(self.xy, (x0 * y, x1 * y))]
+        for i, xi in enumerate(x):
+            self.xy[i] = self.xy[i] * _DECAY + w * xi * y
+            for j, xj in enumerate(x):
+                self.xx[i][j] = self.xx[i][j] * _DECAY + w * xi * xj
         self.count += 1
 
-    def weights(self) -> tuple[float, float]:
-        a, b, d = self.xx
-        det = a * d - b * b
-        if det > 1e-3 * a * d:  # the two features vary apart enough to tell their costs apart
-            w0 = (d * self.xy[0] - b * self.xy[1]) / det
-            w1 = (a * self.xy[1] - b * self.xy[0]) / det
-            if w0 >= 0 and w1 >= 0:
-                return w0, w1
-            if w1 < 0:  # noise: tokens cost nothing measurable here
-                return max(0.0, self.xy[0] / a), 0.0
-        # Too little variety: charge it all to x1, the tokens, which overstates what more tokens cost and
-        # so errs towards drafting less.
-        return 0.0, (max(0.0, self.xy[1] / d) if d > 0 else 0.0)
+    def weights(self) -> list[float]:
+        """Non-negative least squares by elimination: drop the most negative weight and solve again."""
+        active = list(range(len(self.xy)))
+        while active:
+            solution = _solve([[self.xx[i][j] for j in active] for i in active], [self.xy[i] for i in active])
+            if solution is not None and min(solution) >= 0:
+                weights = [0.0] * len(self.xy)
+                for i, value in zip(active, solution):
+                    weights[i] = value
+                return weights
+            active.pop(solution.index(min(solution)) if solution is not None else 0)
+        return [0.0] * len(self.xy)
 
-    def __call__(self, x0: float, x1: float) -> float:
-        w0, w1 = self.weights()
-        return w0 * x0 + w1 * x1
+    def __call__(self, *x: float) -> float:
+        return sum(w * xi for w, xi in zip(self.weights(), x))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """(A + ridge) w = b by Gaussian elimination with partial pivoting; None if A is empty or zero."""
+    n = len(b)
+    ridge = 1e-6 * sum(a[i][i] for i in range(n))
+    if ridge <= 0:
+        return None
+    m = [[a[i][j] + (ridge if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            m[r] = [v - factor * p for v, p in zip(m[r], m[col])]
+    w = [0.0] * n
+    for i in reversed(range(n)):
+        w[i] = (m[i][n] - sum(m[i][j] * w[j] for j in range(i + 1, n))) / m[i][i]
+    return w
 
 
 class Acceptance:
@@ -106,14 +128,19 @@ class Costs:
     overhead: float
     one_forward_drafts: bool  # PARD: a window takes one forward
 
-    def verify_seconds(self, tokens: float) -> float:
-        return self.verify(1.0, tokens)
+    def verify_seconds(self, requests: float, tokens: float) -> float:
+        return self.verify(1.0, requests, tokens)
 
     def draft_seconds(self, windows: Sequence[int]) -> float:
         if not any(windows):
             return 0.0
         forwards = 1 if self.one_forward_drafts else max(windows)
-        return self.draft(forwards, sum(windows))
+        drafting = sum(1 for w in windows if w)  # each also feeds the drafter its pending token(s) first
+        return self.draft(forwards, sum(windows) + drafting)
+
+
+def _seeded_sampling(request: Request) -> bool:
+    return request.params.seed is not None and request.params.temperature > 0
 
 
 class SpeculationController:
@@ -126,7 +153,9 @@ class SpeculationController:
         self.max_k = max_k
         self.overlapped = overlapped
         self.acceptance = Acceptance(max_k)
-        self._verify, self._draft = _Fit(), _Fit()
+        # verify: a + c x requests + b x tokens (a request costs its attention over its context and its
+        # bookkeeping whatever its window); draft: c x forwards + d x tokens.
+        self._verify, self._draft = _Fit(3), _Fit(2)
         self._overhead_sums = (0.0, 0.0)  # decayed sum of the samples, decayed count
         self._one_forward = one_forward_drafts
         self._last_end: float | None = None
@@ -143,10 +172,15 @@ class SpeculationController:
         for verified in result.verified:
             if verified.num_draft_tokens:
                 self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
-        if result.verify_tokens and result.verify_seconds > 0:
-            self._verify.add(1.0, result.verify_tokens, result.verify_seconds)
-        if result.draft_forwards and result.draft_seconds > 0:
-            self._draft.add(result.draft_forwards, result.draft_tokens, result.draft_seconds)
+        # Only decoding steps teach the fits: a step that prefilled a prompt costs what attention over a whole
+        # prompt costs, not what the next window will (prompts would pull the per-token cost their way).
+        window = 2 * (self.max_k + 1)  # the most tokens a decoding request feeds a model in one step
+        decoding_verify = 0 < result.verify_tokens <= window * len(result.verified)
+        if decoding_verify and result.verify_seconds > 0:
+            self._verify.add((1.0, len(result.verified), result.verify_tokens), result.verify_seconds)
+        decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
+        if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
+            self._draft.add((result.draft_forwards, result.draft_tokens), result.draft_seconds)
         now, last = time.perf_counter(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
@@ -173,6 +207,9 @@ class SpeculationController:
             survival = [self._survival(r) for r in requests]
             best, rate = self._best_k(survival, caps, others)
             windows = self._trim([min(best, cap) for cap in caps], survival, rate) if best else [0] * len(caps)
+        # A seed asks for the same text on every run; a sampled token depends on where its window starts,
+        # and windows chosen from timings differ between runs: seeded sampling keeps the fixed k.
+        windows = [cap if _seeded_sampling(r) else w for r, w, cap in zip(requests, windows, caps)]
         self.last_k = windows
         self.windows.update(windows)
         self.num_decisions += 1
@@ -180,10 +217,8 @@ class SpeculationController:
         return windows
 
     def _probe_k(self, decision: int) -> int:
-        """One off the last choice, up or down in turn (up from 0, down from max)."""
-        last = max(self.last_k, default=0)
-        up = last < self.max_k and (last == 0 or decision % (2 * _PROBE_EVERY) != 0)
-        return last + 1 if up else last - 1
+        """The most, or nothing, in turn."""
+        return self.max_k if decision % (2 * _PROBE_EVERY) else 0
 
     def _survival(self, request: Request) -> list[float]:
         """The chance that each of the first max_k draft tokens of `request` is accepted."""
@@ -205,9 +240,10 @@ class SpeculationController:
         costs = self._costs()
         count = len(windows)
         if not any(windows):
-            return (count + others) / max(1e-9, costs.verify_seconds(count + others) + costs.overhead)
+            everyone = count + others
+            return everyone / max(1e-9, costs.verify_seconds(everyone, everyone) + costs.overhead)
         tokens = count + sum(sum(s[:k]) for s, k in zip(survival, windows))
-        verify = costs.verify_seconds(count + sum(windows))
+        verify = costs.verify_seconds(count, count + sum(windows))
         draft = costs.draft_seconds(windows)
         seconds = max(draft, verify) + costs.overhead if self.overlapped else draft + verify + 2 * costs.overhead
         return tokens / max(1e-9, seconds)
@@ -223,9 +259,10 @@ class SpeculationController:
         (dropping a token worth s that costs c seconds raises tokens/second exactly when s < rate x c)."""
         costs = self._costs()
         draft_per_token = costs.draft.weights()[1]
-        verify_per_token = costs.verify.weights()[1]
+        verify_per_token = costs.verify.weights()[2]
         if self.overlapped:  # the slower part is what an extra token lengthens
-            slower_is_draft = costs.draft_seconds(windows) >= costs.verify_seconds(len(windows) + sum(windows))
+            slower_is_draft = costs.draft_seconds(windows) >= costs.verify_seconds(len(windows),
+                                                                                len(windows) + sum(windows))
             per_token = draft_per_token if slower_is_draft else verify_per_token
         else:
             per_token = draft_per_token + verify_per_token
