@@ -50,12 +50,12 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
         runner = ModelRunner(path, num_slots=2, max_seq_len=64, tp_group=group if rank < TP else None)
         tensors[f"{name}.logits"] = run_script(runner)
         layer = runner.model.model.layers[0]
-        tensors[f"{name}.qkv"] = layer.self_attn.qkv_proj.weight
-        tensors[f"{name}.o"] = layer.self_attn.o_proj.weight
+        tensors[f"{name}.qkv"] = layer.self_attn.qkv_proj.dense_weight()
+        tensors[f"{name}.o"] = layer.self_attn.o_proj.dense_weight()
         if hasattr(layer.mlp, "experts"):  # routed experts: each rank holds a slice of every expert
             tensors[f"{name}.w13"], tensors[f"{name}.w2"] = layer.mlp.experts.w13, layer.mlp.experts.w2
         else:
-            tensors[f"{name}.gate_up"] = layer.mlp.gate_up_proj.weight
+            tensors[f"{name}.gate_up"] = layer.mlp.gate_up_proj.dense_weight()
         tensors[f"{name}.embed"] = runner.model.model.embed_tokens.weight
     save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out_dir}/rank{rank}.safetensors")
     dist.destroy_process_group()

@@ -46,8 +46,7 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 
     On CPU, oneDNN's GEMM on a prepacked weight runs the decode and verification shapes (tens of rows)
     2-2.5x faster than torch's BLAS GEMM (MKL) in our measurements on an AVX-512 EPYC (MKL takes slower
-    paths on AMD), which is how vLLM's CPU build runs its linear layers too. The packed copy is held beside
-    the weight as loaded (tied embeddings, the strict kernels and the loaders read that one)."""
+    paths on AMD), which is how vLLM's CPU build runs its linear layers too."""
     usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
     if not usable or not torch.backends.mkldnn.is_available():
         return None
@@ -152,6 +151,18 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, bias, self.batch_invariant, self.packed)
+
+    def pack(self) -> None:
+        """Keep the weight in oneDNN's layout only, where that applies (pack_for_onednn): the loaded copy is
+        dropped, so the weights take their memory once. `dense_weight` gives the matrix back."""
+        packed = None if self.batch_invariant else pack_for_onednn(self.weight)
+        if packed is not None:
+            self.packed = packed
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's weight as a plain [out, in] matrix (for inspection: the forward never needs it)."""
+        return self.packed.to_dense() if self.packed is not None else self.weight.data
 
 
 class ColumnParallelLinear(LinearBase):
@@ -262,7 +273,9 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows
         self.weight = _param((self.rows, hidden), self.weight_loader)
-        self.packed: torch.Tensor | None = None  # the LM head's, see pack_for_onednn
+        # The LM head's packed weight (pack_for_onednn), beside the dense one: an LM head tied to the
+        # embedding shares that one, which the lookups read.
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
         param.data.zero_()

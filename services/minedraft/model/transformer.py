@@ -138,11 +138,14 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
     def pack_weights(self) -> None:
-        """Hold every linear layer's weight (and the LM head's) in oneDNN's layout too, where that applies
-        (layers.pack_for_onednn). Not for the strict kernels, whose fixed-shape GEMMs are the point."""
+        """Hold every linear layer's weight in oneDNN's layout instead, and the LM head's beside its own,
+        where that applies (layers.pack_for_onednn). Not for the strict kernels, whose fixed-shape GEMMs
+        are the point."""
         for module in self.modules():
-            if isinstance(module, (LinearBase, ParallelLMHead)) and not module.batch_invariant:
-                module.packed = pack_for_onednn(module.weight)
+            if isinstance(module, LinearBase):
+                module.pack()
+        if not self.lm_head.batch_invariant:
+            self.lm_head.packed = pack_for_onednn(self.lm_head.weight)
 
     def load_weights(self, reader: CheckpointReader) -> None:
         """Fill every parameter from the checkpoint; each parameter's loader reads only its shard."""
