@@ -67,9 +67,6 @@ class _Fit:
             active.pop(solution.index(min(solution)) if solution is not None else 0)
         return [0.0] * len(self.xy)
 
-    def __call__(self, *x: float) -> float:
-        return sum(w * xi for w, xi in zip(self.weights(), x))
-
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     """(A + ridge) w = b by Gaussian elimination with partial pivoting; None if A is empty or zero."""
@@ -121,22 +118,24 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class Costs:
-    """The fitted cost of one step's parts, in seconds."""
+    """The fitted cost of one step's parts, in seconds, as of one decision (the fits solved once)."""
 
-    verify: _Fit
-    draft: _Fit
+    verify: list[float]  # a, c, b: seconds per step, per request, per token
+    draft: list[float]  # c', d: seconds per forward, per token
     overhead: float
     one_forward_drafts: bool  # PARD: a window takes one forward
 
     def verify_seconds(self, requests: float, tokens: float) -> float:
-        return self.verify(1.0, requests, tokens)
+        a, per_request, per_token = self.verify
+        return a + per_request * requests + per_token * tokens
 
     def draft_seconds(self, windows: Sequence[int]) -> float:
         if not any(windows):
             return 0.0
         forwards = 1 if self.one_forward_drafts else max(windows)
         drafting = sum(1 for w in windows if w)  # each also feeds the drafter its pending token(s) first
-        return self.draft(forwards, sum(windows) + drafting)
+        per_forward, per_token = self.draft
+        return per_forward * forwards + per_token * (sum(windows) + drafting)
 
 
 def _seeded_sampling(request: Request) -> bool:
@@ -204,9 +203,10 @@ class SpeculationController:
         elif decision % _PROBE_EVERY == 0:
             windows = [min(self._probe_k(decision), cap) for cap in caps]
         else:
-            survival = [self._survival(r) for r in requests]
-            best, rate = self._best_k(survival, caps, others)
-            windows = self._trim([min(best, cap) for cap in caps], survival, rate) if best else [0] * len(caps)
+            costs = self._costs()
+            survival = self._survival(requests)
+            best, rate = self._best_k(costs, survival, caps, others)
+            windows = self._trim(costs, [min(best, cap) for cap in caps], survival, rate) if best else [0] * len(caps)
         # A seed asks for the same text on every run; a sampled token depends on where its window starts,
         # and windows chosen from timings differ between runs: seeded sampling keeps the fixed k.
         windows = [cap if _seeded_sampling(r) else w for r, w, cap in zip(requests, windows, caps)]
@@ -220,24 +220,27 @@ class SpeculationController:
         """The most, or nothing, in turn."""
         return self.max_k if decision % (2 * _PROBE_EVERY) else 0
 
-    def _survival(self, request: Request) -> list[float]:
-        """The chance that each of the first max_k draft tokens of `request` is accepted."""
-        accepted = request.stats.num_accepted_tokens
-        overall = self.acceptance.overall()
-        own = (accepted + _REQUEST_PRIOR * overall) / (accepted + request.num_rejections + _REQUEST_PRIOR)
-        scale, chance, survival = own / overall, 1.0, []
-        for rate in self.acceptance.conditional():
-            chance *= min(_MAX_ACCEPT, rate * scale)
-            survival.append(chance)
+    def _survival(self, requests: Sequence[Request]) -> list[list[float]]:
+        """For each request, the chance that each of its first max_k draft tokens is accepted."""
+        overall, rates = self.acceptance.overall(), self.acceptance.conditional()
+        survival = []
+        for request in requests:
+            accepted = request.stats.num_accepted_tokens
+            own = (accepted + _REQUEST_PRIOR * overall) / (accepted + request.num_rejections + _REQUEST_PRIOR)
+            scale, chance, chances = own / overall, 1.0, []
+            for rate in rates:
+                chance *= min(_MAX_ACCEPT, rate * scale)
+                chances.append(chance)
+            survival.append(chances)
         return survival
 
     def _costs(self) -> Costs:
         total, count = self._overhead_sums
-        return Costs(self._verify, self._draft, total / count if count else 0.0, self._one_forward)
+        return Costs(self._verify.weights(), self._draft.weights(), total / count if count else 0.0,
+                     self._one_forward)  # fmt: skip
 
-    def _rate(self, windows: list[int], survival: list[list[float]], others: int) -> float:
+    def _rate(self, costs: Costs, windows: list[int], survival: list[list[float]], others: int) -> float:
         """Expected tokens per second of a step shape with these windows (all zero: plain decoding)."""
-        costs = self._costs()
         count = len(windows)
         if not any(windows):
             everyone = count + others
@@ -248,18 +251,18 @@ class SpeculationController:
         seconds = max(draft, verify) + costs.overhead if self.overlapped else draft + verify + 2 * costs.overhead
         return tokens / max(1e-9, seconds)
 
-    def _best_k(self, survival: list[list[float]], caps: Sequence[int], others: int) -> tuple[int, float]:
+    def _best_k(self, costs: Costs, survival: list[list[float]], caps: Sequence[int],
+                others: int) -> tuple[int, float]:
         """The uniform k (capped per request) with the most expected tokens per second, and that rate."""
-        rates = [(self._rate([min(k, cap) for cap in caps], survival, others), -k) for k in range(self.max_k + 1)]
+        rates = [(self._rate(costs, [min(k, cap) for cap in caps], survival, others), -k)
+                 for k in range(self.max_k + 1)]
         rate, neg_k = max(rates)
         return -neg_k, rate
 
-    def _trim(self, windows: list[int], survival: list[list[float]], rate: float) -> list[int]:
+    def _trim(self, costs: Costs, windows: list[int], survival: list[list[float]], rate: float) -> list[int]:
         """Shorten each window while its last token is expected to bring less than its cost at `rate`
         (dropping a token worth s that costs c seconds raises tokens/second exactly when s < rate x c)."""
-        costs = self._costs()
-        draft_per_token = costs.draft.weights()[1]
-        verify_per_token = costs.verify.weights()[2]
+        draft_per_token, verify_per_token = costs.draft[1], costs.verify[2]
         if self.overlapped:  # the slower part is what an extra token lengthens
             slower_is_draft = costs.draft_seconds(windows) >= costs.verify_seconds(len(windows),
                                                                                 len(windows) + sum(windows))
