@@ -102,7 +102,8 @@ def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Pa
     else:
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
                    "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
-                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32"]  # fmt: skip
+                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32",
+                   "--no-enable-prefix-caching"]  # the rounds repeat the prompts; ours has no prefix cache  # fmt: skip
         if spec is not None:
             command += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.k})]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
