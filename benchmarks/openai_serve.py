@@ -97,13 +97,13 @@ def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Pa
         batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING"]  # fmt: skip
+                   "--log-level", "WARNING", "--no-enable-prefix-caching"]  # the rounds repeat the prompts  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO / "services")}
     else:
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
                    "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
                    "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32",
-                   "--no-enable-prefix-caching"]  # the rounds repeat the prompts; ours has no prefix cache  # fmt: skip
+                   "--no-enable-prefix-caching"]  # the rounds repeat the prompts (ours too is off)  # fmt: skip
         if spec is not None:
             command += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.k})]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

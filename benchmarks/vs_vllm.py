@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> list[Engine]:
     settings = {
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
         "k": args.k, "device": args.device, "warmup": args.warmup,
-        "vllm_prefix_caching": getattr(args, "vllm_prefix_caching", False),
+        "prefix_caching": getattr(args, "prefix_caching", False),
     }  # fmt: skip
     args.log_dir.mkdir(parents=True, exist_ok=True)
     engines: list[Engine] = []
@@ -208,9 +208,9 @@ def main() -> int:
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
     parser.add_argument("--log-dir", type=Path, default=REPO / ".bench-logs", help="each engine's log")
     parser.add_argument("--json", type=Path, help="also write every round of every engine here")
-    parser.add_argument("--vllm-prefix-caching", action="store_true",
-                        help="leave vLLM's prefix caching on (off by default: the rounds repeat the same prompts, "
-                             "so it would skip their prefill; ours has none)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="leave prefix caching on, ours and vLLM's (off by default: the rounds repeat the same "
+                             "prompts, so it would skip their prefill)")
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
@@ -258,7 +258,8 @@ def _our_engine(job: dict):
     spec = job["spec"]
     batches = 2 if spec is not None and spec.get("is_parallel") and not spec.get("force_pearl") else 1
     llm = LLM(speculative_config=spec, max_num_seqs=job["max_num_seqs"] // batches, dtype="float32",
-              device=job["device"], batch_invariant=job["batch_invariant"])  # fmt: skip
+              device=job["device"], batch_invariant=job["batch_invariant"],
+              enable_prefix_caching=job.get("prefix_caching", False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
 
     def generate(prompts: list[str]) -> tuple[list[list[int]], float, float | None]:
@@ -284,7 +285,7 @@ def _vllm_engine(job: dict):
     # prefill from the second round on (the warm-up's), measuring cache hits instead of serving them.
     llm = LLM(model=str(TARGET), speculative_config=spec, max_num_seqs=job["max_num_seqs"], dtype="float32",
               max_model_len=1024, seed=0, disable_log_stats=False,
-              enable_prefix_caching=job.get("vllm_prefix_caching", False))  # fmt: skip
+              enable_prefix_caching=job.get("prefix_caching", False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
 
     def counters() -> tuple[float, float]:

@@ -162,6 +162,12 @@ class EngineConfig(BaseModel):
         "meaning); the KV cache gets what the weights leave. Ignored when kv_cache_memory_bytes is set.",
     )
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV-cache block.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Keep the KV blocks of committed tokens after a request ends, and let any later request that "
+        "starts with the same tokens reuse them (each worker its own pool): a shared system prompt or chat history "
+        "is computed once.",
+    )
     max_num_batched_tokens: int = Field(
         2048,
         ge=64,

@@ -35,6 +35,10 @@ NUM_REQUESTS_WAITING = "minedraft:num_requests_waiting"
 NUM_REQUESTS_RUNNING = "minedraft:num_requests_running"
 CHOSEN_K = "minedraft:spec_decode_chosen_k"
 PLAIN_STEPS = "minedraft:spec_decode_plain_steps"
+PREFIX_CACHE_QUERIES = "minedraft:prefix_cache_queries"  # the verifier's (the target model's), as vLLM's
+PREFIX_CACHE_HITS = "minedraft:prefix_cache_hits"
+DRAFT_PREFIX_CACHE_QUERIES = "minedraft:draft_prefix_cache_queries"
+DRAFT_PREFIX_CACHE_HITS = "minedraft:draft_prefix_cache_hits"
 
 _FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -53,6 +57,8 @@ VLLM_NAMES = {
     "minedraft:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     NUM_REQUESTS_WAITING: "vllm:num_requests_waiting",
     NUM_REQUESTS_RUNNING: "vllm:num_requests_running",
+    PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
+    PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
 }
 _VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's label name on request_success
 
@@ -144,6 +150,17 @@ class Metrics:
             PLAIN_STEPS, "Decisions of adaptive speculation to draft nothing in a step (plain decoding)", registry=r
         )
         self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
+        self.prefix_cache = {  # role -> (queries, hits), both in prompt tokens
+            "verifier": (
+                Counter(PREFIX_CACHE_QUERIES, "Prompt tokens the verifier looked up in its prefix cache", registry=r),
+                Counter(PREFIX_CACHE_HITS, "Prompt tokens the verifier found in its prefix cache", registry=r),
+            ),
+            "drafter": (
+                Counter(DRAFT_PREFIX_CACHE_QUERIES, "Prompt tokens the drafter looked up in its prefix cache",
+                        registry=r),
+                Counter(DRAFT_PREFIX_CACHE_HITS, "Prompt tokens the drafter found in its prefix cache", registry=r),
+            ),
+        }
         self.step_seconds = Histogram(STEP_SECONDS, "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             DRAFT_STEP_SECONDS, "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
@@ -176,6 +193,10 @@ class Metrics:
             if was_busy:
                 self.worker_idle_seconds.labels(role=role).observe(result.idle_seconds[role])
         self.step_seconds.observe(result.step_seconds)
+        for role, queries in result.prefix_cache_queries.items():
+            if role in self.prefix_cache:
+                self.prefix_cache[role][0].inc(queries)
+                self.prefix_cache[role][1].inc(result.prefix_cache_hits[role])
         if result.draft_seconds:
             self.draft_seconds.observe(result.draft_seconds)
         if result.verify_seconds:

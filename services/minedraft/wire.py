@@ -154,4 +154,5 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.draft_forwards = max(result.draft_forwards, reply.draft_forwards)
         result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
         result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
+        result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
     return result

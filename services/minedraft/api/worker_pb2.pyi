@@ -107,7 +107,7 @@ class Verified(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens")
+    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits")
     class DraftedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class StepReply(_message.Message):
     DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     verified: _containers.RepeatedCompositeFieldContainer[Verified]
     drafted: _containers.ScalarMap[str, int]
@@ -135,7 +137,9 @@ class StepReply(_message.Message):
     draft_forwards: int
     draft_tokens: int
     verify_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -365,6 +365,8 @@ def _format_server(s: ServerStepStats) -> list[str]:
         f"    overlap efficiency        {_fmt(s.overlap_efficiency, '.2f')}",
         "    worker idle (% of wall)   "
         + (", ".join(f"{role} {share:.1%}" for role, share in s.worker_idle_share.items()) or "-"),
+        f"    prefix cache hit rate     {_fmt(s.prefix_cache_hit_rate, '.1%')}  ({s.prefix_cache_hits} of "
+        f"{s.prefix_cache_queries} prompt tokens)",
         *(
             [f"    adaptive k                mean {s.mean_chosen_k:.2f}, plain steps {s.plain_steps}  (windows by k: "
              + ", ".join(f"{k}: {n}" for k, n in sorted(s.chosen_k.items())) + ")"]

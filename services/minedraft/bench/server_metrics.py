@@ -18,6 +18,8 @@ from minedraft.metrics import (  # scrape: re-exported for the benchmarks
     NUM_ACCEPTED_TOKENS,
     NUM_DRAFTS,
     PLAIN_STEPS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
     STEP_OVERLAP_RATIO,
     STEP_SECONDS,
     VERIFY_STEP_SECONDS,
@@ -66,6 +68,8 @@ class ServerStepStats:
     worker_idle_seconds_sum: dict[str, float] = field(default_factory=dict)
     chosen_k: dict[int, int] = field(default_factory=dict)  # adaptive speculation: windows per chosen k
     plain_steps: int = 0  # adaptive speculation's steps that drafted nothing
+    prefix_cache_queries: int = 0  # prompt tokens the verifier looked up in its prefix cache
+    prefix_cache_hits: int = 0  # and found there
 
     @classmethod
     def from_scrapes(cls, before: Samples, after: Samples) -> ServerStepStats:
@@ -88,7 +92,14 @@ class ServerStepStats:
             worker_idle_seconds_sum={r: _delta(before, after, f"{WORKER_IDLE}_sum{{{r}}}") for r in ROLES},
             chosen_k={k: n for k in range(_MAX_K + 1) if (n := count(f"{CHOSEN_K}_total{{{k}}}"))},
             plain_steps=count(PLAIN_STEPS + "_total"),
+            prefix_cache_queries=count(PREFIX_CACHE_QUERIES + "_total"),
+            prefix_cache_hits=count(PREFIX_CACHE_HITS + "_total"),
         )
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of the admitted prompt tokens the verifier's prefix cache held (vLLM's hit rate)."""
+        return _ratio(self.prefix_cache_hits, self.prefix_cache_queries)
 
     @property
     def mean_chosen_k(self) -> float | None:
@@ -175,6 +186,7 @@ class ServerStepStats:
                 "mean_accepted_length",
                 "worker_idle_share",
                 "mean_chosen_k",
+                "prefix_cache_hit_rate",
             )
         }
         return {**asdict(self), **derived}

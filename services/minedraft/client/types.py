@@ -115,6 +115,7 @@ class ServerInfo:
     kv_block_size: int = 0  # tokens per block
     max_num_batched_tokens: int = 0  # a step's token budget; longer prompts are prefilled in chunks
     draft_method: str = ""  # draft_model | pard; empty for ar
+    enable_prefix_caching: bool = False  # workers reuse the KV blocks of prompts they have seen
 
     @property
     def speculative_config(self) -> dict[str, Any]:
@@ -138,4 +139,5 @@ class ServerInfo:
             kv_block_size=msg.kv_block_size,
             max_num_batched_tokens=msg.max_num_batched_tokens,
             draft_method=msg.draft_method,
+            enable_prefix_caching=msg.enable_prefix_caching,
         )

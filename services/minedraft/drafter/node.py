@@ -64,6 +64,7 @@ class DrafterNode:
             self.channel.send_drafts([t.request_id for t in draft.tasks], windows)
             for request_id, window in windows.items():
                 reply.drafted[request_id] = len(window.tokens)
+        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.runner.kv_cache.take_prefix_stats()
         return reply
 
     def info(self) -> worker_pb2.WorkerInfo:

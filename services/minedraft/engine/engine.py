@@ -6,7 +6,7 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.batch_manager import BlockBudget
@@ -25,12 +25,22 @@ class StepStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0
+    prefix_cache_queries: dict[str, int] = field(default_factory=dict)  # per worker role, prompt tokens
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)
 
     def add(self, result: StepResult) -> None:
         self.num_steps += 1
         self.draft_seconds += result.draft_seconds
         self.verify_seconds += result.verify_seconds
         self.step_seconds += result.step_seconds
+        for role, queries in result.prefix_cache_queries.items():
+            self.prefix_cache_queries[role] = self.prefix_cache_queries.get(role, 0) + queries
+            self.prefix_cache_hits[role] = self.prefix_cache_hits.get(role, 0) + result.prefix_cache_hits[role]
+
+    def prefix_cache_hit_rate(self, role: str = "verifier") -> float:
+        """Share of the prompt tokens admitted to `role` that its prefix cache held."""
+        queries = self.prefix_cache_queries.get(role, 0)
+        return self.prefix_cache_hits.get(role, 0) / queries if queries else 0.0
 
 
 class LLMEngine:

@@ -111,6 +111,9 @@ class LocalExecutor:
             result.draft_forwards, result.draft_tokens = self.drafter.runner.take_work()
         if run_verify:
             result.verify_tokens = self.verifier.runner.take_work()[1]
+        for role, worker in (("verifier", self.verifier), ("drafter", self.drafter)):
+            if worker is not None:
+                result.record_prefix_cache(role, worker.runner.kv_cache.take_prefix_stats())
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
             self.drafter.apply_results(result.verified)
             handed_over = self.drafter.take_drafts()
@@ -180,12 +183,13 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
 
 
 def kv_cache_options(config: EngineConfig) -> dict[str, Any]:
-    """How a worker sizes its paged KV cache (drafter and verifier alike, so the engine can admit by the
-    smaller of the two pools)."""
+    """How a worker sizes and keeps its paged KV cache (drafter and verifier alike, so the engine can admit
+    by the smaller of the two pools)."""
     return {
         "block_size": config.block_size,
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enable_prefix_caching": config.enable_prefix_caching,
     }
 
 

@@ -117,6 +117,12 @@ class StepResult:
     draft_forwards: int = 0
     draft_tokens: int = 0
     verify_tokens: int = 0
+    # Per worker role: prompt tokens its admissions looked up in its prefix cache, and those it found there.
+    prefix_cache_queries: dict[str, int] = field(default_factory=dict)
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)
+
+    def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
+        self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats
 
 
 class Executor(Protocol):

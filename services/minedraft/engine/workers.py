@@ -70,25 +70,46 @@ class _Worker:
         return torch.device(self.runner.device)
 
     def admit(self, admissions: list[Admission]) -> None:
+        """Hold new requests; each starts from the longest cached prefix of its tokens (its own earlier blocks
+        after a preemption, a shared system prompt, the running requests' committed blocks)."""
+        if admissions:
+            for seq in self.sequences.values():
+                self._cache_committed(seq)
         for admission in admissions:
             if admission.request_id in self.sequences:
                 self.release([admission.request_id])  # re-admission rebuilds the request from scratch
-            self.sequences[admission.request_id] = _Sequence(
+            seq = _Sequence(
                 slot=self.runner.allocate_slot(),
                 tokens=list(admission.token_ids),
                 params=admission.params,
                 seed=admission.seed,
             )
+            seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
+            self.sequences[admission.request_id] = seq
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             seq = self.sequences.pop(request_id, None)
             if seq is not None:
+                self._cache_committed(seq)
                 self.runner.free_slot(seq.slot)
 
     def reset(self) -> None:
-        """Drop every request (a new world or a new scheduler): all KV blocks are free again."""
+        """Drop every request and the prefix cache (a new world or a new scheduler): all KV blocks are free."""
         self.release(list(self.sequences))
+        self.runner.kv_cache.clear_prefix_cache()
+
+    def _cache_committed(self, seq: _Sequence) -> None:
+        """Offer the prefix cache the blocks that hold committed tokens, up to the last one (which a next
+        forward may write again): drafts past it may still be rejected and overwritten."""
+        cache = self.runner.kv_cache
+        if cache.prefix_index is None:
+            return
+        end, size = min(len(seq.kv_tokens), len(seq.tokens) - 1), cache.block_size
+        valid = cache.cached_tokens(seq.slot)
+        while valid + size <= end and seq.kv_tokens[valid : valid + size] == seq.tokens[valid : valid + size]:
+            valid += size
+        cache.cache_prefix(seq.slot, seq.tokens, valid)
 
     @property
     def num_active(self) -> int:

@@ -7,11 +7,25 @@ rectangle whatever each sequence's length.
 
 Layout per layer: [kv_heads, num_blocks, block_size, head_dim], so gathering a sequence's blocks gives
 each head's keys as one contiguous [length, head_dim] matrix.
+
+Prefix caching (automatic, as vLLM's): a full block whose tokens are committed is indexed by its content,
+the block's tokens and the entry of the block before it (a chain, so equal blocks after different prefixes
+never meet). A new sequence takes the longest indexed chain its tokens start with, sharing those blocks
+(reference counts), and writes only the rest. Blocks no sequence holds stay indexed and are reused, least
+recently used first, only when the free pool is empty. The index compares whole token tuples, so two
+different prefixes can never share a block, whatever their hashes.
+
+A shared block is never written again: a sequence takes only full blocks below its last token (whose
+logits must be computed), and a worker indexes only blocks below its last committed token, which no
+rollback reaches.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
 from numbers import Integral
 
 import torch
@@ -51,7 +65,7 @@ def kv_budget_bytes(device: torch.device, kv_cache_memory_bytes: int | None,
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, enable_prefix_caching: bool = False) -> None:
         """num_blocks: usable blocks (the zero block comes on top)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
@@ -64,26 +78,92 @@ class KVCache:
         self._zeroed = 0  # blocks [0, _zeroed) have been zeroed
         self._zero_blocks_below(NULL_BLOCK + 1)
         self._free = list(range(1, num_blocks + 1))  # a heap: the lowest free block first keeps the pool compact
+        self._refs = [0] * (num_blocks + 1)  # sequences holding each block
+        self.prefix_index = PrefixIndex() if enable_prefix_caching else None
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # tokens written so far per sequence
+        self._chains: dict[int, list[int]] = {}  # per sequence: index entries of its leading full blocks
         self._next_id = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free ones and cached ones no sequence holds."""
+        cached = self.prefix_index.num_evictable if self.prefix_index else 0
+        return len(self._free) + cached
 
     def allocate(self) -> int:
         """A new, empty sequence; its id indexes block_tables and lengths."""
         seq_id = self._next_id
         self._next_id += 1
-        self.block_tables[seq_id], self.lengths[seq_id] = [], 0
+        self.block_tables[seq_id], self.lengths[seq_id], self._chains[seq_id] = [], 0, []
         return seq_id
 
     def free(self, seq_id: int) -> None:
         self.check_allocated(seq_id)
-        for block in self.block_tables.pop(seq_id):
+        for block in reversed(self.block_tables.pop(seq_id)):  # a chain's tail becomes the first to evict
+            self._drop(block)
+        del self.lengths[seq_id], self._chains[seq_id]
+
+    def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give a new sequence the cached blocks its tokens start with; returns the tokens they hold.
+
+        Only full blocks below the last token count: its logits are what the first forward computes."""
+        table = self.block_tables[seq_id]
+        if table:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        if self.prefix_index is None:
+            return 0
+        size, parent = self.block_size, PrefixIndex.ROOT
+        for start in range(0, len(token_ids) - 1 - size + 1, size):
+            entry = self.prefix_index.find(parent, token_ids[start : start + size])
+            if entry is None:
+                break
+            self.prefix_index.hold(entry.block, first=self._refs[entry.block] == 0)
+            self._refs[entry.block] += 1
+            table.append(entry.block)
+            self._chains[seq_id].append(entry.id)
+            parent = entry.id
+        self.lengths[seq_id] = len(table) * size
+        self.prefix_index.record_query(len(token_ids), len(table) * size)
+        return len(table) * size
+
+    def cache_prefix(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
+        """Index the sequence's full blocks below `num_tokens`; `token_ids[:num_tokens]` is what they hold, and
+        the caller promises never to write below `num_tokens` again."""
+        if self.prefix_index is None:
+            return
+        table, chain, size = self.block_tables[seq_id], self._chains[seq_id], self.block_size
+        for i in range(len(chain), min(num_tokens // size, len(table))):
+            parent = chain[-1] if chain else PrefixIndex.ROOT
+            chain.append(self.prefix_index.add(parent, token_ids[i * size : (i + 1) * size], table[i]).id)
+
+    def cached_tokens(self, seq_id: int) -> int:
+        """Tokens at the head of the sequence that sit in indexed blocks: never written again."""
+        return len(self._chains[seq_id]) * self.block_size
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block (a new world: nothing computed before it is trusted). No sequence may
+        be allocated."""
+        if self.block_tables:
+            raise RuntimeError(f"{len(self.block_tables)} sequence(s) still hold blocks")
+        if self.prefix_index is not None:
+            for block in self.prefix_index.clear():
+                heapq.heappush(self._free, block)
+
+    def take_prefix_stats(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) since the last call."""
+        return self.prefix_index.take_stats() if self.prefix_index else (0, 0)
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0 and not (self.prefix_index and self.prefix_index.release(block)):
             heapq.heappush(self._free, block)
-        del self.lengths[seq_id]
+
+    def _take(self) -> int:
+        """A block for new tokens: the lowest free one, else the least recently used cached one."""
+        block = heapq.heappop(self._free) if self._free else self.prefix_index.evict()
+        self._refs[block] = 1
+        return block
 
     def check_allocated(self, seq_id: int) -> None:
         if isinstance(seq_id, bool) or not isinstance(seq_id, Integral):
@@ -95,14 +175,16 @@ class KVCache:
         """Hold exactly the blocks `length` tokens need: free trailing blocks past it, take new ones up to it."""
         table = self.block_tables[seq_id]
         needed = blocks_for(length, self.block_size)
+        if needed * self.block_size < self.cached_tokens(seq_id):
+            raise RuntimeError(f"sequence {seq_id} cannot shrink below its cached blocks")
         while len(table) > needed:
-            heapq.heappush(self._free, table.pop())
-        if needed - len(table) > len(self._free):
+            self._drop(table.pop())
+        if needed - len(table) > self.num_free_blocks:
             raise RuntimeError(
                 f"KV cache is out of blocks: sequence {seq_id} needs {needed - len(table)} more block(s) of "
-                f"{self.block_size} tokens, {len(self._free)} of {self.num_blocks} are free"
+                f"{self.block_size} tokens, {self.num_free_blocks} of {self.num_blocks} are free"
             )
-        new = [heapq.heappop(self._free) for _ in range(needed - len(table))]
+        new = [self._take() for _ in range(needed - len(table))]
         if new:
             self._zero_blocks_below(max(new) + 1)
             table.extend(new)
@@ -125,3 +207,69 @@ class KVCache:
         for cache in (*self.k, *self.v):
             cache[:, self._zeroed : end].zero_()
         self._zeroed = end
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    id: int  # never reused: a chain that names an evicted entry finds nothing
+    block: int
+
+
+class PrefixIndex:
+    """Cached full blocks by content: (the entry of the block before, the block's tokens) -> entry."""
+
+    ROOT = 0  # the parent of a sequence's first block
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, tuple[int, ...]], PrefixEntry] = {}
+        self._keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its key
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed, held by no sequence; oldest first
+        self._ids = itertools.count(self.ROOT + 1)
+        self._queried = self._hit = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def find(self, parent: int, tokens: list[int]) -> PrefixEntry | None:
+        return self._entries.get((parent, tuple(tokens)))
+
+    def add(self, parent: int, tokens: list[int], block: int) -> PrefixEntry:
+        """Index `block`; if an equal block is indexed already, that entry (the block stays unindexed)."""
+        key = (parent, tuple(tokens))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = PrefixEntry(next(self._ids), block)
+            self._keys[block] = key
+        return entry
+
+    def hold(self, block: int, first: bool) -> None:
+        """A sequence takes an indexed block (`first`: no sequence held it, so it was evictable)."""
+        if first:
+            del self._evictable[block]
+
+    def release(self, block: int) -> bool:
+        """The last sequence let go of `block`: keep it as evictable if indexed (True), else False."""
+        if block not in self._keys:
+            return False
+        self._evictable[block] = None
+        return True
+
+    def evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._entries[self._keys.pop(block)]
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget everything; returns the evictable blocks (now plain free blocks)."""
+        blocks = list(self._evictable)
+        self._entries.clear(), self._keys.clear(), self._evictable.clear()
+        return blocks
+
+    def record_query(self, num_tokens: int, num_hit: int) -> None:
+        self._queried += num_tokens
+        self._hit += num_hit
+
+    def take_stats(self) -> tuple[int, int]:
+        stats, (self._queried, self._hit) = (self._queried, self._hit), (0, 0)
+        return stats

@@ -62,14 +62,17 @@ class ModelRunner:
                  dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
-                 attention_kernel: str = "auto", load_format: str = "auto") -> None:
+                 attention_kernel: str = "auto", load_format: str = "auto",
+                 enable_prefix_caching: bool = False) -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
         attention_kernel: torch, triton (paged: reads the cache in place) or auto (triton on CUDA where it is
         installed and the shapes suit it, torch elsewhere).
         load_format: auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as
-        vLLM's --load-format dummy: for timing a model's shape without its weights)."""
+        vLLM's --load-format dummy: for timing a model's shape without its weights).
+        enable_prefix_caching: keep full blocks of committed tokens for later sequences that start with them
+        (see kv_cache.py)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -92,6 +95,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
             num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
 
@@ -202,6 +206,11 @@ class ModelRunner:
             raise ValueError(
                 f"sequence {seq.slot}: start_pos {seq.start_pos} must be in [0, {written}] (tokens already in the "
                 "cache)"
+            )
+        if seq.start_pos < self.kv_cache.cached_tokens(seq.slot):
+            raise ValueError(
+                f"sequence {seq.slot}: start_pos {seq.start_pos} would overwrite its cached prefix of "
+                f"{self.kv_cache.cached_tokens(seq.slot)} tokens"
             )
         if seq.start_pos + n > self.max_seq_len:
             raise ValueError(

@@ -130,6 +130,7 @@ class VerifierNode:
             reply.verified.extend(verified_to_proto(results))
         if draft is not None and self._has_drafter:
             self.worker.receive_drafts(self.channel.recv_drafts([t.request_id for t in draft.tasks]))
+        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.runner.kv_cache.take_prefix_stats()
         return reply
 
     @property
