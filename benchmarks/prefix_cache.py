@@ -258,6 +258,7 @@ def measure_offline(args: argparse.Namespace, results: Results) -> None:
         for round_ in range(args.rounds):
             for load, workload in build_workloads(args, round_).items():
                 for name, server in servers.items():
+                    time.sleep(args.settle)
                     run = asyncio.run(run_offline(server, workload))
                     results.add("offline", load, name, run)
                     print(f"offline round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, "
@@ -284,6 +285,7 @@ def measure_served(args: argparse.Namespace, results: Results, logs: Path) -> No
         for round_ in range(args.rounds):
             for load, workload in build_workloads(args, round_).items():
                 for name, (address, url) in stacks.items():
+                    time.sleep(args.settle)
                     run = asyncio.run(run_served(address, url, workload))
                     results.add("served", load, name, run)
                     print(f"served round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, "
@@ -301,6 +303,8 @@ def main() -> int:
     parser.add_argument("--user-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48, help="answer length per turn (greedy, EOS ignored)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds idle before each timed run (the last engine's OpenMP threads spin a while)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "minedraft-prefix-cache")
     args = parser.parse_args()
     results = Results()
