@@ -242,7 +242,7 @@ def test_served_hits_reach_the_metrics_and_the_server_info(pair, tmp_path) -> No
         second = client.generate(prompt, max_tokens=6, temperature=0).token_ids
         after = scrape(url)
         info = client.server_info()
-    assert first == second and info.enable_prefix_caching
+    assert first == second and info.enable_prefix_caching and (info.quantization, info.draft_quantization) == ("", "")
     stats = ServerStepStats.from_scrapes(before, after)
     assert stats.prefix_cache_queries == 2 * len(prompt)
     assert stats.prefix_cache_hits == (len(prompt) - 1) // 16 * 16, "the second request finds the first's blocks"

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from test_greedy_equivalence import STRICT, _run, _workload
 
 from minedraft.config import EngineConfig
+from minedraft.frontends.grpc_api import checkpoint_quantization
 from minedraft.model.checkpoint import CheckpointError
 from minedraft.model.runner import ModelRunner, SeqInput
 
@@ -120,6 +121,9 @@ def test_quantized_checkpoint_loads_exactly_its_dequantized_weights(tmp_path, me
     assert torch.equal(ours, _logits(reference))
     assert not torch.equal(ours, _logits(source)), "the quantization is meant to change the weights"
     assert ModelRunner(quantized, num_slots=1, max_seq_len=8).config.quantization.method == method
+    # What GetServerInfo reports for it (the helper it calls, on the same folder).
+    expected = {"fp8": "fp8 (blocks 48x40)", "awq": "awq (4-bit, group 16)"}[method]
+    assert checkpoint_quantization(Path(quantized)) == expected and checkpoint_quantization(Path(source)) == ""
 
 
 def test_quantized_target_and_draft_stay_lossless(tmp_path) -> None:

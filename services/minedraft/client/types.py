@@ -116,6 +116,8 @@ class ServerInfo:
     max_num_batched_tokens: int = 0  # a step's token budget; longer prompts are prefilled in chunks
     draft_method: str = ""  # draft_model | pard; empty for ar
     enable_prefix_caching: bool = False  # workers reuse the KV blocks of prompts they have seen
+    quantization: str = ""  # how the target checkpoint stores its weights, e.g. "fp8 (blocks 128x128)"; "": floats
+    draft_quantization: str = ""  # the same for the draft checkpoint
 
     @property
     def speculative_config(self) -> dict[str, Any]:
@@ -140,4 +142,6 @@ class ServerInfo:
             max_num_batched_tokens=msg.max_num_batched_tokens,
             draft_method=msg.draft_method,
             enable_prefix_caching=msg.enable_prefix_caching,
+            quantization=msg.quantization,
+            draft_quantization=msg.draft_quantization,
         )

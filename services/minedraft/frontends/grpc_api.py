@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import grpc
 
@@ -10,6 +12,7 @@ from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
+from minedraft.model.config import load_model_config
 from minedraft.serving import parse_generate, parse_request
 from minedraft.version import __version__
 from minedraft.wire import finish_reason_to_proto, stats_to_proto
@@ -63,7 +66,16 @@ class MineDraftServicer:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             draft_method=spec.draft_method if spec else "",
             enable_prefix_caching=self.config.enable_prefix_caching,
+            quantization=checkpoint_quantization(self.config.target_path),
+            draft_quantization=checkpoint_quantization(self.config.draft_path) if spec else "",
         )
+
+
+@functools.cache
+def checkpoint_quantization(path: Path) -> str:
+    """The checkpoint's quantization as GetServerInfo reports it (the folder is read once)."""
+    quant = load_model_config(path).quantization
+    return quant.describe() if quant else ""
 
 
 def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:

@@ -37,6 +37,12 @@ class QuantConfig:
     block: tuple[int, int] = (128, 128)  # fp8: rows x columns per scale
     group_size: int = 128  # awq: input features per scale and zero
 
+    def describe(self) -> str:
+        """How the checkpoint stores its weights, as GetServerInfo reports it."""
+        if self.method == "fp8":
+            return f"fp8 (blocks {self.block[0]}x{self.block[1]})"
+        return f"awq (4-bit, group {self.group_size})"
+
 
 def parse_quant_config(raw: dict[str, Any], source: str | Path) -> QuantConfig | None:
     """config.json's quantization_config as one we can load exactly, or a CheckpointError naming what is not."""
