@@ -9,6 +9,7 @@
 Steps:
   numerics   the bundled target on CUDA (bf16) against the CPU float32 reference: logit error, top-1 agreement
   triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32)
+  graphs     CUDA graphs against eager steps: the same logits, and the step time of each (decode, verify)
   greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
   bench      the offline benchmark (ar, sd, minedraft, sd+pard), and the services (drafter and verifier
              processes sharing the one GPU) through `minedraft bench --launch`
@@ -107,6 +108,41 @@ def step_triton(args: argparse.Namespace) -> dict:
     return {"passed": passed, "device": device.type, "interpreted": _INTERPRETED, "max_abs_error": results}
 
 
+def step_graphs(args: argparse.Namespace) -> dict:
+    """CUDA graphs against eager steps on the bundled target (bf16): decode steps at batch 1, 8 and 32 and a
+    k + 1 = 5 verification step, the same logits expected and the step time of each."""
+    import torch
+
+    from minedraft.config import BUNDLED_TARGET
+    from minedraft.model.runner import ModelRunner, SeqInput
+
+    device = _cuda(args.dry_run)
+    runners = {name: ModelRunner(BUNDLED_TARGET, max_seq_len=512, num_slots=32, device=str(device),
+                                 dtype=torch.bfloat16, enforce_eager=name == "eager")
+               for name in ("graphs", "eager")}  # fmt: skip
+    if runners["graphs"].graphs is None:
+        return {"passed": False, "error": "no CUDA graphs were captured (is triton installed?)"}
+    prompts = [[(11 * i + 5 * j) % 4000 + 1 for j in range(100 + 3 * i)] for i in range(32)]
+    results, worst = {}, 0.0
+    for runner in runners.values():
+        slots = [runner.allocate_slot() for _ in prompts]
+        runner.forward([SeqInput(s, p, 0) for s, p in zip(slots, prompts)])
+    for batch, width in ((1, 1), (8, 1), (32, 1), (8, 5)):
+        step = [SeqInput(i, [7 + j for j in range(width)], len(prompts[i]), num_logits=width) for i in range(batch)]
+        logits, ms = {}, {}
+        for name, runner in runners.items():
+            logits[name] = runner.forward(step).float()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                runner.forward(step)  # the same positions again: a repeatable step
+            torch.cuda.synchronize()
+            ms[name] = (time.perf_counter() - start) / 50 * 1e3
+        worst = max(worst, (logits["graphs"] - logits["eager"]).abs().max().item())
+        results[f"batch {batch} x {width}"] = {"graph_ms": round(ms["graphs"], 3), "eager_ms": round(ms["eager"], 3)}
+    return {"passed": worst < 0.5, "max_abs_logit_difference": round(worst, 4), "steps": results}
+
+
 def step_greedy(args: argparse.Namespace) -> dict:
     from minedraft import LLM, SamplingParams
     from minedraft.bench.offline import mode_configs
@@ -203,7 +239,8 @@ def _device(args: argparse.Namespace) -> str:
 
 
 STEPS: dict[str, Callable[[argparse.Namespace], dict]] = {
-    "numerics": step_numerics, "triton": step_triton, "greedy": step_greedy, "bench": step_bench,
+    "numerics": step_numerics, "triton": step_triton, "graphs": step_graphs, "greedy": step_greedy,
+    "bench": step_bench,
     "floor": step_floor,
 }  # fmt: skip
 

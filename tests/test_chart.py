@@ -672,6 +672,7 @@ ENGINE_VALUES = {
     "block_size": ("engine", "blockSize"),
     "max_num_batched_tokens": ("engine", "maxNumBatchedTokens"),
     "enable_prefix_caching": ("engine", "enablePrefixCaching"),
+    "enforce_eager": ("engine", "enforceEager"),
 }
 DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig"}
 
@@ -730,7 +731,7 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
         "engine": {"maxNumSeqs": 7, "maxModelLen": 1024, "dtype": "float16", "device": "cpu", "seed": 11,
                    "batchInvariant": True, "draftSupportSize": 8, "kvCacheMemoryBytes": 20 << 30,
                    "gpuMemoryUtilization": 0.8, "blockSize": 32, "maxNumBatchedTokens": 512,
-                   "enablePrefixCaching": False},
+                   "enablePrefixCaching": False, "enforceEager": True},
         "verifier": {"tensorParallelSize": 2},
         "models": {"target": "t", "draft": "d", "volume": {"type": "existingClaim", "existingClaim": "m"}},
         "speculativeConfig": {"num_speculative_tokens": 3, "tetris": True},

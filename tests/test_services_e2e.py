@@ -272,7 +272,7 @@ def _every_field_off_default(pair) -> EngineConfig:
         pair, {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True}, tensor_parallel_size=2,
         max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
         kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.5, block_size=8, max_num_batched_tokens=512,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, enforce_eager=True,
     )  # fmt: skip
     fields = EngineConfig.model_fields
     assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"

@@ -168,6 +168,11 @@ class EngineConfig(BaseModel):
         "starts with the same tokens reuse them (each worker its own pool): a shared system prompt or chat history "
         "is computed once.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="CUDA: run every step eagerly instead of replaying the CUDA graphs captured at start-up for "
+        "decode and verification steps (one per bucket of token counts, as vLLM does). No effect on CPU.",
+    )
     max_num_batched_tokens: int = Field(
         2048,
         ge=64,

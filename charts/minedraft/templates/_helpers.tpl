@@ -156,7 +156,7 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 */}}
 {{- define "minedraft.engineConfigJson" -}}
 {{- $e := .Values.engine }}
-{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "speculative_config" nil }}
+{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "speculative_config" nil }}
 {{- if not (kindIs "invalid" $e.kvCacheMemoryBytes) }}
 {{- $_ := set $config "kv_cache_memory_bytes" (int64 $e.kvCacheMemoryBytes) }}
 {{- end }}

@@ -144,7 +144,7 @@ def build_local_executor(
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
     target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype,
-                         batch_invariant=config.batch_invariant, **kv_cache_options(config))
+                         batch_invariant=config.batch_invariant, **runner_options(config))
     drafter = None
     if config.speculative_config is not None:
         draft = draft_runner(config, num_slots, max_len, device)
@@ -165,7 +165,7 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         device=device,
         dtype=config.resolved_dtype(device),
         batch_invariant=False,
-        **kv_cache_options(config),
+        **runner_options(config),
     )
 
 
@@ -182,10 +182,11 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
     return DraftWorker(runner, support_size=config.draft_support_size, mask_token=mask_token)
 
 
-def kv_cache_options(config: EngineConfig) -> dict[str, Any]:
-    """How a worker sizes and keeps its paged KV cache (drafter and verifier alike, so the engine can admit
-    by the smaller of the two pools)."""
+def runner_options(config: EngineConfig) -> dict[str, Any]:
+    """The settings every worker's runner shares: how it sizes and keeps its paged KV cache (drafter and
+    verifier alike, so the engine can admit by the smaller of the two pools), and how it launches steps."""
     return {
+        "enforce_eager": config.enforce_eager,
         "block_size": config.block_size,
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.gpu_memory_utilization,

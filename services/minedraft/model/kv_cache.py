@@ -70,7 +70,10 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
+        # The zero block, the usable ones, and a scratch block that padding tokens of a CUDA graph's fixed-size
+        # batch write to (model/graphs.py): no sequence ever reads it.
+        shape = (num_kv_heads, num_blocks + 2, block_size, head_dim)
+        self.scratch_block = num_blocks + 1
         # Empty, not zeros: pages of a large pool that no block has reached yet are never touched. A block is
         # zeroed when first handed out (masked-out keys are multiplied by 0, and 0 * NaN = NaN).
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

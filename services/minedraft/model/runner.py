@@ -7,6 +7,8 @@ itself: the verifier forwards each step's plan to its ranks, not the batch.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -19,6 +21,7 @@ from minedraft.config import check_fits_one_request
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
+from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
@@ -30,6 +33,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _HALF = (torch.bfloat16, torch.float16)
+log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -63,7 +67,7 @@ class ModelRunner:
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                  attention_kernel: str = "auto", load_format: str = "auto",
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, enforce_eager: bool = False) -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
@@ -72,7 +76,9 @@ class ModelRunner:
         load_format: auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as
         vLLM's --load-format dummy: for timing a model's shape without its weights).
         enable_prefix_caching: keep full blocks of committed tokens for later sequences that start with them
-        (see kv_cache.py)."""
+        (see kv_cache.py).
+        enforce_eager: no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged
+        kernel runs a dense model on one rank."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -98,6 +104,18 @@ class ModelRunner:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
+        self.graphs: StaticForward | None = None if enforce_eager else self._capture_graphs()
+
+    def _capture_graphs(self) -> StaticForward | None:
+        """CUDA graphs for decode and verification steps, where their static shapes apply (model/graphs.py).
+        Not with tensor parallelism: the all-reduce inside a captured graph has not been validated yet."""
+        if self.device.type != "cuda" or not self.paged_kernel or self.config.moe_layers or self.tp.size > 1:
+            return None
+        start = time.perf_counter()
+        graphs = CudaGraphs(self.model, self.kv_cache, self.max_seq_len, self.device)
+        log.info("captured %d CUDA graphs (decode and verification steps up to %d tokens) in %.1f s",
+                 len(graphs.graphs), max(graphs.sizes), time.perf_counter() - start)
+        return graphs
 
     def _use_triton(self, kernel: str) -> bool:
         if kernel not in ("auto", "torch", "triton"):
@@ -230,6 +248,8 @@ class ModelRunner:
         """Run the model on a prepared batch (every TP rank calls this with the same batch)."""
         if len(batch.input_ids) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
                               self.kv_cache.block_size, self.config.num_attention_heads // self.tp.size,
