@@ -9,6 +9,7 @@
 Steps:
   numerics   the bundled target on CUDA (bf16) against the CPU float32 reference: logit error, top-1 agreement
   triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32)
+  quant      the FP8 and AWQ Triton GEMMs against the dequantized weight, and their time against bf16 GEMMs
   graphs     CUDA graphs against eager steps: the same logits, and the step time of each (decode, verify)
   greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
   bench      the offline benchmark (ar, sd, minedraft, sd+pard), and the services (drafter and verifier
@@ -106,6 +107,52 @@ def step_triton(args: argparse.Namespace) -> dict:
         results[str(dtype).removeprefix("torch.")] = round((got.float() - expected).abs().max().item(), 5)
     passed = results["float32"] < 1e-3 and results["bfloat16"] < 5e-2
     return {"passed": passed, "device": device.type, "interpreted": _INTERPRETED, "max_abs_error": results}
+
+
+def step_quant(args: argparse.Namespace) -> dict:
+    """The FP8 and AWQ Triton GEMMs against the dequantized bf16 weight: error, and time against torch's bf16
+    GEMM on the same dense weight (Llama-3-8B's MLP down projection, 14336 -> 4096, at 1, 16 and 64 rows)."""
+    import torch
+
+    from minedraft.model.quantization import dequantize_awq, dequantize_fp8
+    from minedraft.model.triton_quant import _INTERPRETED, awq_matmul, fp8_block_matmul
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    out, inp, rows = (4096, 14336, (1, 16, 64)) if cuda else (64, 256, (1, 5))  # interpreted: small
+    gen = torch.Generator().manual_seed(0)
+    codes = (torch.randn(out, inp, generator=gen) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-out // 128), -(-inp // 128), generator=gen) * 0.01
+    packed = torch.randint(-(2**31), 2**31 - 1, (inp, out // 8), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(-(2**31), 2**31 - 1, (inp // 128, out // 8), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(inp // 128, out, generator=gen) * 0.01).to(torch.bfloat16)
+    fp8 = (codes.to(device), scale.to(device))
+    awq = (packed.to(device), zeros.to(device), scales.to(device))
+    dense = {"fp8": dequantize_fp8(codes, scale, (128, 128)).to(device, torch.bfloat16),
+             "awq": dequantize_awq(packed, zeros, scales, 128, "w").to(device, torch.bfloat16)}  # fmt: skip
+    kernels = {"fp8": lambda x: fp8_block_matmul(x, *fp8, (128, 128)), "awq": lambda x: awq_matmul(x, *awq, 128)}
+    results, worst = {}, 0.0
+    for m in rows:
+        x = torch.randn(m, inp, generator=gen).to(device, torch.bfloat16)
+        for name, kernel in kernels.items():
+            reference = x.float() @ dense[name].float().T
+            worst = max(worst, ((kernel(x).float() - reference).abs().max() / reference.abs().max()).item())
+            if cuda:
+                results[f"{name} {m} rows"] = {"triton_ms": _time_ms(torch, kernel, x),
+                                               "bf16_ms": _time_ms(torch, torch.nn.functional.linear, x,
+                                                                   dense[name])}  # fmt: skip
+    return {"passed": worst < 2e-2, "max_relative_error": round(worst, 5), "interpreted": _INTERPRETED,
+            "timings": results}  # fmt: skip
+
+
+def _time_ms(torch, fn, *inputs, repeats: int = 50) -> float:
+    fn(*inputs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - start) / repeats * 1e3, 4)
 
 
 def step_graphs(args: argparse.Namespace) -> dict:
@@ -239,7 +286,8 @@ def _device(args: argparse.Namespace) -> str:
 
 
 STEPS: dict[str, Callable[[argparse.Namespace], dict]] = {
-    "numerics": step_numerics, "triton": step_triton, "graphs": step_graphs, "greedy": step_greedy,
+    "numerics": step_numerics, "triton": step_triton, "quant": step_quant, "graphs": step_graphs,
+    "greedy": step_greedy,
     "bench": step_bench,
     "floor": step_floor,
 }  # fmt: skip

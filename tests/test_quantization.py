@@ -45,7 +45,7 @@ def _save_variant(source: Path, folder: Path, tensors: dict[str, torch.Tensor], 
     return folder
 
 
-def fp8_pair(source: Path, root: Path) -> tuple[Path, Path]:
+def fp8_pair(source: Path, root: Path, block: tuple[int, int] = FP8_BLOCK) -> tuple[Path, Path]:
     """(fp8 checkpoint, the same weights dequantized in float32)."""
     quantized, dequantized = {}, {}
     for name, weight in load_file(source / "model.safetensors").items():
@@ -53,19 +53,19 @@ def fp8_pair(source: Path, root: Path) -> tuple[Path, Path]:
             quantized[name] = dequantized[name] = weight
             continue
         rows, cols = weight.shape
-        b0, b1 = FP8_BLOCK
+        b0, b1 = block
         scale = torch.empty(-(-rows // b0), -(-cols // b1))
         codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
         for i in range(scale.shape[0]):
             for j in range(scale.shape[1]):
-                block = weight[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
-                scale[i, j] = block.abs().max() / 448.0  # e4m3's largest finite value
-                codes[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (block / scale[i, j]).to(torch.float8_e4m3fn)
+                tile = weight[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+                scale[i, j] = tile.abs().max() / 448.0  # e4m3's largest finite value
+                codes[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
         quantized[name], quantized[f"{name}_scale_inv"] = codes, scale
         dequantized[name] = torch.stack([
             torch.stack([codes[r, c].float() * scale[r // b0, c // b1] for c in range(cols)]) for r in range(rows)
         ])  # fmt: skip
-    config = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK), "activation_scheme": "dynamic"}
+    config = {"quant_method": "fp8", "weight_block_size": list(block), "activation_scheme": "dynamic"}
     return (_save_variant(source, root / "fp8", quantized, config),
             _save_variant(source, root / "fp8-dequantized", dequantized, None))  # fmt: skip
 

@@ -8,7 +8,9 @@ checkpoint names to parameters, and the parameter itself knows which part of the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,10 @@ from torch import nn
 from minedraft.model.checkpoint import CheckpointError, TensorSlice
 from minedraft.model.config import RopeConfig
 from minedraft.model.parallel import TensorParallel
+from minedraft.model.quantization import QuantConfig, QuantizedWeight
+
+# The quantization whose weights linear layers built now keep as stored (see quantized_linears).
+_QUANTIZED: ContextVar[QuantConfig | None] = ContextVar("quantized_linears", default=None)
 
 # Rows per GEMM in batch-invariant mode. Every matmul is issued with this fixed M, so a row's result
 # does not depend on how many other rows share the forward pass.
@@ -142,19 +148,64 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+@contextmanager
+def quantized_linears(quant: QuantConfig | None) -> Iterator[None]:
+    """Linear layers built inside keep a `quant` checkpoint's weights as stored and multiply them with the
+    Triton GEMMs (QuantizedWeight); None: dense weights. A context, as torch.device is for the same
+    construction, so that the model's classes need not pass it down."""
+    token = _QUANTIZED.set(quant)
+    try:
+        yield
+    finally:
+        _QUANTIZED.reset(token)
+
+
 class LinearBase(nn.Module):
     def __init__(self, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
         self.tp, self.batch_invariant = tp, batch_invariant
         self.bias: nn.Parameter | None = None
         self.packed: torch.Tensor | None = None  # see pack_for_onednn
+        self.quantized: QuantizedWeight | None = None
+
+    def _weight(self, shape: tuple[int, int]) -> nn.Parameter:
+        """The weight parameter; inside quantized_linears, an empty one beside the quantized storage (it is
+        filled only if the checkpoint stores this layer's weight in a way the storage cannot take)."""
+        quant = _QUANTIZED.get()
+        if quant is None or not QuantizedWeight.can_hold(quant, *shape):
+            return _param(shape, self.weight_loader)
+        self.quantized = QuantizedWeight(quant, *shape, torch.get_default_dtype())
+        return _param((0,), self.weight_loader)
+
+    def _place(self, param: nn.Parameter, source: TensorSlice, dim: int, offset: int, length: int, full: int,
+               start: int) -> None:
+        """Load source[start : start + length] along `dim` (a tensor of `full` there) into the parameter at
+        [offset, offset + length): into the quantized storage where it fits, else densely."""
+        if param is self.weight and self.quantized is not None:
+            if self.quantized.can_place(source, dim, offset, length, full, start):
+                _check_shape(source, tuple(full if d == dim else n for d, n in enumerate(self.quantized.shape)))
+                self.quantized.place(source, dim, offset, length, start)  # type: ignore[arg-type]
+                return
+            self._dequantize()
+        _load_rows(param.data.narrow(dim, offset, length), source, full, start, dim)
+
+    def _dequantize(self) -> None:
+        """Hold the weight densely from now on (what is loaded so far included)."""
+        assert self.quantized is not None
+        self.weight.data = self.quantized.dequantize()
+        self.quantized = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized.matmul(x)
+            return y if bias is None else y + bias
         return linear(x, self.weight, bias, self.batch_invariant, self.packed)
 
     def pack(self) -> None:
         """Keep the weight in oneDNN's layout only, where that applies (pack_for_onednn): the loaded copy is
         dropped, so the weights take their memory once. `dense_weight` gives the matrix back."""
+        if self.quantized is not None:
+            return
         packed = None if self.batch_invariant else pack_for_onednn(self.weight)
         if packed is not None:
             self.packed = packed
@@ -162,6 +213,8 @@ class LinearBase(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """This rank's weight as a plain [out, in] matrix (for inspection: the forward never needs it)."""
+        if self.quantized is not None:
+            return self.quantized.dequantize()
         return self.packed.to_dense() if self.packed is not None else self.weight.data
 
 
@@ -173,12 +226,12 @@ class ColumnParallelLinear(LinearBase):
         if out_features % tp.size:
             raise ValueError(f"output size {out_features} is not divisible by tensor-parallel size {tp.size}")
         self.out_local = out_features // tp.size
-        self.weight = _param((self.out_local, in_features), self.weight_loader)
+        self.weight = self._weight((self.out_local, in_features))
         if bias:
             self.bias = _param((self.out_local,), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
-        _load_rows(param.data, source, param.shape[0] * self.tp.size, self.tp.rank * param.shape[0])
+        self._place(param, source, 0, 0, self.out_local, self.out_local * self.tp.size, self.tp.rank * self.out_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -199,7 +252,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int)
         local = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _load_rows(param.data.narrow(0, offset, local), source, self.output_sizes[shard_id], self.tp.rank * local)
+        self._place(param, source, 0, offset, local, self.output_sizes[shard_id], self.tp.rank * local)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -226,13 +279,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
         q, kv, _ = self.split_sizes()
         if shard_id == "q":
-            dst, start = param.data.narrow(0, 0, q), self.tp.rank * q
+            offset, length, start = 0, q, self.tp.rank * q
         elif shard_id in ("k", "v"):
-            dst = param.data.narrow(0, q if shard_id == "k" else q + kv, kv)
-            start = self.kv_head_start * self.head_dim
+            offset, length, start = q if shard_id == "k" else q + kv, kv, self.kv_head_start * self.head_dim
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        _load_rows(dst, source, self.full[shard_id], start)
+        self._place(param, source, 0, offset, length, self.full[shard_id], start)
 
 
 def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
@@ -252,12 +304,12 @@ class RowParallelLinear(LinearBase):
         if in_features % tp.size:
             raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {tp.size}")
         self.in_local = in_features // tp.size
-        self.weight = _param((out_features, self.in_local), self.weight_loader)
+        self.weight = self._weight((out_features, self.in_local))
         if bias:  # replicated, added once after the reduction
             self.bias = _param((out_features,), replicated_loader)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
-        _load_rows(param.data, source, self.in_local * self.tp.size, self.tp.rank * self.in_local, dim=1)
+        self._place(param, source, 1, 0, self.in_local, self.in_local * self.tp.size, self.tp.rank * self.in_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.matmul(x, None))

@@ -8,9 +8,13 @@ A checkpoint says how it is quantized in config.json's `quantization_config`. Th
   eight 4-bit values per int32 in AWQ's interleaved order, and `X.scales` [in / group, out]; the weight
   is (q - zero) x scale, transposed to [out, in].
 
-Every quantized tensor is dequantized once, at load, into the model's dtype: the model then runs its
-ordinary kernels at full weight memory (no FP8 or int4 GEMM yet). Layers a checkpoint leaves unquantized
-(embeddings, norms, the LM head, MoE routers) are read as they are. Any other method is refused by name.
+On CPU every quantized tensor is dequantized once, at load, into the model's dtype: the model then runs
+its ordinary kernels at full weight memory. On CUDA (with triton) the linear layers keep their weights as
+the checkpoint stores them (`QuantizedWeight`: one byte per FP8 weight, half a byte per AWQ weight) and
+multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); a layer whose scale
+blocks or packing do not line up with its tensor-parallel shard or packed q/k/v part, and the MoE experts,
+are dequantized at load as on CPU. Layers a checkpoint leaves unquantized (embeddings, norms, the LM head,
+MoE routers) are read as they are. Any other method is refused by name.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from minedraft.model.checkpoint import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-    from minedraft.model.checkpoint import CheckpointReader
+    from minedraft.model.checkpoint import CheckpointReader, TensorSlice
 
 SUPPORTED_QUANT_METHODS = ("fp8 (weight_block_size)", "awq (4-bit, gemm)")
 # AWQ packs output columns 0..7 of a group of eight into an int32's nibbles in this order.
@@ -73,11 +77,14 @@ def parse_quant_config(raw: dict[str, Any], source: str | Path) -> QuantConfig |
 
 
 class DequantizedTensor:
-    """A quantized weight as a TensorSlice reads: its logical [out, in] shape, dequantized on read."""
+    """A quantized weight as a TensorSlice reads: its logical [out, in] shape, dequantized on read; `parts`
+    are the stored tensors (fp8: weight, scale; awq: qweight, qzeros, scales) for QuantizedWeight."""
 
-    def __init__(self, name: str, file: Path, shape: tuple[int, ...], dequantize: Any) -> None:
+    def __init__(self, name: str, file: Path, shape: tuple[int, ...], dequantize: Any, quant: QuantConfig,
+                 parts: dict[str, TensorSlice]) -> None:
         self.name, self.file, self.shape = name, file, shape
         self._dequantize = dequantize
+        self.quant, self.parts = quant, parts
 
     def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
         full = self._dequantize()  # scales and packing do not align with tensor-parallel slices: all of it
@@ -94,12 +101,14 @@ def quantized_tensor(reader: CheckpointReader, name: str, quant: QuantConfig) ->
     if quant.method == "fp8" and f"{name}_scale_inv" in reader:
         weight, scale = reader.raw_tensor(name), reader.raw_tensor(f"{name}_scale_inv")
         return DequantizedTensor(name, weight.file, weight.shape,
-                                 lambda: dequantize_fp8(weight.read(), scale.read(), quant.block))  # fmt: skip
+                                 lambda: dequantize_fp8(weight.read(), scale.read(), quant.block), quant,
+                                 {"weight": weight, "scale": scale})  # fmt: skip
     if quant.method == "awq" and name not in reader and f"{base}.qweight" in reader:
         qweight, qzeros, scales = (reader.raw_tensor(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
         shape = (qweight.shape[1] * 8, qweight.shape[0])
         return DequantizedTensor(name, qweight.file, shape, lambda: dequantize_awq(
-            qweight.read(), qzeros.read(), scales.read(), quant.group_size, name))  # fmt: skip
+            qweight.read(), qzeros.read(), scales.read(), quant.group_size, name), quant,
+            {"qweight": qweight, "qzeros": qzeros, "scales": scales})  # fmt: skip
     return None
 
 
@@ -134,3 +143,77 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
                               f"{list(scales.shape)} do not fit group_size {group}")  # fmt: skip
     per_row = lambda t: t.repeat_interleave(group, 0)  # noqa: E731
     return ((values - per_row(zeros)).float() * per_row(scales.float())).t().contiguous()
+
+
+class QuantizedWeight:
+    """A linear layer's [out, in] weight kept as its checkpoint stores it, for the Triton GEMMs.
+
+    Filled part by part as the layer's loader places checkpoint tensors (a tensor-parallel shard, a q/k/v
+    or gate/up part at an offset): `can_place` says whether a part's scale blocks (fp8) or packing and
+    groups (awq) line up with where it goes; where they do not, the layer dequantizes instead."""
+
+    def __init__(self, quant: QuantConfig, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        import torch
+
+        self.quant, self.shape, self.dtype = quant, (out_features, in_features), dtype
+        if quant.method == "fp8":
+            b0, b1 = quant.block
+            self.parts = {"weight": torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
+                          "scale": torch.zeros(-(-out_features // b0), -(-in_features // b1))}  # fmt: skip
+        else:
+            group = quant.group_size
+            self.parts = {"qweight": torch.zeros(in_features, out_features // 8, dtype=torch.int32),
+                          "qzeros": torch.zeros(in_features // group, out_features // 8, dtype=torch.int32),
+                          "scales": torch.zeros(in_features // group, out_features, dtype=dtype)}  # fmt: skip
+
+    @staticmethod
+    def can_hold(quant: QuantConfig, out_features: int, in_features: int) -> bool:
+        """Whether a layer of this shape can be stored quantized at all (awq packs 8 outputs per int32 and
+        groups inputs)."""
+        return quant.method == "fp8" or (out_features % 8 == 0 and in_features % quant.group_size == 0)
+
+    def can_place(self, source: object, dim: int, offset: int, length: int, full: int, start: int) -> bool:
+        """Whether source[start : start + length] along `dim` (of `full`) can go to [offset, offset + length)."""
+        if not isinstance(source, DequantizedTensor) or source.quant != self.quant:
+            return False
+        if self.quant.method == "fp8":
+            unit = self.quant.block[dim]
+            whole = length % unit == 0 or (start + length == full and offset + length == self.shape[dim])
+            return offset % unit == 0 and start % unit == 0 and whole
+        unit = 8 if dim == 0 else self.quant.group_size
+        return offset % unit == 0 and start % unit == 0 and length % unit == 0
+
+    def place(self, source: DequantizedTensor, dim: int, offset: int, length: int, start: int) -> None:
+        """Copy the stored tensors of source[start : start + length] along `dim` (after can_place)."""
+        if self.quant.method == "fp8":
+            unit = self.quant.block[dim]
+            self._copy("weight", source, dim, offset, length, start)
+            self._copy("scale", source, dim, offset // unit, -(-length // unit), start // unit)
+        elif dim == 0:  # output features: columns of the packed tensors, eight per int32
+            self._copy("qweight", source, 1, offset // 8, length // 8, start // 8)
+            self._copy("qzeros", source, 1, offset // 8, length // 8, start // 8)
+            self._copy("scales", source, 1, offset, length, start)
+        else:  # input features: rows, one zero and one scale row per group
+            group = self.quant.group_size
+            self._copy("qweight", source, 0, offset, length, start)
+            self._copy("qzeros", source, 0, offset // group, length // group, start // group)
+            self._copy("scales", source, 0, offset // group, length // group, start // group)
+
+    def _copy(self, part: str, source: DequantizedTensor, dim: int, offset: int, length: int, start: int) -> None:
+        self.parts[part].narrow(dim, offset, length).copy_(source.parts[part].read(dim, start, length))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from minedraft.model.triton_quant import awq_matmul, fp8_block_matmul
+
+        if self.quant.method == "fp8":
+            return fp8_block_matmul(x, self.parts["weight"], self.parts["scale"], self.quant.block)
+        return awq_matmul(x, self.parts["qweight"], self.parts["qzeros"], self.parts["scales"], self.quant.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense [out, in] weight in the layer's dtype (what the CPU path would have loaded)."""
+        if self.quant.method == "fp8":
+            weight = dequantize_fp8(self.parts["weight"], self.parts["scale"], self.quant.block)
+        else:
+            weight = dequantize_awq(self.parts["qweight"], self.parts["qzeros"], self.parts["scales"],
+                                    self.quant.group_size, "a quantized layer")  # fmt: skip
+        return weight.to(self.dtype)

@@ -23,6 +23,7 @@ from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
+from minedraft.model.layers import quantized_linears
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.model.transformer import CausalLM, ForwardContext
@@ -67,7 +68,8 @@ class ModelRunner:
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                  attention_kernel: str = "auto", load_format: str = "auto",
-                 enable_prefix_caching: bool = False, enforce_eager: bool = False) -> None:
+                 enable_prefix_caching: bool = False, enforce_eager: bool = False,
+                 quantized_kernel: str = "auto") -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
@@ -78,7 +80,10 @@ class ModelRunner:
         enable_prefix_caching: keep full blocks of committed tokens for later sequences that start with them
         (see kv_cache.py).
         enforce_eager: no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged
-        kernel runs a dense model on one rank."""
+        kernel runs a dense model on one rank.
+        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, Triton GEMMs:
+        model/triton_quant.py), dequantize (dense weights at load) or auto (triton on CUDA where it is
+        installed and the block or group shape suits its tiles, dequantize elsewhere)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -91,6 +96,7 @@ class ModelRunner:
         self.tp = TensorParallel.from_group(tp_group)
         self.batch_invariant = batch_invariant
         self.max_seq_len = max_seq_len
+        self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
         self.model = self._load_model()  # first: on CUDA the KV budget is what the weights leave
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
@@ -132,8 +138,24 @@ class ModelRunner:
             raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
         return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
 
+    def _use_quantized_kernels(self, kernel: str) -> bool:
+        if kernel not in ("auto", "triton", "dequantize"):
+            raise ValueError(f"quantized_kernel {kernel!r}: use auto, triton or dequantize")
+        quant = self.config.quantization
+        if quant is None or kernel == "dequantize" or (kernel == "auto" and self.device.type != "cuda"):
+            return False
+        try:
+            from minedraft.model.triton_quant import supports_awq, supports_fp8
+        except ImportError as exc:
+            if kernel == "triton":
+                raise ValueError(f"quantized_kernel triton needs the triton package: {exc}") from exc
+            return False
+        return kernel == "triton" or (supports_fp8(quant.block) if quant.method == "fp8" else
+                                      supports_awq(quant.group_size))
+
     def _load_model(self) -> CausalLM:
-        with torch.device(self.device), _default_dtype(self.dtype):
+        quant = self.config.quantization if self.quantized_kernels else None
+        with torch.device(self.device), _default_dtype(self.dtype), quantized_linears(quant):
             model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
         if self.load_format == "dummy":
             _random_weights(model)
