@@ -135,7 +135,8 @@ def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, 
     log = (tmp_path / "scheduler.log").read_text()
     assert re.search(r"SERVING in minedraft mode; KV cache \d+ blocks of 16 tokens .* of max_model_len 96", log)
     assert re.search(r"generation [\d.]+ tok/s, running \d+, waiting \d+, KV cache [\d.]+% used, draft acceptance "
-                     r"[\d.]+%, drafter idle [\d.]+%, verifier idle [\d.]+%", log)  # fmt: skip
+                     r"[\d.]+%, prefix cache hit rate [\d.]+%, drafter idle [\d.]+%, verifier idle [\d.]+%",
+                     log)  # fmt: skip
 
 
 @pytest.mark.parametrize("depth", [1, 2])

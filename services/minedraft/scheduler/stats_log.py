@@ -18,6 +18,8 @@ class StatsLog:
     _tokens: int = 0
     _draft_tokens: int = 0
     _accepted: int = 0
+    _prefix_queries: int = 0  # the verifier's, in prompt tokens
+    _prefix_hits: int = 0
     _worker_seconds: dict[str, float] = field(default_factory=dict)
     _idle_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -30,6 +32,8 @@ class StatsLog:
         for verified in result.verified:
             self._draft_tokens += verified.num_draft_tokens
             self._accepted += verified.num_accepted
+        self._prefix_queries += result.prefix_cache_queries.get("verifier", 0)
+        self._prefix_hits += result.prefix_cache_hits.get("verifier", 0)
         for role, seconds in result.worker_seconds.items():
             self._worker_seconds[role] = self._worker_seconds.get(role, 0.0) + seconds
             idle = result.idle_seconds.get(role, 0.0) if was_busy else 0.0
@@ -46,6 +50,8 @@ class StatsLog:
             parts.append(f"KV cache {kv_usage:.1%} used")
         if self._draft_tokens:
             parts.append(f"draft acceptance {self._accepted / self._draft_tokens:.1%}")
+        if self._prefix_queries:
+            parts.append(f"prefix cache hit rate {self._prefix_hits / self._prefix_queries:.1%}")
         for role, seconds in sorted(self._worker_seconds.items()):
             idle = self._idle_seconds[role]
             parts.append(f"{role} idle {idle / (seconds + idle):.1%}" if seconds + idle else f"{role} idle -")
@@ -54,4 +60,5 @@ class StatsLog:
 
     def _reset(self) -> None:
         self._since, self._tokens, self._draft_tokens, self._accepted = time.monotonic(), 0, 0, 0
+        self._prefix_queries = self._prefix_hits = 0
         self._worker_seconds, self._idle_seconds = {}, {}
