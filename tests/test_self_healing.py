@@ -20,7 +20,8 @@ import pytest
 
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack
+from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.settings import WorkerSettings
 
 from conftest import make_pair, offline_greedy, tiny_config
@@ -214,3 +215,26 @@ def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
         finally:
             scheduler.terminate()
             scheduler.wait(timeout=30)
+
+
+def test_a_new_world_starts_with_an_empty_prefix_cache(pair) -> None:
+    """The drafter is SIGKILLed: the group forms a target-only world, in which the verifier has forgotten
+    every cached block (nothing computed in an old world is trusted); the same prompt is computed afresh,
+    gives the same tokens, and is cached again in the new world."""
+    metrics_port = free_port()
+    prompt = [(5 * j) % 300 + 1 for j in range(40)]  # two full blocks of 16 below its last token
+    with LocalStack(_config(pair), scheduler=scheduler_settings(metrics_port=metrics_port)) as stack, \
+            Client(stack.address, timeout=60) as client:  # fmt: skip
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+        def hits_of_one_request() -> tuple[list[int], float]:
+            before = scrape(url).get(PREFIX_CACHE_HITS + "_total", 0.0)
+            tokens = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+            return tokens, scrape(url)[PREFIX_CACHE_HITS + "_total"] - before
+
+        first, _ = hits_of_one_request()
+        assert hits_of_one_request() == (first, 32)
+        _kill(stack, "drafter")
+        _until(lambda: _drafts_now(stack.address) == 0, what="the target-only world")
+        assert hits_of_one_request() == (first, 0)
+        assert hits_of_one_request() == (first, 32)
