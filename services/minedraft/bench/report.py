@@ -261,11 +261,13 @@ def _plot_latency(ax, names: list[str], runs: list[BenchResult]) -> None:
         bars = ax.bar(xs, [_num(s.median * 1e3) or 0 for s in stats], width, label=f"{name} median")
         for p in run.percentiles:
             ax.scatter(xs, [_num(s.percentiles[p] * 1e3) or 0 for s in stats], marker="_", s=200,
-                       color=bars.patches[0].get_facecolor(), label=f"{name} {percentile_key(p)}")  # fmt: skip
+                       color=bars.patches[0].get_facecolor())  # fmt: skip
     ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(LATENCIES))], [TITLES[m] for m in LATENCIES])
-    ax.set_yscale("log")
+    if any(_num(run.latency(m).median) for run in runs for m in LATENCIES):  # log of nothing warns
+        ax.set_yscale("log")
     ax.set_ylabel("ms")
-    ax.set_title("Latency: median (bar) and percentiles (ticks)")
+    points = ", ".join(percentile_key(p) for p in runs[0].percentiles) if runs else ""
+    ax.set_title(f"Latency: median (bars), {points} (ticks)")
     ax.legend(fontsize=7)
 
 
@@ -275,6 +277,7 @@ def _plot_acceptance(ax, names: list[str], runs: list[BenchResult]) -> None:
         rates = run.acceptance_per_position
         if rates:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+            ax.set_xticks(range(1, len(rates) + 1))
             shown = True
     ax.set_title("Acceptance per draft position")
     ax.set_xlabel("draft position")
@@ -289,11 +292,11 @@ def _plot_acceptance(ax, names: list[str], runs: list[BenchResult]) -> None:
 
 def _plot_sweep(ax, runs: list[BenchResult]) -> None:
     concurrency = [r.concurrency for r in runs]
-    ax.plot(concurrency, [r.output_throughput for r in runs], marker="o", color="C0")
+    ax.plot(concurrency, [r.output_throughput for r in runs], marker="o", color="C0", label="output tok/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tok/s", color="C0")
     twin = ax.twinx()
-    twin.plot(concurrency, [_num(r.ttft.median * 1e3) for r in runs], marker="s", color="C3")
+    twin.plot(concurrency, [_num(r.ttft.median * 1e3) for r in runs], marker="s", linestyle="--", color="C3")
     twin.set_ylabel("median TTFT (ms)", color="C3")
     ax.set_title("Throughput and TTFT against concurrency")
