@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`minedraft bench compare A.json B.json` tables two --json results (ours or vllm bench serve's). "
         "See benchmarks/README.md.",
     )
-    how = bench.add_argument_group("what to benchmark (one of)")
+    how = bench.add_mutually_exclusive_group()  # one is required, or the `compare` subcommand: cmd_bench checks
     how.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
     how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft gRPC server at this address")
     how.add_argument(
@@ -639,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument(
         "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its gateway"
     )
-    how.add_argument(
+    bench.add_argument(
         "--backend", choices=("minedraft-grpc", "openai", "openai-chat"), default=None,
         help="how to talk to the server: minedraft-grpc (default with --target, --launch, --k8s), openai "
         "(/v1/completions, default with --base-url) or openai-chat (/v1/chat/completions)",
