@@ -116,7 +116,7 @@ def test_figures_follow_from_the_trace(openai_run) -> None:
         assert r["ttft_s"] == times[0] and times == sorted(times) and times[-1] <= r["e2el_s"]
         assert all(n is None for _, n in r["chunks"]) and 1 <= len(times) <= r["output_tokens"]
         assert OUTPUT_LEN // 2 <= r["output_tokens"] <= OUTPUT_LEN * 3 // 2 and r["finish_reason"] == "length"
-        assert 1 <= r["prompt_tokens"] <= 36 and r["sent_s"] >= 0
+        assert 1 <= r["prompt_tokens"] <= 36 and 0 <= r["arrival_s"] <= r["sent_s"]
         gaps += [b - a for a, b in zip(times, times[1:])]
         tpots.append((r["e2el_s"] - r["ttft_s"]) / (r["output_tokens"] - 1))
     assert data["median_itl_ms"] == pytest.approx(statistics.median(gaps) * 1e3)
@@ -124,6 +124,9 @@ def test_figures_follow_from_the_trace(openai_run) -> None:
     assert data["mean_ttft_ms"] == pytest.approx(statistics.fmean(r["ttft_s"] for r in lines) * 1e3)
     assert data["total_output_tokens"] == sum(r["output_tokens"] for r in lines)
     assert data["total_input_tokens"] == sum(r["prompt_tokens"] for r in lines)
+    # Released by a seeded gamma process at 40 req/s: the arrivals rise and span about n / rate seconds.
+    arrivals = [r["arrival_s"] for r in lines]
+    assert arrivals == sorted(arrivals) and 0.02 < arrivals[-1] < 5
 
 
 def test_the_figure_is_a_png(openai_run) -> None:

@@ -735,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the server's /v1/models lists",
     )  # fmt: skip
     online.add_argument(
-        "--api-key", dest="bench_api_key", default=None, help="OpenAI backends: bearer token; default: "
+        "--api-key", dest="bench_api_key", metavar="KEY", default=None, help="OpenAI backends: bearer token; default: "
         "$OPENAI_API_KEY",
     )  # fmt: skip
     online.add_argument(

@@ -99,7 +99,7 @@ async def _one(
     backend: Backend, index: int, request: BenchRequest, sampling: Sampling, seed: int | None,
     gate: asyncio.Semaphore, run_start: float, progress: Progress | None,
 ) -> RequestRecord:  # fmt: skip
-    record = RequestRecord(index, prompt_tokens=request.prompt_len or 0)
+    record = RequestRecord(index, arrival=time.perf_counter() - run_start, prompt_tokens=request.prompt_len or 0)
     async with gate:
         start = time.perf_counter()
         record.sent = start - run_start

@@ -38,7 +38,8 @@ class RequestRecord:
     """One request as the client saw it. Times in seconds; `error` set when it failed."""
 
     index: int
-    sent: float | None = None  # seconds after the run's start at which it was sent
+    arrival: float | None = None  # seconds after the run's start at which the generator released it
+    sent: float | None = None  # ... at which it was sent (past the client's concurrency cap)
     ttft: float | None = None  # send -> first chunk carrying output
     e2el: float | None = None  # send -> end of the stream
     chunk_times: list[float] = field(default_factory=list)  # send -> each chunk carrying output

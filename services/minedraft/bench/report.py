@@ -108,10 +108,12 @@ def _format_server(s: ServerStepStats) -> list[str]:
 
 
 def trace_line(record: RequestRecord, label: str = "") -> dict[str, Any]:
-    """One request of the trace: when it was sent (seconds after the run's start), its TTFT and E2EL, and
-    every chunk carrying output as [seconds after send, tokens or null where the stream does not say]."""
+    """One request of the trace: when the generator released it and when it was sent (seconds after the run's
+    start; the difference is the wait for a free slot under --concurrency), its TTFT and E2EL, and every chunk
+    carrying output as [seconds after send, tokens or null where the stream does not say]."""
     return {
-        "label": label, "index": record.index, "sent_s": record.sent, "ttft_s": record.ttft, "e2el_s": record.e2el,
+        "label": label, "index": record.index, "arrival_s": record.arrival, "sent_s": record.sent,
+        "ttft_s": record.ttft, "e2el_s": record.e2el,
         "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
         "finish_reason": record.finish_reason, "error": record.error,
         "chunks": [[t, n] for t, n in zip(record.chunk_times, record.chunk_tokens)],
