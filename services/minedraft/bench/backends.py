@@ -113,6 +113,10 @@ class OpenAIBackend(Backend):
             async with self._session.get(f"{self.target}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as reply:
                 reply.raise_for_status()
                 models = (await reply.json())["data"]
+        except aiohttp.ClientResponseError as exc:
+            await self.close()
+            hint = " (give the key: --api-key or $OPENAI_API_KEY)" if exc.status == 401 else ""
+            raise ConnectionError(f"{self.target}/v1/models answered {exc.status} {exc.message}{hint}") from exc
         except Exception as exc:  # noqa: BLE001
             await self.close()
             raise ConnectionError(f"no OpenAI-compatible server answers at {self.target}/v1/models: {exc}") from exc
