@@ -92,6 +92,12 @@ def test_speculative_statistics(result: BenchResult) -> None:
     rates = result.acceptance_per_position
     assert rates == sorted(rates, reverse=True) and all(0 <= x <= 1 for x in rates)
     assert math.isclose(sum(rates), result.mean_accepted_length - 1)
+    # The server's per-position counters over the run agree with the streams' per-request statistics.
+    width = max(len(r.accepted_per_pos) for r in result.records)
+    per_pos = [sum(r.accepted_per_pos[i] for r in result.records if i < len(r.accepted_per_pos)) for i in range(width)]
+    while per_pos and not per_pos[-1]:
+        per_pos.pop()
+    assert server.accepted_per_pos == per_pos and server.acceptance_per_position == pytest.approx(rates[: len(per_pos)])
 
 
 def test_server_step_statistics(result: BenchResult) -> None:

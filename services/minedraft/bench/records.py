@@ -231,11 +231,12 @@ class BenchResult:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        """Per draft position: the share of verifications carrying drafts that accepted it ([] if unknown)."""
+        """Per draft position: the share of verifications carrying drafts that accepted it, from the streams'
+        statistics (gRPC), else from the server's counters (--metrics-url); [] if neither tells."""
         drafts = sum(r.num_drafts for r in self.ok)
         width = max((len(r.accepted_per_pos) for r in self.ok), default=0)
         if not drafts or not width:
-            return []
+            return self.server.acceptance_per_position if self.server else []
         sums = [sum(r.accepted_per_pos[i] for r in self.ok if i < len(r.accepted_per_pos)) for i in range(width)]
         return [s / drafts for s in sums]
 
