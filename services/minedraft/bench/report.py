@@ -288,8 +288,8 @@ def _plot_acceptance(ax, names: list[str], runs: list[BenchResult]) -> None:
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "not known: no drafts, or neither the gRPC\nstream nor --metrics-url reported them", ha="center",
-                va="center", transform=ax.transAxes)  # fmt: skip
+        unknown = "not known: no drafts, or neither the gRPC\nstream nor --metrics-url reported them"
+        ax.text(0.5, 0.5, unknown, ha="center", va="center", transform=ax.transAxes)
 
 
 def _plot_sweep(ax, runs: list[BenchResult]) -> None:
