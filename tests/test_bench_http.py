@@ -187,6 +187,7 @@ def test_errors_a_user_can_fix() -> None:
         (["--target", "127.0.0.1:1", "--slo", "itl:5"], "keys are ttft, tpot, e2el"),
         (["--target", "127.0.0.1:1", "--ramp-up-strategy", "linear"], "--ramp-up-start-rps"),
         (["--dataset", "random", "--random-range-ratio", "1", "--target", "127.0.0.1:1"], "random-range-ratio"),
+        (["--target", "127.0.0.1:1", "--sweep-concurrency", "1,x"], "integers >= 1"),
     ):
         done = bench(*flags)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)

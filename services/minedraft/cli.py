@@ -432,9 +432,7 @@ def _bench_server(args: argparse.Namespace, requests: list) -> int:
     from minedraft.bench.online import format_result, run_online_bench
 
     options = _online_kwargs(args)
-    sweep = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else []
-    if any(c < 1 for c in sweep):
-        raise ValueError(f"--sweep-concurrency values must be >= 1, got {args.sweep_concurrency}")
+    sweep = _sweep(args.sweep_concurrency)
     results = {}
     for concurrency in sweep or [args.concurrency]:
         label = f"concurrency {concurrency}" if sweep else ""
@@ -444,6 +442,19 @@ def _bench_server(args: argparse.Namespace, requests: list) -> int:
         print(format_result(results[label]), flush=True)
     _write_bench_outputs(args, results, sweep=bool(sweep))
     return 0 if not any(r.failed for r in results.values()) else 1
+
+
+def _sweep(text: str | None) -> list[int]:
+    """--sweep-concurrency 1,4,16 -> [1, 4, 16]; [] when not given."""
+    if not text:
+        return []
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(c < 1 for c in values):
+        raise ValueError(f"--sweep-concurrency wants integers >= 1 like 1,4,16, got {text!r}")
+    return values
 
 
 def _write_bench_outputs(args: argparse.Namespace, results: dict, sweep: bool = False) -> None:
