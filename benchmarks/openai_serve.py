@@ -10,6 +10,9 @@ The same client, vLLM's own serving benchmark (`vllm.benchmarks.serve`, run from
 its Python entry point), sends the same prompts (the held-out set, as a custom dataset) with the same
 settings to each server; the rounds interleave the servers and each one's median round is reported.
 Greedy outputs are compared between servers (the benchmark's detailed results carry the texts).
+With `--our-client`, `minedraft bench --backend openai` follows vLLM's client in every round with the same
+prompts and settings, and a third table sets the two clients' median TTFT, TPOT and ITL side by side (the
+two measure the same definitions; on a quiet machine their ratios should stay near 1).
 A second table says where the servers' CPU went: CPU seconds per 1,000 output tokens of each server
 process (Linux, from /proc; ours by role, vLLM's by process name). The client is left out: each of its runs
 starts a new Python process that imports vLLM, which costs more CPU than the streaming itself.
@@ -60,6 +63,7 @@ class Server:
     process: subprocess.Popen
     url: str
     rounds: list[dict] = field(default_factory=list)
+    ours: list[dict] = field(default_factory=list)  # rounds measured by `minedraft bench` (--our-client)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -69,8 +73,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
 
-    def median(self, key: str) -> float:
-        values = [r[key] for r in self.rounds if r.get(key) is not None]
+    def median(self, key: str, ours: bool = False) -> float:
+        values = [r[key] for r in (self.ours if ours else self.rounds) if r.get(key) is not None]
         return statistics.median(values) if values else float("nan")
 
 
@@ -155,6 +159,41 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
     return json.loads(result.read_text())
 
 
+def bench_ours(server: Server, args: argparse.Namespace, data: Path, out: Path) -> dict:
+    """One run of `minedraft bench --backend openai` with vLLM's client's prompts and settings; its result JSON
+    (vLLM's keys)."""
+    result = out / f"{server.name}-ours-{len(server.ours)}.json"
+    command = [
+        sys.executable, "-m", "minedraft", "bench", "--backend", "openai", "--base-url", server.url,
+        "--served-model-name", SERVED_NAME, "--tokenizer", str(TARGET), "--dataset", str(data),
+        "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--ignore-eos",
+        "--concurrency", str(args.concurrency), "--temperature", "0", "--warmup", "0", "--percentiles", "50,99",
+        "--json", str(result),
+    ]  # fmt: skip
+    with open(out / "bench-client.log", "a") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "services")})  # fmt: skip
+    return json.loads(result.read_text())
+
+
+CLIENT_METRICS = [("median_ttft_ms", "TTFT p50 ms"), ("median_tpot_ms", "TPOT p50 ms"), ("median_itl_ms", "ITL p50 ms")]
+
+
+def client_table(servers: list[Server]) -> str:
+    """Per server, each latency's median round by vLLM's client and by ours, and ours / vLLM's."""
+    head = "| server | " + " | ".join(f"{column}: vLLM's / ours / ratio" for _, column in CLIENT_METRICS) + " |"
+    lines = [head, "|" + "---|" * (len(CLIENT_METRICS) + 1)]
+    for server in servers:
+        if not server.ours:
+            continue
+        cells = []
+        for key, _ in CLIENT_METRICS:
+            theirs, ours = server.median(key), server.median(key, ours=True)
+            cells.append(f"{theirs:.1f} / {ours:.1f} / {ours / theirs:.2f}")
+        lines.append(f"| {server.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cpu_seconds(root: int) -> dict[str, float]:
     """CPU time (user + system, all threads) of `root` and its descendants, summed by process label."""
     parents, tick = {}, os.sysconf("SC_CLK_TCK")
@@ -225,6 +264,8 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
     parser.add_argument("--json", type=Path, default=None, help="also write every round's results")
+    parser.add_argument("--our-client", action="store_true",
+                        help="also measure every round with `minedraft bench --backend openai`")  # fmt: skip
     args = parser.parse_args()
     names = args.servers.split(",")
     unknown = [n for n in names if n not in SERVERS]
@@ -252,14 +293,20 @@ def main() -> int:
                 server.rounds.append(result)
                 print(f"round {round_index + 1} {server.name}: {server.rounds[-1]['output_throughput']:.0f} tok/s",
                       flush=True)  # fmt: skip
+                if args.our_client:
+                    server.ours.append(bench_ours(server, args, data, work))
     finally:
         for server in servers:
             server.stop()
     print(table(servers))
     print("\nServers' CPU seconds per 1,000 output tokens (median round)\n")
     print(cpu_table(servers))
+    if args.our_client:
+        print("\nThe same latencies measured by vLLM's client and by `minedraft bench` (median rounds)\n")
+        print(client_table(servers))
     if args.json:
-        args.json.write_text(json.dumps({s.name: s.rounds for s in servers}, indent=1) + "\n")
+        runs = {s.name: {"vllm_client": s.rounds, "minedraft_client": s.ours} if s.ours else s.rounds for s in servers}
+        args.json.write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 
 

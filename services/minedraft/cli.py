@@ -279,45 +279,91 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minedraft.bench.prompts import load_prompts
-
     _check_bench_args(args)
-    prompts = load_prompts(args.dataset, limit=args.num_prompts)
+    requests = _bench_requests(args)
     if args.offline:
-        return _bench_offline(args, prompts)
+        return _bench_offline(args, [r.prompt for r in requests])
     try:
         if args.k8s:
-            return _bench_k8s(args, prompts)
-        return _bench_launch(args, prompts) if args.launch else _bench_target(args, prompts)
+            return _bench_k8s(args, requests)
+        return _bench_launch(args, requests) if args.launch else _bench_server(args, requests)
     except (RuntimeError, TimeoutError, ConnectionError, LookupError) as exc:  # a server that did not start or answer
         print(f"minedraft bench: {exc}", file=sys.stderr)
         return 1
 
 
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from minedraft.bench.report import compare_files
+
+    print(compare_files(args.a, args.b))
+    return 0
+
+
+def _bench_backend(args: argparse.Namespace) -> str:
+    return args.backend or ("openai" if args.base_url else "minedraft-grpc")
+
+
 def _check_bench_args(args: argparse.Namespace) -> None:
     """Errors a user can fix, before loading anything: raised as ValueError, printed by main()."""
+    backend, server = _bench_backend(args), args.target or args.base_url
+    ways = [args.offline, bool(args.target), bool(args.base_url), args.launch, args.k8s]
     checks = [
+        (sum(ways) == 1, "give one of --offline, --target, --base-url, --launch, --k8s (or `bench compare A B`)"),
         (args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}"),
         (args.concurrency >= 1, f"--concurrency must be >= 1, got {args.concurrency}"),
         (args.request_rate is None or args.request_rate > 0, f"--request-rate must be > 0, got {args.request_rate}"),
+        (args.burstiness > 0, f"--burstiness must be > 0, got {args.burstiness}"),
         (args.max_tokens >= 1, f"--max-tokens must be >= 1, got {args.max_tokens}"),
         (args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
         (args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}"),
+        (args.progress_interval > 0, f"--progress-interval must be > 0 seconds, got {args.progress_interval}"),
         (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
         (args.k is None or args.k >= 1, f"--k must be >= 1, got {args.k}"),
         (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
+        (args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}"),
+        (args.output_len is None or args.output_len >= 1, f"--output-len must be >= 1, got {args.output_len}"),
+        (0 <= args.random_range_ratio < 1, f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}"),
         (args.target is None or ":" in args.target, f"--target must be host:port, got {args.target!r}"),
-        (args.metrics_url is None or args.target is not None or args.k8s, "--metrics-url goes with --target or "
+        (args.base_url is None or args.base_url.startswith(("http://", "https://")),
+         f"--base-url must be an http:// or https:// URL, got {args.base_url!r}"),
+        (backend == "minedraft-grpc" or args.base_url, f"--backend {backend} needs --base-url http://HOST:PORT"),
+        (backend != "minedraft-grpc" or not args.base_url, "--base-url is for --backend openai or openai-chat; "
+         "a MineDraft gRPC server is --target HOST:PORT"),
+        ((args.ramp_up_strategy is None) == (args.ramp_up_start_rps is None) == (args.ramp_up_end_rps is None),
+         "--ramp-up-strategy goes with --ramp-up-start-rps and --ramp-up-end-rps"),
+        (args.ramp_up_strategy is None or args.request_rate is None, "--ramp-up-* sets the rate: no --request-rate"),
+        (args.metrics_url is None or server or args.k8s, "--metrics-url goes with --target, --base-url or "
          "--k8s (--launch scrapes each stack it starts)"),
-        (args.json is None or not args.offline, "--json is available with --target and --launch"),
+        (not args.sweep_concurrency or server or args.k8s, "--sweep-concurrency goes with --target, --base-url or "
+         "--k8s"),
+        (not args.offline or not (args.json or args.trace or args.plot), "--json, --trace and --plot are for the "
+         "online benchmarks"),
         (args.draft_model is None or args.launch, "--draft-model goes with --launch"),
         (args.offline or args.launch or not _explicit_engine_flags(args), "engine flags ("
          f"{', '.join(_explicit_engine_flags(args))}) configure the engines that --offline and --launch start; "
-         "a running server (--target, --k8s) keeps its own"),
+         "a running server (--target, --base-url, --k8s) keeps its own"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def _bench_requests(args: argparse.Namespace) -> list:
+    """The dataset's requests: random token prompts of --input-len, or the prompts of a file."""
+    from minedraft.bench.prompts import RANDOM, BenchRequest, load_prompts, random_requests
+
+    if args.dataset != RANDOM:
+        return [BenchRequest(p) for p in load_prompts(args.dataset, limit=args.num_prompts)]
+    output_len = args.output_len or args.max_tokens
+    return random_requests(_bench_tokenizer(args), args.num_prompts, args.input_len, output_len,
+                           args.random_range_ratio, seed=args.sampling_seed or 0)  # fmt: skip
+
+
+def _bench_tokenizer(args: argparse.Namespace):
+    from minedraft.config import EngineConfig
+    from minedraft.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer or EngineConfig().target_path)
 
 
 def _bench_offline(args: argparse.Namespace, prompts: list[str]) -> int:
@@ -350,10 +396,17 @@ def _bench_engines(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
 
 
 def _online_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """run_online_bench options shared by --target and --launch."""
+    """run_online_bench options shared by --target, --base-url, --k8s and --launch."""
+    from minedraft.bench.online import Ramp
+    from minedraft.bench.records import parse_percentiles, parse_slo
+
+    ramp = args.ramp_up_strategy and Ramp(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
+    backend = _bench_backend(args)
     return {
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "ramp": ramp or None,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -363,41 +416,82 @@ def _online_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.sampling_seed if args.sampling_seed is not None else _engine_config(args).seed,
         "timeout": args.timeout,
         "warmup": args.warmup,
+        "progress": args.progress_interval,
+        "backend": backend,
+        "model": args.served_model_name,
+        "api_key": args.bench_api_key or os.environ.get("OPENAI_API_KEY"),
+        # counts the output of an OpenAI server that sends no usage
+        "tokenizer": _bench_tokenizer(args) if backend != "minedraft-grpc" else None,
+        "percentiles": parse_percentiles(args.percentiles),
+        "slo": parse_slo(args.slo),
     }
 
 
-def _bench_target(args: argparse.Namespace, prompts: list[str]) -> int:
-    from minedraft.bench.online import format_result, run_online_bench, to_json
+def _bench_server(args: argparse.Namespace, requests: list) -> int:
+    """One run against a running server (or one per --sweep-concurrency value), reported and written out."""
+    from minedraft.bench.online import format_result, run_online_bench
 
-    result = run_online_bench(args.target, prompts, metrics_url=args.metrics_url, **_online_kwargs(args))
-    print(format_result(result))
+    options = _online_kwargs(args)
+    sweep = _sweep(args.sweep_concurrency)
+    results = {}
+    for concurrency in sweep or [args.concurrency]:
+        label = f"concurrency {concurrency}" if sweep else ""
+        options.update(concurrency=concurrency, label=label)
+        results[label] = run_online_bench(args.base_url or args.target, requests, metrics_url=args.metrics_url,
+                                          **options)  # fmt: skip
+        print(format_result(results[label]), flush=True)
+    _write_bench_outputs(args, results, sweep=bool(sweep))
+    return 0 if not any(r.failed for r in results.values()) else 1
+
+
+def _sweep(text: str | None) -> list[int]:
+    """--sweep-concurrency 1,4,16 -> [1, 4, 16]; [] when not given."""
+    if not text:
+        return []
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(c < 1 for c in values):
+        raise ValueError(f"--sweep-concurrency wants integers >= 1 like 1,4,16, got {text!r}")
+    return values
+
+
+def _write_bench_outputs(args: argparse.Namespace, results: dict, sweep: bool = False) -> None:
+    """--json (one run: its object; several: keyed by name), --trace, --plot."""
+    from minedraft.bench.report import plot, to_json, write_trace
+
     if args.json:
-        Path(args.json).write_text(to_json(result, per_request=True) + "\n", encoding="utf-8")
-    return 0 if not result.failed else 1
+        single = len(results) == 1 and not sweep and not args.launch
+        Path(args.json).write_text(to_json(next(iter(results.values())) if single else results) + "\n",
+                                   encoding="utf-8")  # fmt: skip
+    if args.trace:
+        write_trace(results, args.trace)
+    if args.plot:
+        plot(results, args.plot, sweep=sweep)
 
 
-def _bench_k8s(args: argparse.Namespace, prompts: list[str]) -> int:
+def _bench_k8s(args: argparse.Namespace, requests: list) -> int:
     """The --target benchmark through a port-forward to the release's public Service, closed afterwards."""
     from minedraft.bench.k8s import SCHEDULER_PORT, port_forward
 
     with port_forward(args.service, args.namespace, method=args.port_forward) as target:
         print(f"forwarding {target} -> svc/{args.service}:{SCHEDULER_PORT} in namespace {args.namespace}", flush=True)
         args.target = target
-        return _bench_target(args, prompts)
+        return _bench_server(args, requests)
 
 
-def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
+def _bench_launch(args: argparse.Namespace, requests: list) -> int:
     import tempfile
 
     from minedraft.bench.launch import format_comparison, greedy_mismatches, run_launch_bench
-    from minedraft.bench.online import to_json
 
     engine, speculative = _bench_engines(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="minedraft-bench-"))
     modes = (args.modes or LAUNCH_MODES).split(",")
     try:
         results = run_launch_bench(
-            modes, speculative, engine, prompts, log_dir=log_dir, log_level=args.log_level,
+            modes, speculative, engine, requests, log_dir=log_dir, log_level=args.log_level,
             repeats=args.repeats, **_online_kwargs(args),
         )  # fmt: skip
     except (RuntimeError, TimeoutError, ConnectionError) as exc:
@@ -407,8 +501,7 @@ def _bench_launch(args: argparse.Namespace, prompts: list[str]) -> int:
         for mode, count in greedy_mismatches(results).items():
             if count:
                 print(f"warning: {count} greedy outputs of {mode} differ from {modes[0]}'s", flush=True)
-    if args.json:
-        Path(args.json).write_text(to_json(results, per_request=True) + "\n", encoding="utf-8")
+    _write_bench_outputs(args, results)
     return 0 if not any(r.failed for r in results.values()) else 1
 
 
@@ -534,23 +627,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmark decoding modes: in this process (--offline), against a server (--target), or on local "
-        "stacks started mode by mode (--launch)",
-        description="Three ways to benchmark. --offline: the engine in this process, mode by mode (tokens/s, "
-        "accepted length). --target HOST:PORT: streamed requests against a running server, measured at the "
-        "client (TTFT, ITL, E2E, throughput). --launch: for each of --modes, start verifier, drafter and "
+        help="benchmark: the engine in this process (--offline), a running server over gRPC (--target) or "
+        "OpenAI's HTTP API (--base-url), local stacks started mode by mode (--launch); `bench compare A B`",
+        description="Ways to benchmark. --offline: the engine in this process, mode by mode (tokens/s, "
+        "accepted length). --target HOST:PORT (MineDraft gRPC) or --base-url URL with --backend openai|openai-chat "
+        "(any OpenAI-compatible server: minedraft up --http-port, vllm serve, ...): streamed requests against a "
+        "running server, measured at the client with vLLM's definitions (TTFT, TPOT, ITL per chunk, E2EL, "
+        "token throughputs, goodput). --launch: for each of --modes, start verifier, drafter and "
         "scheduler locally (the engine flags apply), run the --target benchmark on it, stop it; then one "
         "side-by-side table. With --offline and --launch, --speculative-config gives the keys the speculative modes "
         "share (k, draft model, Tetris knobs); each mode sets is_parallel, force_pearl and tetris itself. "
+        "`minedraft bench compare A.json B.json` tables two --json results (ours or vllm bench serve's). "
         "See benchmarks/README.md.",
     )
-    how = bench.add_mutually_exclusive_group(required=True)
+    how = bench.add_mutually_exclusive_group()  # one is required, or the `compare` subcommand: cmd_bench checks
     how.add_argument("--offline", action="store_true", help="run the engine in this process, mode by mode")
-    how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft server at this address")
+    how.add_argument("--target", metavar="HOST:PORT", help="benchmark the MineDraft gRPC server at this address")
+    how.add_argument(
+        "--base-url", metavar="URL", help="benchmark the OpenAI-compatible server at this URL (http://HOST:PORT)"
+    )
     how.add_argument("--launch", action="store_true", help="start a local stack per mode and benchmark each")
     how.add_argument(
         "--k8s", action="store_true", help="benchmark a release in Kubernetes through a port-forward to its gateway"
     )
+    bench.add_argument(
+        "--backend", choices=("minedraft-grpc", "openai", "openai-chat"), default=None,
+        help="how to talk to the server: minedraft-grpc (default with --target, --launch, --k8s), openai "
+        "(/v1/completions, default with --base-url) or openai-chat (/v1/chat/completions)",
+    )  # fmt: skip
     k8s = bench.add_argument_group("kubernetes (--k8s)")
     k8s.add_argument("--namespace", default="default", help="namespace of the release")
     k8s.add_argument(
@@ -585,30 +689,93 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="--offline / --launch: interleaved rounds over all modes; each mode's median is reported",
     )
-    bench.add_argument(
-        "--dataset", default=None, help="prompts: .jsonl of {prompt} or ShareGPT .json; default: bundled held-out"
+    data = bench.add_argument_group("dataset")
+    data.add_argument(
+        "--dataset", default=None, help="prompts: 'random' (random tokens of --input-len), a .jsonl of {prompt} or a "
+        "ShareGPT .json; default: the bundled held-out code prompts",
+    )  # fmt: skip
+    data.add_argument("--num-prompts", type=int, default=64, help="use the first N prompts of the dataset")
+    data.add_argument("--input-len", "--random-input-len", type=int, default=128, help="random: prompt tokens")
+    data.add_argument(
+        "--output-len", "--random-output-len", type=int, default=None,
+        help="random: tokens asked of each request (its max_tokens; add --ignore-eos to get them all); "
+        "default: --max-tokens",
+    )  # fmt: skip
+    data.add_argument(
+        "--random-range-ratio", type=float, default=0.0,
+        help="random: lengths drawn uniformly from [len * (1 - r), len * (1 + r)]",
+    )  # fmt: skip
+    data.add_argument(
+        "--tokenizer", default=None, help="folder (or hub id) of the tokenizer.json that makes random prompts and "
+        "counts the output of an OpenAI server that reports no usage; default: the bundled target's",
+    )  # fmt: skip
+    online = bench.add_argument_group("online (--target, --base-url, --launch, --k8s)")
+    online.add_argument(
+        "--concurrency", "--max-concurrency", type=int, default=16, help="most requests in flight at once"
     )
-    bench.add_argument("--num-prompts", type=int, default=64, help="use the first N prompts of the dataset")
-    online = bench.add_argument_group("online (--target, --launch)")
-    online.add_argument("--concurrency", type=int, default=16, help="most requests in flight at once")
     online.add_argument(
         "--request-rate",
         type=float,
         default=None,
-        help="requests per second, arriving as a Poisson process (still capped by --concurrency); "
-        "default: send as fast as the concurrency allows",
+        help="requests per second, arriving as a gamma process of shape --burstiness (still capped by "
+        "--concurrency); default: send as fast as the concurrency allows",
     )
+    online.add_argument(
+        "--burstiness", type=float, default=1.0, help="shape of the arrival gaps' gamma distribution: 1 = Poisson, "
+        "below 1 burstier, above 1 more even",
+    )  # fmt: skip
+    online.add_argument("--ramp-up-strategy", choices=("linear", "exponential"), default=None,
+                        help="let the request rate move from --ramp-up-start-rps to --ramp-up-end-rps over the run")
+    online.add_argument("--ramp-up-start-rps", type=float, default=None, help="ramp-up: the first rate (req/s)")
+    online.add_argument("--ramp-up-end-rps", type=float, default=None, help="ramp-up: the last rate (req/s)")
+    online.add_argument(
+        "--sweep-concurrency", metavar="C1,C2,...", default=None,
+        help="--target / --base-url: one run per concurrency (e.g. 1,4,16,32,64); --plot adds tok/s and TTFT "
+        "against concurrency",
+    )  # fmt: skip
     online.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    online.add_argument(
+        "--progress-interval", type=float, default=5.0, help="seconds between progress lines when stdout is not a "
+        "terminal (on a terminal: a progress bar)",
+    )  # fmt: skip
     online.add_argument(
         "--warmup", type=int, default=2, help="requests sent (and not measured) before the run, per server"
     )
     online.add_argument(
+        "--served-model-name", default=None, help="OpenAI backends: the model to ask for; default: the first one "
+        "the server's /v1/models lists",
+    )  # fmt: skip
+    online.add_argument(
+        "--api-key", dest="bench_api_key", metavar="KEY", default=None, help="OpenAI backends: bearer token; default: "
+        "$OPENAI_API_KEY",
+    )  # fmt: skip
+    online.add_argument(
+        "--percentiles", "--metric-percentiles", default="99",
+        help="comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report, e.g. 50,90,99",
+    )  # fmt: skip
+    online.add_argument(
+        "--slo", "--goodput", nargs="+", default=None, metavar="KEY:MS",
+        help="limits for goodput (requests per second meeting all of them), e.g. ttft:200,tpot:50; keys ttft, "
+        "tpot, e2el, in milliseconds",
+    )  # fmt: skip
+    online.add_argument(
         "--metrics-url",
         default=None,
-        help="--target only: the scheduler's Prometheus endpoint (e.g. http://127.0.0.1:9090/metrics), scraped "
-        "before and after the run for step times, overhead and overlap",
+        help="--target / --base-url: a MineDraft scheduler's Prometheus endpoint (e.g. "
+        "http://127.0.0.1:9090/metrics), scraped before and after the run for step times, overhead and overlap",
     )
-    online.add_argument("--json", metavar="FILE", default=None, help="also write the results, per request, as JSON")
+    online.add_argument(
+        "--json", metavar="FILE", default=None, help="also write the figures as JSON (vLLM's keys: mean_ttft_ms, ...)"
+    )
+    online.add_argument(
+        "--trace", metavar="FILE.jsonl", default=None, help="write one line per request: when it was sent, TTFT, "
+        "E2EL, every chunk's time and tokens, accepted drafts",
+    )  # fmt: skip
+    online.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw throughput, latency percentiles and acceptance per draft position (needs matplotlib: the "
+        "`bench` extra)",
+    )  # fmt: skip
     online.add_argument(
         "--draft-model", default=None, help="--launch: draft checkpoint of the speculative modes; default: bundled"
     )
@@ -617,6 +784,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(bench)
     _add_sampling_args(bench, temperature=0.0, max_tokens=64)
     bench.set_defaults(func=cmd_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False, metavar="compare")
+    compare = bench_sub.add_parser(
+        "compare", help="a table of two --json results' figures, their differences and ratios",
+        description="Compare two result files of `minedraft bench --json` (or `vllm bench serve --save-result`): "
+        "every figure both have, with B - A and B / A. Files holding several runs (--launch, --sweep-concurrency) "
+        "are compared run by run.",
+    )  # fmt: skip
+    compare.add_argument("a", metavar="A.json")
+    compare.add_argument("b", metavar="B.json")
+    compare.set_defaults(func=cmd_bench_compare)
 
     up = sub.add_parser(
         "up",

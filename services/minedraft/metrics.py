@@ -249,7 +249,7 @@ Samples = dict[str, float]
 
 def scrape(url: str, timeout: float = 10.0) -> Samples:
     """Every sample of the endpoint, summed over label sets, keyed by sample name (`..._sum`, `..._total`),
-    and per worker role or chosen k too (`name{verifier}`, `name{4}`).
+    and per worker role, chosen k or draft position too (`name{verifier}`, `name{4}`).
 
     Buckets and `_created` timestamps are dropped: only sums and counts are differenced. Raises
     ConnectionError when the endpoint cannot be read.
@@ -265,7 +265,7 @@ def scrape(url: str, timeout: float = 10.0) -> Samples:
             if sample.name.endswith(("_bucket", "_created")):
                 continue
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-            for label in ("role", "k"):
+            for label in ("role", "k", "position"):
                 value = sample.labels.get(label)
                 if value is not None:
                     key = f"{sample.name}{{{value}}}"

@@ -87,14 +87,16 @@ def _opt(value: float | None, fmt: str) -> str:
 
 COLUMNS = (
     ("mode", "<18"), ("ok/fail", ">8"), ("req/s", ">7"), ("tok/s", ">8"), ("x ar", ">6"), ("x sd", ">6"),
-    ("E2E ms", ">8"), ("x ar", ">6"), ("x sd", ">6"), ("TTFT ms", ">9"), ("ITL ms", ">8"), ("acc len", ">8"),
+    ("E2EL ms", ">8"), ("x ar", ">6"), ("x sd", ">6"), ("TTFT ms", ">9"), ("TPOT ms", ">8"), ("ITL ms", ">8"),
+    ("acc len", ">8"),
     ("overhead", ">9"), ("overlap", ">8"),
 )  # fmt: skip
 
 LEGEND = """\
 tok/s: output tokens per second over the run; x ar / x sd after it: this mode's tok/s divided by ar's / sd's
-E2E ms: mean end-to-end request latency; x ar / x sd after it: divided by ar's / sd's (below 1 = faster)
-TTFT / ITL: mean time to first token / mean per-token gap after it, at the client
+E2EL ms: mean end-to-end request latency; x ar / x sd after it: divided by ar's / sd's (below 1 = faster)
+TTFT / TPOT / ITL: means at the client, as vLLM defines them: time to first token, time per output token
+after the first, gap between streamed chunks (a chunk holds a step's tokens: one, or an accepted burst)
 acc len: mean accepted length, 1 + accepted / drafts over all requests (- without speculation)
 overhead: share of scheduler step time outside max(draft, verify), approximate (see benchmarks/README.md)
 overlap: mean max(draft, verify) / step time over steps that drafted and verified (- if none did)"""
@@ -103,7 +105,7 @@ overlap: mean max(draft, verify) / step time over steps that drafted and verifie
 def format_comparison(results: dict[str, BenchResult]) -> str:
     """One row per mode, with throughput and latency ratios against `ar` and `sd` when they ran."""
     base_tput = {m: results[m].output_throughput for m in ("ar", "sd") if m in results}
-    base_e2e = {m: results[m].e2e.mean for m in ("ar", "sd") if m in results}
+    base_e2e = {m: results[m].e2el.mean for m in ("ar", "sd") if m in results}
     header = "".join(format(name, fmt) for name, fmt in COLUMNS)
     rows = [header, "-" * len(header)]
     for mode, r in results.items():
@@ -111,8 +113,9 @@ def format_comparison(results: dict[str, BenchResult]) -> str:
         cells = [
             mode, f"{len(r.ok)}/{r.failed}", f"{r.request_throughput:.2f}", f"{r.output_throughput:.1f}",
             _ratio(r.output_throughput, base_tput.get("ar")), _ratio(r.output_throughput, base_tput.get("sd")),
-            f"{r.e2e.mean * 1e3:.0f}", _ratio(r.e2e.mean, base_e2e.get("ar")), _ratio(r.e2e.mean, base_e2e.get("sd")),
-            f"{r.ttft.mean * 1e3:.0f}", f"{r.itl.mean * 1e3:.1f}", _opt(r.mean_accepted_length, ".2f"),
+            f"{r.e2el.mean * 1e3:.0f}", _ratio(r.e2el.mean, base_e2e.get("ar")),
+            _ratio(r.e2el.mean, base_e2e.get("sd")), f"{r.ttft.mean * 1e3:.0f}", f"{r.tpot.mean * 1e3:.1f}",
+            f"{r.itl.mean * 1e3:.1f}", _opt(r.mean_accepted_length, ".2f"),
             _opt(server.control_plane_overhead if server else None, ".1%"),
             _opt(server.overlap_efficiency if server else None, ".2f"),
         ]  # fmt: skip

@@ -34,6 +34,16 @@ NUM_ACCEPTED, WORKER_STEP, WORKER_IDLE = NUM_ACCEPTED_TOKENS, WORKER_STEP_SECOND
 ROLES = ("verifier", "drafter")
 _MAX_K = 32  # num_speculative_tokens' bound
 
+ACCEPTED_PER_POS = "minedraft:spec_decode_num_accepted_tokens_per_pos"
+
+
+def _trimmed(counts: list[int]) -> list[int]:
+    """Without the trailing positions nothing was accepted at."""
+    while counts and not counts[-1]:
+        counts.pop()
+    return counts
+
+
 def _delta(before: Samples, after: Samples, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -68,6 +78,7 @@ class ServerStepStats:
     worker_idle_seconds_sum: dict[str, float] = field(default_factory=dict)
     chosen_k: dict[int, int] = field(default_factory=dict)  # adaptive speculation: windows per chosen k
     plain_steps: int = 0  # adaptive speculation's steps that drafted nothing
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted draft tokens by position in the window
     prefix_cache_queries: int = 0  # prompt tokens the verifier looked up in its prefix cache
     prefix_cache_hits: int = 0  # and found there
 
@@ -92,6 +103,7 @@ class ServerStepStats:
             worker_idle_seconds_sum={r: _delta(before, after, f"{WORKER_IDLE}_sum{{{r}}}") for r in ROLES},
             chosen_k={k: n for k in range(_MAX_K + 1) if (n := count(f"{CHOSEN_K}_total{{{k}}}"))},
             plain_steps=count(PLAIN_STEPS + "_total"),
+            accepted_per_pos=_trimmed([count(f"{ACCEPTED_PER_POS}_total{{{i}}}") for i in range(_MAX_K)]),
             prefix_cache_queries=count(PREFIX_CACHE_QUERIES + "_total"),
             prefix_cache_hits=count(PREFIX_CACHE_HITS + "_total"),
         )
@@ -170,6 +182,12 @@ class ServerStepStats:
         return 1.0 - (alone + overlapped) / self.step_seconds_sum
 
     @property
+    def acceptance_per_position(self) -> list[float]:
+        """Per draft position: the share of verifications carrying drafts that accepted it, from the server's
+        counters (so over any protocol)."""
+        return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
+
+    @property
     def mean_accepted_length(self) -> float | None:
         """1 + accepted draft tokens per verification that carried drafts, from the server's counters."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
@@ -186,6 +204,7 @@ class ServerStepStats:
                 "mean_accepted_length",
                 "worker_idle_share",
                 "mean_chosen_k",
+                "acceptance_per_position",
                 "prefix_cache_hit_rate",
             )
         }

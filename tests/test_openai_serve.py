@@ -1,0 +1,26 @@
+"""benchmarks/openai_serve.py's client table from measured results (the comparison itself needs vLLM's CPU build
+and minutes of every core, so it is not run here): per server, the median round of vLLM's client and of ours."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import openai_serve  # noqa: E402
+
+
+def _round(ttft: float, tpot: float, itl: float) -> dict:
+    return {"median_ttft_ms": ttft, "median_tpot_ms": tpot, "median_itl_ms": itl}
+
+
+def test_client_table_sets_the_two_clients_medians_side_by_side() -> None:
+    measured = openai_serve.Server("minedraft", None, "http://127.0.0.1:1",
+                                   rounds=[_round(100, 10, 20), _round(120, 12, 22), _round(80, 11, 30)],
+                                   ours=[_round(105, 11, 19), _round(95, 10, 21), _round(300, 12, 20)])  # fmt: skip
+    vllm_only = openai_serve.Server("vllm-sd", None, "http://127.0.0.1:2", rounds=[_round(1, 1, 1)])
+    lines = openai_serve.client_table([measured, vllm_only]).splitlines()
+    assert lines[0].startswith("| server | TTFT p50 ms: vLLM's / ours / ratio |")
+    # medians: vLLM's 100, 11, 22; ours 105, 11, 20. A server measured by vLLM's client alone has no row.
+    assert lines[2:] == ["| minedraft | 100.0 / 105.0 / 1.05 | 11.0 / 11.0 / 1.00 | 22.0 / 20.0 / 0.91 |"]
