@@ -92,28 +92,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Path) -> Server:
+def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Path, prefix_caching: bool = False,
+                 label: str | None = None) -> Server:
+    """`prefix_caching` off by default: the rounds repeat the prompts (ours and vLLM's alike). `label` names
+    the server and its log (default: `name`)."""
     kind, spec = SERVERS[name]
     port = free_port()
+    caching = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
     if kind == "ours":
         spec_json = json.dumps({"num_speculative_tokens": args.k, **spec}) if spec is not None else "null"
         two_batches = name == "minedraft"  # as many running at once as the others, in two batches
         batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING", "--no-enable-prefix-caching"]  # the rounds repeat the prompts  # fmt: skip
+                   "--log-level", "WARNING", caching]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO / "services")}
     else:
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
                    "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
-                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32",
-                   "--no-enable-prefix-caching"]  # the rounds repeat the prompts (ours too is off)  # fmt: skip
+                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32", caching]  # fmt: skip
         if spec is not None:
             command += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.k})]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    log = open(logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    label = label or name
+    log = open(logs / f"{label}.log", "w")  # noqa: SIM115 (closed with the process)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return Server(name, process, f"http://127.0.0.1:{port}")
+    return Server(label, process, f"http://127.0.0.1:{port}")
 
 
 def wait_healthy(server: Server, timeout: float, logs: Path) -> None:

@@ -1,18 +1,24 @@
-"""Prefix caching on multi-turn chat: the same conversations with the cache on and off, offline and served.
+"""Prefix caching on multi-turn chat: the same conversations with the cache on and off, offline and served,
+ours and (with --vllm) vLLM's.
 
-    python benchmarks/prefix_cache.py                       # 16 conversations x 4 turns, offline and served
+    python benchmarks/prefix_cache.py                        # ours: offline and served, 3 rounds
+    python benchmarks/prefix_cache.py --vllm                 # and `vllm serve` with its cache on and off
     python benchmarks/prefix_cache.py --where offline --rounds 1 --out /tmp/prefix
 
 Every conversation opens with the same system prompt (--system-tokens of the bundled held-out prompts) and
-adds a user turn (--user-tokens) per turn; each turn's prompt is the whole history so far: system prompt,
-earlier user turns and the model's greedy answers (--max-tokens). The conversations run at once, each
-sending its next turn when the previous answer is complete (a closed loop, as chat clients do). A second
-load, single-turn requests that share no prefix, checks that the cache costs nothing where it cannot help.
+adds a user turn (--user-tokens, a held-out prompt's start) per turn; each turn's prompt is the whole
+history as text: system prompt, earlier user turns and the model's greedy answers (--max-tokens, EOS
+ignored). The conversations run at once, each sending its next turn when the previous answer is complete
+(a closed loop, as chat clients do). A second load, single-turn prompts that share nothing, checks that the
+cache costs nothing where it cannot help. Each round brings new user turns and new unshared prompts (the
+system prompt stays), so no round finds the previous one's conversations in a cache.
 
-Offline: one engine per setting in this process. Served: one `LocalStack` per setting (scheduler + workers
-as local processes), driven through the gRPC client with streaming; TTFT is the client's wait for the first
-token. Rounds alternate between the settings, medians are reported. The outputs of both settings must be
-identical (greedy); the script exits 1 if they are not. Writes OUT.json and OUT.md.
+Offline: one engine per setting in this process. Served: one server per setting, `minedraft up --http-port`
+(and `vllm serve` with the draft model, k the same), all driven through the same streaming client of the
+OpenAI completions API; TTFT is the client's wait for the first text. Hit rates come from each server's
+`vllm:prefix_cache_*` counters (ours exports them under vLLM's names too). Rounds alternate between the
+settings, medians are reported. The answers with the cache on must equal those with it off (greedy); the
+script exits 1 if they do not. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minedraft.bench.offline import mode_configs
-from minedraft.bench.prompts import load_prompts
-from minedraft.config import BUNDLED_TARGET, EngineConfig
-from minedraft.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, scrape
-from minedraft.model.tokenizer import load_tokenizer
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from openai_serve import start_server, wait_healthy  # noqa: E402
+from vs_vllm import ensure_venv  # noqa: E402
+
+from minedraft.bench.offline import mode_configs  # noqa: E402
+from minedraft.bench.prompts import load_prompts  # noqa: E402
+from minedraft.config import BUNDLED_TARGET, EngineConfig  # noqa: E402
+from minedraft.metrics import scrape  # noqa: E402
+from minedraft.model.tokenizer import load_tokenizer  # noqa: E402
 
 SETTINGS = {"cache on": True, "cache off": False}
 
@@ -43,7 +55,7 @@ class Turn:
     conversation: int
     turn: int
     ttft: float
-    output_ids: list[int]
+    answer: str
 
 
 @dataclass
@@ -52,11 +64,8 @@ class Run:
 
     seconds: float
     turns: list[Turn]
+    output_tokens: int
     hit_rate: float
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(t.output_ids) for t in self.turns)
 
     def ttfts(self, later: bool) -> list[float]:
         return [t.ttft for t in self.turns if (t.turn > 0) == later]
@@ -64,24 +73,18 @@ class Run:
 
 @dataclass
 class Workload:
-    """Token ids: the shared system prompt and each conversation's user turns."""
+    """The shared system prompt and each conversation's user turns, as text."""
 
-    system: list[int]
-    users: list[list[list[int]]]  # [conversation][turn]
-    max_tokens: int
-    shared: bool = True  # False: each conversation has one turn and no prefix in common with the others
-
-    def first_prompt(self, conversation: int) -> list[int]:
-        return (self.system if self.shared else []) + self.users[conversation][0]
+    system: str
+    users: list[list[str]]  # [conversation][turn]
 
 
 def build_workloads(args: argparse.Namespace, round_: int) -> dict[str, Workload]:
-    """Round `round_`'s loads: the same system prompt every round, user turns and unshared prompts new in each
-    (a round never finds the previous round's conversations in the cache)."""
+    """Round `round_`'s loads: the same system prompt every round, user turns and unshared prompts new in each."""
     tokenizer = load_tokenizer(BUNDLED_TARGET)
     encoded = [tokenizer.encode(t) for t in load_prompts()]
     pool = [t for ids in encoded for t in ids]
-    user = [ids[: args.user_tokens] for ids in encoded]
+    user = [tokenizer.decode(ids[: args.user_tokens]) for ids in encoded]
     n, first = args.conversations, lambda c: round_ * args.conversations + c
     later = lambda c, t: n * (args.rounds + 1) + first(c) * (args.turns - 1) + t - 1  # noqa: E731
     users = [[user[(first(c) if t == 0 else later(c, t)) % len(user)] for t in range(args.turns)] for c in range(n)]
@@ -89,31 +92,33 @@ def build_workloads(args: argparse.Namespace, round_: int) -> dict[str, Workload
     # 197 is prime), as long as a later chat turn's prompt.
     length, rest = args.system_tokens + args.user_tokens, len(pool) - args.system_tokens
     starts = [args.system_tokens + (round_ * 2 * n + c) * 197 % rest for c in range(2 * n)]
-    unique = [[pool[(s + i) % len(pool)] for i in range(length)] for s in starts]
+    unique = [tokenizer.decode([pool[(s + i) % len(pool)] for i in range(length)]) for s in starts]
     return {
-        "chat": Workload(pool[: args.system_tokens], users, args.max_tokens),
-        "no shared prefix": Workload([], [[u] for u in unique], args.max_tokens, shared=False),
+        "chat": Workload(tokenizer.decode(pool[: args.system_tokens]), users),
+        "no shared prefix": Workload("", [[u] for u in unique]),
     }
 
 
-Send = Callable[[list[int]], Awaitable[tuple[float, list[int]]]]  # prompt -> (ttft, output ids)
+Send = Callable[[str], Awaitable[tuple[float, str, int]]]  # prompt -> (ttft, answer, output tokens)
 
 
-async def converse(workload: Workload, send: Send) -> list[Turn]:
-    """Every conversation at once; each turn waits for the previous answer."""
+async def converse(workload: Workload, send: Send) -> tuple[list[Turn], int]:
+    """Every conversation at once; each turn waits for the previous answer. Returns the turns, output tokens."""
+    tokens = 0
 
     async def one(c: int) -> list[Turn]:
-        prompt, turns = workload.first_prompt(c), []
+        nonlocal tokens
+        prompt, turns = workload.system, []
         for t, user in enumerate(workload.users[c]):
-            if t:
-                prompt = prompt + user
-            ttft, output = await send(prompt)
-            turns.append(Turn(c, t, ttft, output))
-            prompt = prompt + output
+            prompt += user
+            ttft, answer, n = await send(prompt)
+            tokens += n
+            turns.append(Turn(c, t, ttft, answer))
+            prompt += answer
         return turns
 
     results = await asyncio.gather(*(one(c) for c in range(len(workload.users))))
-    return [turn for turns in results for turn in turns]
+    return [turn for turns in results for turn in turns], tokens
 
 
 # --- offline: the engine in this process, stepped by a small event loop ----------------------------------
@@ -122,20 +127,20 @@ async def converse(workload: Workload, send: Send) -> list[Turn]:
 class OfflineServer:
     """An LLMEngine stepped by an asyncio task, so the conversations' closed loops run as they would served."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, max_tokens: int) -> None:
         from minedraft.engine.engine import LLMEngine
-
-        self.engine = LLMEngine.local(config, max_in_flight=2)
-        self._waiting: dict[str, asyncio.Future] = {}
-
-    async def send(self, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
         from minedraft.sampling.params import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        request = self.engine.add_request(prompt, params)
+        self.engine = LLMEngine.local(config, max_in_flight=2)
+        self.tokenizer = load_tokenizer(config.target_path)
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self._waiting: dict[str, asyncio.Future] = {}
+
+    async def send(self, prompt: str) -> tuple[float, str, int]:
+        request = self.engine.add_request(self.tokenizer.encode(prompt), self.params)
         future = self._waiting[request.request_id] = asyncio.get_running_loop().create_future()
         await future
-        return request.first_token_time - request.arrival_time, list(request.output_ids)
+        return request.first_token_time - request.arrival_time, request.text, len(request.output_ids)
 
     async def drive(self, done: asyncio.Event) -> None:
         while not done.is_set():
@@ -145,50 +150,63 @@ class OfflineServer:
                     self._waiting.pop(request.request_id).set_result(None)
             await asyncio.sleep(0)
 
-    def hit_rate(self) -> float:
-        return self.engine.step_stats.prefix_cache_hit_rate()
+    async def run(self, workload: Workload) -> Run:
+        stats = self.engine.step_stats
+        stats.prefix_cache_queries.clear(), stats.prefix_cache_hits.clear()
+        done = asyncio.Event()
+        driver = asyncio.create_task(self.drive(done))
+        start = time.perf_counter()
+        turns, tokens = await converse(workload, self.send)
+        seconds = time.perf_counter() - start
+        done.set()
+        await driver
+        return Run(seconds, turns, tokens, stats.prefix_cache_hit_rate())
 
     def close(self) -> None:
         self.engine.executor.close()
 
 
-async def run_offline(server: OfflineServer, workload: Workload) -> Run:
-    server.engine.step_stats.prefix_cache_queries.clear()
-    server.engine.step_stats.prefix_cache_hits.clear()
-    done = asyncio.Event()
-    driver = asyncio.create_task(server.drive(done))
-    start = time.perf_counter()
-    turns = await converse(workload, lambda p: server.send(p, workload.max_tokens))
-    seconds = time.perf_counter() - start
-    done.set()
-    await driver
-    return Run(seconds, turns, server.hit_rate())
+# --- served: any OpenAI-compatible server, one streaming client -------------------------------------------
 
 
-# --- served: a local stack per setting, the gRPC client --------------------------------------------------
+class HttpServer:
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
 
+    async def run(self, workload: Workload) -> Run:
+        before = self._counters()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+            async with session.get(f"{self.url}/v1/models") as response:
+                model = (await response.json())["data"][0]["id"]
 
-async def run_served(address: str, metrics_url: str, workload: Workload) -> Run:
-    from minedraft.client import AsyncClient
+            async def send(prompt: str) -> tuple[float, str, int]:
+                body = {"model": model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                start, first, text, tokens = time.perf_counter(), None, [], 0
+                async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                    response.raise_for_status()
+                    async for raw in response.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[len("data: "):])
+                        delta = "".join(c.get("text", "") for c in chunk.get("choices", []))
+                        if delta and first is None:
+                            first = time.perf_counter() - start
+                        text.append(delta)
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                return first or 0.0, "".join(text), tokens
 
-    before = scrape(metrics_url)
-    async with AsyncClient(address, timeout=600) as client:
+            start = time.perf_counter()
+            turns, tokens = await converse(workload, send)
+            seconds = time.perf_counter() - start
+        after = self._counters()
+        queries = after[0] - before[0]
+        return Run(seconds, turns, tokens, (after[1] - before[1]) / queries if queries else 0.0)
 
-        async def send(prompt: list[int]) -> tuple[float, list[int]]:
-            start, first, output = time.perf_counter(), None, []
-            async for delta in client.stream(prompt, max_tokens=workload.max_tokens, temperature=0, ignore_eos=True):
-                if delta.token_ids and first is None:
-                    first = time.perf_counter() - start
-                output.extend(delta.token_ids)
-            return first or 0.0, output
-
-        start = time.perf_counter()
-        turns = await converse(workload, send)
-        seconds = time.perf_counter() - start
-    after = scrape(metrics_url)
-    queries = after.get(PREFIX_CACHE_QUERIES + "_total", 0) - before.get(PREFIX_CACHE_QUERIES + "_total", 0)
-    hits = after.get(PREFIX_CACHE_HITS + "_total", 0) - before.get(PREFIX_CACHE_HITS + "_total", 0)
-    return Run(seconds, turns, hits / queries if queries else 0.0)
+    def _counters(self) -> tuple[float, float]:
+        samples = scrape(f"{self.url}/metrics")
+        return samples.get("vllm:prefix_cache_queries_total", 0.0), samples.get("vllm:prefix_cache_hits_total", 0.0)
 
 
 # --- the comparison --------------------------------------------------------------------------------------
@@ -196,10 +214,10 @@ async def run_served(address: str, metrics_url: str, workload: Workload) -> Run:
 
 @dataclass
 class Results:
-    runs: dict[str, dict[str, dict[str, list[Run]]]] = field(default_factory=dict)  # where -> load -> setting
+    runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)  # "where, setting" -> load -> rounds
 
-    def add(self, where: str, load: str, setting: str, run: Run) -> None:
-        self.runs.setdefault(where, {}).setdefault(load, {}).setdefault(setting, []).append(run)
+    def add(self, name: str, load: str, run: Run) -> None:
+        self.runs.setdefault(name, {}).setdefault(load, []).append(run)
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -212,90 +230,85 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def table(results: Results) -> str:
-    rows = ["| where | load | setting | tok/s | TTFT p50 turn 1 (ms) | TTFT p50 later turns (ms) | "
-            "TTFT p99 later turns (ms) | hit rate |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for where, loads in results.runs.items():
-        for load, settings in loads.items():
-            for setting, runs in settings.items():
-                run = median_run(runs)
-                later = run.ttfts(True)
-                p50_later = f"{statistics.median(later) * 1e3:.0f}" if later else "-"
-                p99_later = f"{percentile(later, 99) * 1e3:.0f}" if later else "-"
-                rows.append(f"| {where} | {load} | {setting} | {run.output_tokens / run.seconds:.0f} | "
-                            f"{statistics.median(run.ttfts(False)) * 1e3:.0f} | {p50_later} | {p99_later} | "
-                            f"{run.hit_rate:.2f} |")  # fmt: skip
-    for where, loads in results.runs.items():
-        chat = loads.get("chat", {})
-        if {"cache on", "cache off"} <= set(chat):
-            on, off = median_run(chat["cache on"]), median_run(chat["cache off"])
-            ratio = statistics.median(off.ttfts(True)) / statistics.median(on.ttfts(True))
-            rows.append(f"\n{where}: later turns' TTFT p50 is {ratio:.1f}x lower with the cache")
+    rows = ["| server, setting | load | tok/s | TTFT p50 turn 1 (ms) | TTFT p50 later turns (ms) | "
+            "TTFT p99 later turns (ms) | hit rate |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, loads in results.runs.items():
+        for load, runs in loads.items():
+            run = median_run(runs)
+            later = run.ttfts(True)
+            p50_later = f"{statistics.median(later) * 1e3:.0f}" if later else "-"
+            p99_later = f"{percentile(later, 99) * 1e3:.0f}" if later else "-"
+            rows.append(f"| {name} | {load} | {run.output_tokens / run.seconds:.0f} | "
+                        f"{statistics.median(run.ttfts(False)) * 1e3:.0f} | {p50_later} | {p99_later} | "
+                        f"{run.hit_rate:.2f} |")  # fmt: skip
+    rows.append("")
+    for where in dict.fromkeys(name.rsplit(", ", 1)[0] for name in results.runs):
+        on, off = results.runs.get(f"{where}, cache on"), results.runs.get(f"{where}, cache off")
+        if not on or not off:
+            continue
+        ttft = [statistics.median(median_run(r["chat"]).ttfts(True)) for r in (off, on)]
+        tok_s = [(lambda m: m.output_tokens / m.seconds)(median_run(r["no shared prefix"])) for r in (on, off)]
+        rows.append(f"{where}: later turns' TTFT p50 {ttft[0] / ttft[1]:.1f}x lower with the cache; "
+                    f"no shared prefix: tok/s on / off {tok_s[0] / tok_s[1]:.2f}")  # fmt: skip
     return "\n".join(rows)
 
 
 def identical(results: Results) -> bool:
-    """Greedy outputs must not depend on the cache: each round's outputs equal across the settings."""
-    for loads in results.runs.values():
-        for settings in loads.values():
-            for rounds in zip(*settings.values()):
-                outputs = [{(t.conversation, t.turn): t.output_ids for t in run.turns} for run in rounds]
-                if any(o != outputs[0] for o in outputs):
+    """Greedy answers must not depend on the cache: each round's answers equal across a server's settings."""
+    for where in dict.fromkeys(name.rsplit(", ", 1)[0] for name in results.runs):
+        settings = [results.runs[f"{where}, {s}"] for s in SETTINGS if f"{where}, {s}" in results.runs]
+        for load in settings[0]:
+            for rounds in zip(*(s[load] for s in settings)):
+                answers = [{(t.conversation, t.turn): t.answer for t in run.turns} for run in rounds]
+                if any(a != answers[0] for a in answers):
                     return False
     return True
 
 
 def engine_config(args: argparse.Namespace, cache: bool) -> EngineConfig:
     spec = mode_configs({"num_speculative_tokens": args.k})[args.mode]
-    return EngineConfig(speculative_config=spec, max_num_seqs=args.conversations, device="cpu",
+    batches = 2 if spec and spec.get("is_parallel") and not spec.get("force_pearl") else 1
+    return EngineConfig(speculative_config=spec, max_num_seqs=args.conversations // batches, device="cpu",
                         enable_prefix_caching=cache)  # fmt: skip
 
 
-def measure_offline(args: argparse.Namespace, results: Results) -> None:
-    servers = {name: OfflineServer(engine_config(args, cache)) for name, cache in SETTINGS.items()}
-    try:
-        for server in servers.values():  # warm-up: unshared prompts of their own (nothing useful cached)
-            asyncio.run(run_offline(server, build_workloads(args, args.rounds)["no shared prefix"]))
-        for round_ in range(args.rounds):
-            for load, workload in build_workloads(args, round_).items():
-                for name, server in servers.items():
-                    time.sleep(args.settle)
-                    run = asyncio.run(run_offline(server, workload))
-                    results.add("offline", load, name, run)
-                    print(f"offline round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, "
-                          f"hit rate {run.hit_rate:.2f}", flush=True)  # fmt: skip
-    finally:
-        for server in servers.values():
-            server.close()
+def measure(servers: dict[str, OfflineServer | HttpServer], args: argparse.Namespace, results: Results) -> None:
+    """A warm-up on unshared prompts of their own, then the rounds, the servers taking turns."""
+    for server in servers.values():
+        asyncio.run(server.run(build_workloads(args, args.rounds)["no shared prefix"]))
+    for round_ in range(args.rounds):
+        for load, workload in build_workloads(args, round_).items():
+            for name, server in servers.items():
+                time.sleep(args.settle)
+                run = asyncio.run(server.run(workload))
+                results.add(name, load, run)
+                print(f"round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, hit rate "
+                      f"{run.hit_rate:.2f}", flush=True)  # fmt: skip
 
 
-def measure_served(args: argparse.Namespace, results: Results, logs: Path) -> None:
-    from minedraft.launcher import LocalStack, free_port, scheduler_settings
-
-    with ExitStack() as running:
-        stacks = {}
-        for name, cache in SETTINGS.items():
-            port = free_port()
-            folder = logs / name.replace(" ", "-")
-            folder.mkdir(parents=True, exist_ok=True)
-            stack = LocalStack(engine_config(args, cache), scheduler=scheduler_settings(metrics_port=port),
-                               log_dir=folder)  # fmt: skip
-            stacks[name] = (running.enter_context(stack).address, f"http://127.0.0.1:{port}/metrics")
-        for address, url in stacks.values():
-            asyncio.run(run_served(address, url, build_workloads(args, args.rounds)["no shared prefix"]))
-        for round_ in range(args.rounds):
-            for load, workload in build_workloads(args, round_).items():
-                for name, (address, url) in stacks.items():
-                    time.sleep(args.settle)
-                    run = asyncio.run(run_served(address, url, workload))
-                    results.add("served", load, name, run)
-                    print(f"served round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, "
-                          f"hit rate {run.hit_rate:.2f}", flush=True)  # fmt: skip
+def served(args: argparse.Namespace, running: ExitStack, logs: Path) -> dict[str, HttpServer]:
+    """Ours (`--mode`) and, with --vllm, vLLM's sd with the same draft and k; each with the cache on and off."""
+    logs.mkdir(parents=True, exist_ok=True)
+    kinds = {f"ours {args.mode}": args.mode} | ({"vLLM sd": "vllm-sd"} if args.vllm else {})
+    vllm_python = str(ensure_venv(args.venv)) if args.vllm else ""
+    serve_args = argparse.Namespace(k=args.k, max_num_seqs=args.conversations)
+    servers = {}
+    for label, name in kinds.items():
+        for setting, cache in SETTINGS.items():
+            server = start_server(name, serve_args, vllm_python, logs, prefix_caching=cache,
+                                  label=f"{name}-{setting.replace(' ', '-')}")  # fmt: skip
+            running.callback(server.stop)
+            wait_healthy(server, 600, logs)
+            servers[f"served {label}, {setting}"] = HttpServer(server.url, args.max_tokens)
+    return servers
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--where", choices=["offline", "served", "both"], default="both")
-    parser.add_argument("--mode", default="minedraft", choices=list(mode_configs({})))
+    parser.add_argument("--vllm", action="store_true", help="serve vLLM's CPU build too (its venv: vs_vllm.py)")
+    parser.add_argument("--venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
+    parser.add_argument("--mode", default="minedraft", choices=["ar", "sd", "pearl", "minedraft"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the most, with adaptive k)")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
@@ -309,18 +322,24 @@ def main() -> int:
     args = parser.parse_args()
     results = Results()
     if args.where in ("offline", "both"):
-        measure_offline(args, results)
+        offline = {f"offline {args.mode}, {s}": OfflineServer(engine_config(args, cache), args.max_tokens)
+                   for s, cache in SETTINGS.items()}  # fmt: skip
+        try:
+            measure(offline, args, results)
+        finally:
+            for server in offline.values():
+                server.close()
     if args.where in ("served", "both"):
-        measure_served(args, results, args.out.parent / (args.out.name + "-logs"))
+        with ExitStack() as running:
+            measure(served(args, running, args.out.parent / (args.out.name + "-logs")), args, results)
     same = identical(results)
-    report = table(results) + f"\n\noutputs identical with and without the cache: {same}"
+    report = table(results) + f"\n\nanswers identical with and without the cache: {same}"
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(report + "\n")
-    raw = {where: {load: {s: [{"seconds": r.seconds, "output_tokens": r.output_tokens, "hit_rate": r.hit_rate,
-                              "ttft": [t.ttft for t in r.turns], "turn": [t.turn for t in r.turns]} for r in runs]
-                          for s, runs in settings.items()} for load, settings in loads_.items()}
-           for where, loads_ in results.runs.items()}  # fmt: skip
+    raw = {name: {load: [{"seconds": r.seconds, "output_tokens": r.output_tokens, "hit_rate": r.hit_rate,
+                          "ttft": [t.ttft for t in r.turns], "turn": [t.turn for t in r.turns]} for r in runs]
+                  for load, runs in loads.items()} for name, loads in results.runs.items()}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     return 0 if same else 1
 
