@@ -209,6 +209,8 @@ class Generation:
 
 
 def _as_generate_error(exc: BaseException) -> GenerateError:
+    if isinstance(exc, GenerateError):  # an engine client that knows the kind already (the gateway's)
+        return exc
     if isinstance(exc, ValueError):
         return GenerateError(ErrorKind.INVALID, str(exc))
     if isinstance(exc, EngineFailed):

@@ -1,0 +1,156 @@
+"""The gateway as the public edge: two engine groups behind `minedraft gateway`, as real local processes,
+with API keys and TLS on every hop, driven over gRPC and over the OpenAI HTTP API with the official SDK.
+
+The gateway checks the clients' keys itself and reaches the groups with a key of its own (the groups
+refuse a client's key). Greedy output equals the offline autoregressive output text for text, streamed or
+not, also when a whole group is SIGKILLed while HTTP streams run on it (they migrate to the other group).
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from minedraft.client import Client, MineDraftError
+from minedraft.engine.engine import LLMEngine
+from minedraft.gateway.local import GatewayStack
+from minedraft.launcher import free_port, scheduler_settings
+from minedraft.metrics import scrape
+from minedraft.sampling.params import SamplingParams
+from minedraft.settings import GatewaySettings
+
+from conftest import make_pair, tiny_config
+from tls_certs import write_self_signed_cert
+
+KEY = "client-key"
+MODEL = "target"  # the tiny target's folder name: the default served model name
+MAX_TOKENS = 60
+PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(2 + i % 4)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return make_pair(tmp_path_factory.mktemp("edge"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> tuple[Path, Path]:
+    return write_self_signed_cert(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[str]:
+    """Offline greedy text of the target (EOS ignored) for each prompt."""
+    engine = LLMEngine.local(tiny_config(pair))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.text for r in requests]
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tls, tmp_path_factory):
+    """Groups serving TLS and taking only the gateway's key; the gateway serving TLS on gRPC and HTTP."""
+    key, cert = str(tls[0]), str(tls[1])
+    scheduler = scheduler_settings(tls_cert=cert, tls_key=key)
+    gateway = GatewaySettings(http_port=free_port(), tls_cert=cert, tls_key=key, backend_tls_ca=cert)
+    with GatewayStack(
+        tiny_config(pair, max_num_seqs=8), 2, scheduler=scheduler, gateway=gateway, api_keys=[KEY],
+        metrics_ports=[free_port(), free_port()], log_dir=tmp_path_factory.mktemp("edge-logs"),
+    ) as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack, tls) -> openai.OpenAI:
+    http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(tls[1])))
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0, http_client=http, timeout=120)
+
+
+def _complete(client: openai.OpenAI, prompt: list[int], stream: bool) -> str:
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    if not stream:
+        return client.completions.create(**kwargs).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in client.completions.create(**kwargs, stream=True) if chunk.choices)
+
+
+def test_grpc_needs_a_client_key_and_the_groups_take_only_the_gateways(stack, tls, expected) -> None:
+    cert = tls[1]
+    with Client(stack.address, tls=cert, token=KEY, retries=0, timeout=120) as grpc_client:
+        texts = [grpc_client.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True).text for p in PROMPTS]
+        assert texts == expected
+        assert grpc_client.server_info().max_model_len == 128
+    for token in (None, "wrong"):
+        with Client(stack.address, tls=cert, token=token, retries=0, timeout=60) as grpc_client:
+            with pytest.raises(MineDraftError) as info:
+                grpc_client.generate([1, 2], max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert grpc_client.health()  # health checks stay open
+    with Client(stack.groups[0].address, tls=cert, token=KEY, retries=0, timeout=60) as direct:
+        with pytest.raises(MineDraftError) as info:
+            direct.generate([1, 2], max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # a client's key is not the gateway's
+
+
+def test_openai_sdk_completions_equal_offline_streamed_or_not(client, expected) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for stream in (False, True):
+        assert [_complete(client, p, stream) for p in PROMPTS[:4]] == expected[:4]
+    usage = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[0]), 5)
+
+
+def test_http_errors_keys_and_open_endpoints(stack, tls, client) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client.with_options(api_key="wrong").models.list()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=10_000)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=[1, 2], max_tokens=2)
+    context = ssl.create_default_context(cafile=str(tls[1]))
+    with urllib.request.urlopen(stack.http_url + "/health", context=context, timeout=30) as reply:
+        assert reply.status == 200  # no key needed
+
+
+def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected) -> None:
+    """Last: it leaves one group. Every prompt streams over HTTP; group 0 dies mid-stream; every text still
+    equals the offline one."""
+    chunks = 0
+    lock = threading.Lock()
+
+    def one(prompt: list[int]) -> str:
+        nonlocal chunks
+        text = ""
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            with lock:
+                chunks += 1
+        return text
+
+    before = _finished(stack.groups[1].metrics_port)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = [pool.submit(one, p) for p in PROMPTS]
+        deadline = time.monotonic() + 120
+        while chunks < len(PROMPTS) * 3:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.01)
+        stack.kill_group(0)
+        assert [r.result(timeout=240) for r in results] == expected
+    assert _finished(stack.groups[1].metrics_port) - before == len(PROMPTS)  # its own and the migrated ones
+
+
+def _finished(metrics_port: int) -> float:
+    return scrape(f"http://127.0.0.1:{metrics_port}/metrics").get("minedraft:request_success_total", 0.0)
+
