@@ -582,13 +582,15 @@ def test_with_tls_the_scheduler_probes_health_over_https(name: str) -> None:
         assert "grpc" not in container[kind]
 
 
-def test_cert_manager_certificate_names_the_service() -> None:
+def test_cert_manager_certificate_names_the_services() -> None:
+    """The scheduler's and the gateway's: both serve this certificate."""
     certificate = one(render("cert-manager"), "Certificate")
     assert certificate["spec"]["secretName"] == "minedraft-scheduler-tls"
     assert certificate["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
     assert certificate["spec"]["dnsNames"] == [
         "minedraft-scheduler", "minedraft-scheduler.default", "minedraft-scheduler.default.svc",
-        "minedraft-scheduler.default.svc.cluster.local", "llm.example.com",
+        "minedraft-scheduler.default.svc.cluster.local", "minedraft-gateway", "minedraft-gateway.default",
+        "minedraft-gateway.default.svc", "minedraft-gateway.default.svc.cluster.local", "llm.example.com",
     ]  # fmt: skip
     assert not find(render("default"), "Certificate")
 

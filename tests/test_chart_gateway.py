@@ -47,6 +47,8 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
     "autoscaled": AUTOSCALED,
     "no-gateway": {"gateway": {"enabled": False}},
+    "keys-tls": {"apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
+    "groups-keys-tls": {**GROUPS, "apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
 }
 
 
@@ -216,3 +218,70 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
 def test_autoscaling_needs_groups() -> None:
     with pytest.raises(helm.HelmError, match="set engineGroups to 2 or more"):
         renderer.render({"autoscaling": {"enabled": True}})
+
+
+def _container(objs: list[dict], name: str, container: str) -> tuple[dict, dict]:
+    """(pod spec, the named container) of Deployment `name`."""
+    spec = one(objs, "Deployment", name)["spec"]["template"]["spec"]
+    return spec, next(c for c in spec["containers"] if c["name"] == container)
+
+
+def _secret_volume(spec: dict, mount_path: str, container: dict) -> dict:
+    """The Secret volume a container mounts at `mount_path`."""
+    name = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == mount_path)
+    return next(v for v in spec["volumes"] if v["name"] == name)["secret"]
+
+
+@pytest.mark.parametrize(
+    ("name", "scheduler"), [("keys-tls", "minedraft-scheduler"), ("groups-keys-tls", "minedraft-group")]
+)
+def test_the_gateway_checks_the_keys_and_reaches_the_schedulers_with_its_own(name: str, scheduler: str) -> None:
+    """The clients' keys are checked at the gateway; the schedulers accept the gateway's own key, a file from
+    the same Secret; the gateway serves TLS on gRPC and HTTP, probed over HTTPS."""
+    objs = render(name)
+    spec, gateway = _container(objs, "minedraft-gateway", "gateway")
+    args = _gateway_args(objs)
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["MINEDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-keys"}
+    key_file = args["backend_api_key_file"]
+    assert _secret_volume(spec, str(Path(key_file).parent), gateway) == {
+        "secretName": "keys",
+        "defaultMode": 0o440,
+        "items": [{"key": "gateway-key", "path": Path(key_file).name}],
+    }
+    assert env["MINEDRAFT_TLS_CERT"]["value"] == "/etc/minedraft/tls/tls.crt"
+    assert _secret_volume(spec, "/etc/minedraft/tls", gateway)["secretName"] == "certs"
+    assert int(args["http_port"]) == 8000
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    ports = {p["name"]: p for p in one(objs, "Service", "minedraft-gateway")["spec"]["ports"]}
+    assert (ports["http"]["port"], ports["http"]["appProtocol"], ports["grpc"]["port"]) == (8000, "https", 50051)
+    pod, container = _container(objs, scheduler, "scheduler")
+    scheduler_args = build_parser().parse_args(container["args"])
+    assert scheduler_args.api_key_file == [key_file]
+    assert _secret_volume(pod, str(Path(key_file).parent), container)["items"] == [
+        {"key": "gateway-key", "path": "key"}
+    ]
+    if name == "keys-tls":  # the one scheduler serves TLS: the gateway trusts the Secret's CA, by the Service's name
+        assert (args["backend_tls_ca"], args["backend_tls_server_name"]) == ("/etc/minedraft/tls/ca.crt",
+                                                                             "minedraft-scheduler")  # fmt: skip
+    else:  # the groups' schedulers serve the gateway in plaintext inside the cluster
+        assert args["backend_tls_ca"] is None
+
+
+def test_the_gateway_serves_http_by_default() -> None:
+    objs = render("default")
+    assert int(_gateway_args(objs)["http_port"]) == 8000
+    ports = {p["name"]: p["port"] for p in one(objs, "Service", "minedraft-gateway")["spec"]["ports"]}
+    assert ports == {"grpc": 50051, "http": 8000}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"tls": {"existingSecret": "c"}, "gateway": {"httpPort": 0}}, "TLS needs gateway.httpPort"),
+        ({"apiKeys": {"existingSecret": "k", "gatewayKey": ""}}, "needs apiKeys.gatewayKey"),
+    ],
+)
+def test_keys_and_tls_refuse_what_cannot_work(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        renderer.render(values)

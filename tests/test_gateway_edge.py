@@ -153,4 +153,3 @@ def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expe
 
 def _finished(metrics_port: int) -> float:
     return scrape(f"http://127.0.0.1:{metrics_port}/metrics").get("minedraft:request_success_total", 0.0)
-

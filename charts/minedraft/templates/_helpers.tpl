@@ -128,6 +128,12 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- if and (include "minedraft.tlsSecret" .) (not .Values.scheduler.httpPort) }}
 {{- fail "TLS needs scheduler.httpPort: the scheduler's probes check /health over HTTPS (Kubernetes' gRPC probes cannot use TLS)" }}
 {{- end }}
+{{- if and (include "minedraft.tlsSecret" .) .Values.gateway.enabled (not .Values.gateway.httpPort) }}
+{{- fail "TLS needs gateway.httpPort: the gateway's probes check /health over HTTPS (Kubernetes' gRPC probes cannot use TLS)" }}
+{{- end }}
+{{- if and .Values.apiKeys.existingSecret .Values.gateway.enabled (not .Values.apiKeys.gatewayKey) }}
+{{- fail "apiKeys.existingSecret with the gateway on needs apiKeys.gatewayKey: the key (in that Secret) of the gateway's own API key toward the schedulers" }}
+{{- end }}
 {{- if and $m.draft (not (include "minedraft.speculative" .)) }}
 {{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
 {{- end }}
@@ -229,6 +235,31 @@ grpc:
   port: {{ .port }}
   service: ""
 {{- end }}
+{{- end }}
+
+{{/* Where a container finds the gateway's own API key (the one key the gateway sends to the schedulers,
+     never a client's); "" when no API keys are configured or there is no gateway. */}}
+{{- define "minedraft.gatewayKeyFile" -}}
+{{- if and .Values.apiKeys.existingSecret .Values.gateway.enabled -}}
+/etc/minedraft/gateway-key/key
+{{- end }}
+{{- end }}
+
+{{/* The volume of that file: the apiKeys Secret, its gatewayKey entry only. */}}
+{{- define "minedraft.gatewayKeyVolume" -}}
+- name: gateway-key
+  secret:
+    secretName: {{ .Values.apiKeys.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.apiKeys.gatewayKey }}
+        path: key
+{{- end }}
+
+{{- define "minedraft.gatewayKeyMount" -}}
+- name: gateway-key
+  mountPath: /etc/minedraft/gateway-key
+  readOnly: true
 {{- end }}
 
 {{/* The Secret holding the scheduler's TLS certificate; "" = plaintext. */}}
