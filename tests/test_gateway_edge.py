@@ -64,7 +64,7 @@ def stack(pair, tls, tmp_path_factory):
     scheduler = scheduler_settings(tls_cert=cert, tls_key=key)
     gateway = GatewaySettings(http_port=free_port(), tls_cert=cert, tls_key=key, backend_tls_ca=cert)
     with GatewayStack(
-        tiny_config(pair, max_num_seqs=8), 2, scheduler=scheduler, gateway=gateway, api_keys=[KEY],
+        tiny_config(pair, max_num_seqs=8, max_model_len=512), 2, scheduler=scheduler, gateway=gateway, api_keys=[KEY],
         metrics_ports=[free_port(), free_port()], log_dir=tmp_path_factory.mktemp("edge-logs"),
     ) as running:  # fmt: skip
         yield running
@@ -89,7 +89,7 @@ def test_grpc_needs_a_client_key_and_the_groups_take_only_the_gateways(stack, tl
     with Client(stack.address, tls=cert, token=KEY, retries=0, timeout=120) as grpc_client:
         texts = [grpc_client.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True).text for p in PROMPTS]
         assert texts == expected
-        assert grpc_client.server_info().max_model_len == 128
+        assert grpc_client.server_info().max_model_len == 512
     for token in (None, "wrong"):
         with Client(stack.address, tls=cert, token=token, retries=0, timeout=60) as grpc_client:
             with pytest.raises(MineDraftError) as info:
@@ -120,6 +120,29 @@ def test_http_errors_keys_and_open_endpoints(stack, tls, client) -> None:
     context = ssl.create_default_context(cafile=str(tls[1]))
     with urllib.request.urlopen(stack.http_url + "/health", context=context, timeout=30) as reply:
         assert reply.status == 200  # no key needed
+
+
+def test_a_cancelled_http_stream_leaves_its_group_idle(stack, client) -> None:
+    """The client goes away mid-stream: the gateway cancels the group's stream, which frees the request there;
+    the group's gauges come back to zero and the request is not counted as finished."""
+    urls = [f"http://127.0.0.1:{group.metrics_port}/metrics" for group in stack.groups]
+    finished = sum(scrape(url).get("minedraft:request_success_total", 0.0) for url in urls)
+    stream = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=500, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 30
+    while any(_load(url) for url in urls):
+        assert time.monotonic() < deadline, f"gauges stuck: {[_load(url) for url in urls]}"
+        time.sleep(0.2)
+    assert sum(scrape(url).get("minedraft:request_success_total", 0.0) for url in urls) == finished
+
+
+def _load(url: str) -> list[float]:
+    """The group's running and waiting requests and its KV usage, where any is above zero."""
+    samples = scrape(url)
+    names = ("minedraft:num_requests_running", "minedraft:num_requests_waiting", "minedraft:kv_cache_usage_perc")
+    return [samples[name] for name in names if samples[name]]
 
 
 def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected) -> None:
