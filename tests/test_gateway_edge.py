@@ -110,6 +110,32 @@ def test_openai_sdk_completions_equal_offline_streamed_or_not(client, expected) 
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[0]), 5)
 
 
+def test_the_groups_count_prompt_tokens_and_request_phases_under_vllms_names(stack, client) -> None:
+    """vLLM's series are ours renamed (one count): prompt tokens, each phase once per request, output gaps."""
+    urls = [f"http://127.0.0.1:{group.metrics_port}/metrics" for group in stack.groups]
+    names = ["prompt_tokens_total", "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+             "request_decode_time_seconds_count", "request_inference_time_seconds_count",
+             "inter_token_latency_seconds_count", "num_preemptions_total"]  # fmt: skip
+
+    def totals() -> dict[str, float]:
+        samples = [scrape(url) for url in urls]
+        return {name: sum(s.get(f"vllm:{name}", 0.0) for s in samples) for name in names}
+
+    before = totals()
+    for prompt in PROMPTS:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    served = {name: value - before[name] for name, value in totals().items()}
+    assert served["prompt_tokens_total"] == sum(len(p) for p in PROMPTS)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert served[f"request_{phase}_time_seconds_count"] == len(PROMPTS)
+    assert served["inter_token_latency_seconds_count"] == len(PROMPTS) * 5  # ar: one output per token
+    assert served["num_preemptions_total"] == 0
+    samples = scrape(urls[0])
+    assert samples["vllm:kv_cache_usage_perc"] == samples["minedraft:kv_cache_usage_perc"]
+    assert samples["vllm:prompt_tokens_total"] == samples["minedraft:prompt_tokens_total"]
+
+
 def test_http_errors_keys_and_open_endpoints(stack, tls, client) -> None:
     with pytest.raises(openai.AuthenticationError):
         client.with_options(api_key="wrong").models.list()
