@@ -501,7 +501,7 @@ def test_network_policies() -> None:
     scheduler = one(objs, "NetworkPolicy", "-scheduler")["spec"]["ingress"]
     assert scheduler[0]["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]
     assert scheduler[0]["from"] == COMBINATIONS["extras"]["networkPolicy"]["clientFrom"]
-    assert scheduler[1] == {"ports": [{"port": 9090, "protocol": "TCP"}]}  # metrics: from anywhere by default
+    assert scheduler[1] == {"ports": [{"port": 7450, "protocol": "TCP"}]}  # metrics: from anywhere by default
     for component, peer, port in (("verifier", "drafter", 50061), ("drafter", "verifier", 50062)):
         control, distributed = one(objs, "NetworkPolicy", f"-{component}")["spec"]["ingress"]
         assert [_selects(p, "scheduler") for p in control["from"]] == [True]

@@ -137,7 +137,7 @@ def test_flags_override_the_json_and_the_environment(monkeypatch) -> None:
 
 def test_children_do_not_inherit_setting_variables() -> None:
     """A child gets its settings whole; the launcher's MINEDRAFT_METRICS_PORT would override group i's port."""
-    env = {"MINEDRAFT_METRICS_PORT": "9090", "MINEDRAFT_DRAIN_TIMEOUT": "1", "MINEDRAFT_MAX_NUM_SEQS": "2",
+    env = {"MINEDRAFT_METRICS_PORT": "7450", "MINEDRAFT_DRAIN_TIMEOUT": "1", "MINEDRAFT_MAX_NUM_SEQS": "2",
            API_KEYS_ENV: "k", "PATH": "/bin"}  # fmt: skip
     assert child_env(env) == {API_KEYS_ENV: "k", "PATH": "/bin"}
 

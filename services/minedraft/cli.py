@@ -644,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument(
         "--metrics-url",
         default=None,
-        help="--target only: the scheduler's Prometheus endpoint (e.g. http://127.0.0.1:9090/metrics), scraped "
+        help="--target only: the scheduler's Prometheus endpoint (e.g. http://127.0.0.1:7450/metrics), scraped "
         "before and after the run for step times, overhead and overlap",
     )
     online.add_argument("--json", metavar="FILE", default=None, help="also write the results, per request, as JSON")

@@ -84,7 +84,9 @@ class SchedulerSettings(PublicApiSettings):
     json_name = "scheduler_settings"
     deprecated_names = {"drain_timeout": "request_drain_timeout"}
 
-    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus port; 0 = off.")
+    metrics_port: int = Field(
+        7450, ge=0, le=65535, description="Prometheus port; 0 = off. (Not 9090: that is the Prometheus server's own.)"
+    )
     startup_timeout: float = Field(1800.0, gt=0, description="Seconds to wait for the workers to load.")
     worker_wait: float = Field(
         300.0, ge=0, description="Seconds to hold requests while no verifier serves (it died and is restarting); "
