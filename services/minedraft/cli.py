@@ -169,6 +169,26 @@ def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
     return _model_from_args(args, EngineConfig, "engine_config", base)
 
 
+def _check_model_folders(config, target: bool = True, draft: bool = True) -> None:
+    """The models this process loads, where given as paths, must be folders here (a hub id is resolved, or
+    refused, where it is loaded). A scheduler reads only the target's tokenizer, a drafter only the draft."""
+    from minedraft.model.hub import is_hub_id
+
+    spec = config.speculative_config
+    given = [("--model", config.model if target else None),
+             ("--speculative-config's model", spec.model if spec and draft else None)]  # fmt: skip
+    for flag, model in given:
+        if model and not is_hub_id(model) and not Path(model).expanduser().is_dir():
+            raise ValueError(f"{flag} {model}: no such folder (give a checkpoint folder, or a Hugging Face id such "
+                             "as Qwen/Qwen3-8B: `huggingface-cli download <id>` fetches it into the local cache)")
+
+
+def _check_tls_files(settings: PublicApiSettings) -> None:
+    for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
+        if path:
+            _read_flag_file(flag, path)
+
+
 def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
     from minedraft.config import EngineConfig
 
@@ -447,8 +467,10 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from minedraft.serving import configure_logging
     from minedraft.verifier.service import serve_verifier
 
+    config = _engine_config(args)
+    _check_model_folders(config, draft=False)
     configure_logging(args.log_level)
-    serve_verifier(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
+    serve_verifier(config, _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
@@ -456,8 +478,10 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.drafter.service import serve_drafter
     from minedraft.serving import configure_logging
 
+    config = _engine_config(args)
+    _check_model_folders(config, target=False)
     configure_logging(args.log_level)
-    serve_drafter(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
+    serve_drafter(config, _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
@@ -465,9 +489,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from minedraft.scheduler_server import PublicApi, serve_scheduler
     from minedraft.serving import configure_logging
 
-    configure_logging(args.log_level)
     api = PublicApi(_settings(args, SchedulerSettings), host=args.host, port=args.port, api_keys=_api_keys(args))
-    asyncio.run(serve_scheduler(_engine_config(args), api, verifier=args.verifier, drafter=args.drafter))
+    _check_tls_files(api.settings)
+    config = _engine_config(args)
+    _check_model_folders(config, draft=False)
+    configure_logging(args.log_level)
+    asyncio.run(serve_scheduler(config, api, verifier=args.verifier, drafter=args.drafter))
     return 0
 
 
@@ -481,9 +508,11 @@ def _up_stack(args: argparse.Namespace):
     from minedraft.launcher import LocalStack
 
     config = _engine_config(args, base=UP_DEFAULTS)
+    _check_model_folders(config)
     if args.engine_groups < 1:
         raise ValueError(f"--engine-groups must be >= 1, got {args.engine_groups}")
     scheduler, keys = _settings(args, SchedulerSettings), _api_keys(args)
+    _check_tls_files(scheduler)
     options = {"host": args.host, "port": args.port, "log_level": args.log_level, "scheduler": scheduler,
                "worker": _settings(args, WorkerSettings, aliases=False)}  # fmt: skip
     if args.engine_groups == 1:
@@ -545,6 +574,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if bool(_backends(args.backend)) == bool(args.k8s_service):
         raise ValueError("give the engine groups either as --backend HOST:PORT (repeatable) or as --k8s-service")
     settings = _settings(args, GatewaySettings)
+    _check_tls_files(settings)
     api = GatewayApi(settings, host=args.host, port=args.port, api_keys=_api_keys(args),
                      access=_backend_access(args, settings))  # fmt: skip
     tokenizer = args.tokenizer or str(EngineConfig().target_path)
