@@ -9,8 +9,11 @@ not, also when a whole group is SIGKILLed while HTTP streams run on it (they mig
 from __future__ import annotations
 
 import ssl
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +31,7 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 
 from conftest import make_pair, tiny_config
+from services import wait_health
 from tls_certs import write_self_signed_cert
 
 KEY = "client-key"
@@ -169,6 +173,39 @@ def _load(url: str) -> list[float]:
     samples = scrape(url)
     names = ("minedraft:num_requests_running", "minedraft:num_requests_waiting", "minedraft:kv_cache_usage_perc")
     return [samples[name] for name in names if samples[name]]
+
+
+def test_a_gateway_without_a_serving_group_is_not_ready(pair, tmp_path) -> None:
+    """Ready means a request could be served: no group serves, so gRPC health is NOT_SERVING and the HTTP
+    /health and /v1/models answer 503 (tools poll them to know when to start)."""
+    port, http_port = free_port(), free_port()
+    with open(tmp_path / "gateway.log", "w") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "minedraft", "gateway", "--tokenizer", pair[0], "--host", "127.0.0.1",
+             "--port", str(port), "--http-port", str(http_port), "--backend", f"127.0.0.1:{free_port()}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_health(f"127.0.0.1:{port}", "NOT_SERVING")
+            for path in ("/health", "/v1/models"):
+                status, _ = _get(f"http://127.0.0.1:{http_port}{path}")
+                assert status == 503, path
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except urllib.error.URLError:  # not listening yet
+            assert time.monotonic() < deadline, f"nothing answers at {url}"
+            time.sleep(0.2)
 
 
 def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected) -> None:
