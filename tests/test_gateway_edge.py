@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft.client import Client, MineDraftError
 from minedraft.engine.engine import LLMEngine
@@ -147,6 +148,8 @@ def test_http_errors_keys_and_open_endpoints(stack, tls, client) -> None:
         client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=10_000)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):  # the tiny tokenizer has none
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     context = ssl.create_default_context(cafile=str(tls[1]))
     with urllib.request.urlopen(stack.http_url + "/health", context=context, timeout=30) as reply:
         assert reply.status == 200  # no key needed
@@ -208,7 +211,7 @@ def _get(url: str) -> tuple[int, bytes]:
             time.sleep(0.2)
 
 
-def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected) -> None:
+def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected, tls) -> None:
     """Last: it leaves one group. Every prompt streams over HTTP; group 0 dies mid-stream; every text still
     equals the offline one."""
     chunks = 0
@@ -235,6 +238,25 @@ def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expe
         stack.kill_group(0)
         assert [r.result(timeout=240) for r in results] == expected
     assert _finished(stack.groups[1].metrics_port) - before == len(PROMPTS)  # its own and the migrated ones
+    gateway = _gateway_metrics(stack, tls)
+    assert gateway["minedraft:gateway_resubmissions_total"] >= 1
+    assert gateway["minedraft:gateway_requests_in_flight"] == 0
+    deadline = time.monotonic() + 30
+    while _gateway_metrics(stack, tls)["minedraft:gateway_serving_groups"] != 1:  # group 0 seen gone
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def _gateway_metrics(stack, tls) -> dict[str, float]:
+    """The gateway's own /metrics (on its HTTPS API, open without a key), summed over label sets."""
+    context = ssl.create_default_context(cafile=str(tls[1]))
+    with urllib.request.urlopen(stack.http_url + "/metrics", context=context, timeout=30) as reply:
+        text = reply.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
 
 
 def _finished(metrics_port: int) -> float:

@@ -18,12 +18,15 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from minedraft.api import generate_pb2
 from minedraft.engine.request import Request
@@ -113,13 +116,40 @@ class Refused(Exception):
         self.code, self.details = code, details
 
 
+class GatewayMetrics(Collector):
+    """The gateway's Prometheus metrics (on its HTTP API's /metrics): the groups as it sees them, read from
+    the pool at each scrape, and the requests it resubmitted after their group failed."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.registry = CollectorRegistry()
+        self.resubmissions = Counter(
+            "minedraft:gateway_resubmissions", "Requests resubmitted to another engine group after theirs failed "
+            "mid-request", registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        serving = GaugeMetricFamily("minedraft:gateway_serving_groups", "Engine groups that serve now")
+        serving.add_metric([], len(self.pool.serving_addresses()))
+        in_flight = GaugeMetricFamily(
+            "minedraft:gateway_requests_in_flight",
+            "Requests this gateway has open on each engine group",
+            labels=["group"],
+        )
+        for backend in self.pool.backends.values():
+            in_flight.add_metric([backend.address], backend.requests)
+        return iter((serving, in_flight))
+
+
 class Router:
     """Runs one request over the engine groups, for both public protocols: placed on the group with the least
     outstanding work; resubmitted to another when its group fails mid-way, until it is finished."""
 
-    def __init__(self, pool: Pool, placement_timeout_s: float) -> None:
+    def __init__(self, pool: Pool, placement_timeout_s: float, metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
         self.placement_timeout_s = placement_timeout_s
+        self.metrics = metrics
 
     async def run(
         self, migration: Migration, time_remaining: Callable[[], float | None], on_placed: Callable[[], None] = _nothing
@@ -148,6 +178,8 @@ class Router:
                     raise Refused(exc.code(), exc.details()) from None
                 avoid = {backend.address}
                 self._note_failure(migration, backend, exc)
+                if self.metrics is not None:
+                    self.metrics.resubmissions.inc()
                 await asyncio.sleep(_RETRY_PAUSE_S)
 
     def _placement_deadline(self, remaining: float | None) -> float:
@@ -260,7 +292,8 @@ class _Public:
 
     def __init__(self, api: GatewayApi, pool: Pool, tokenizer: Tokenizer, tokenizer_path: str) -> None:
         self.api, self.pool, self.tokenizer = api, pool, tokenizer
-        self.router = Router(pool, api.settings.placement_timeout)
+        self.metrics = GatewayMetrics(pool)
+        self.router = Router(pool, api.settings.placement_timeout, self.metrics)
         self.health = health_aio.HealthServicer()
         limits = Limits(max_prompt_bytes=api.settings.max_prompt_bytes, max_waiting=api.settings.max_waiting_requests)
         self.generator = Generator(tokenizer, limits)
@@ -299,6 +332,7 @@ class _Public:
             self.generator, served_model_name=self.model_name,
             chat_template=ChatTemplate.from_checkpoint(Path(self.tokenizer_path)), api_keys=self.api.api_keys,
             is_serving=lambda: self.serving_http, max_body_bytes=settings.max_request_bytes,
+            registry=self.metrics.registry,
         )  # fmt: skip
 
     def _changed(self, serving: bool) -> None:
