@@ -27,6 +27,14 @@ def _load_renderer():
 
 
 renderer = _load_renderer()
+
+
+def gpu_ok(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the bundled pair allowed on GPUs: these tests render the chart's structure with it (the
+    refusal itself is tested in test_chart.py)."""
+    return renderer.merge({"models": {"allowBundledOnGpus": True}}, values)
+
+
 GROUPS = {"engineGroups": 3}
 AUTOSCALED = {"engineGroups": 2, "autoscaling": {"enabled": True, "maxGroups": 6, "waitingRequestsPerGroup": 4},
               "serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}}  # fmt: skip
@@ -53,7 +61,7 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
 
 
 def render(name: str) -> list[dict[str, Any]]:
-    return [m.obj for m in renderer.render(COMBINATIONS[name])]
+    return [m.obj for m in renderer.render(gpu_ok(COMBINATIONS[name]))]
 
 
 def one(objs: list[dict], kind: str, name: str) -> dict:
@@ -75,7 +83,7 @@ def test_every_object_validates(name: str) -> None:
 
 @pytest.mark.parametrize("values", [COMBINATIONS["groups"], AUTOSCALED], ids=["groups", "autoscaled"])
 def test_lint_is_clean(values) -> None:
-    report = helm.lint(renderer.CHART_DIR, values=values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(renderer.CHART_DIR, values=gpu_ok(values), strict=True, kube_version=f"v{KUBE_VERSION}")
     assert not [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
 
 
@@ -211,13 +219,13 @@ def test_the_gateway_can_be_switched_off() -> None:
 )
 def test_schema_rejects_bad_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as error:
-        renderer.render(values)
+        renderer.render(gpu_ok(values))
     assert message in str(error.value)
 
 
 def test_autoscaling_needs_groups() -> None:
     with pytest.raises(helm.HelmError, match="set engineGroups to 2 or more"):
-        renderer.render({"autoscaling": {"enabled": True}})
+        renderer.render(gpu_ok({"autoscaling": {"enabled": True}}))
 
 
 def _container(objs: list[dict], name: str, container: str) -> tuple[dict, dict]:
@@ -284,4 +292,4 @@ def test_the_gateway_serves_http_by_default() -> None:
 )
 def test_keys_and_tls_refuse_what_cannot_work(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
-        renderer.render(values)
+        renderer.render(gpu_ok(values))

@@ -84,6 +84,14 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 */}}
 {{- define "minedraft.validate" -}}
 {{- $m := .Values.models }}
+{{- if and (include "minedraft.gpu" .) (not $m.allowBundledOnGpus) }}
+{{- if not $m.target }}
+{{- fail (printf "no model named: models.target is empty, so the verifier would load the bundled development pair (a model of a few MB) onto %d GPUs and the drafter onto 1. Name your checkpoints: models.target and models.draft on a model volume (models.download fetches Hub ids into it), or use -f values-cpu.yaml for the CPU profile (models.allowBundledOnGpus=true renders it on GPUs anyway, as a smoke test)" (int .Values.verifier.tensorParallelSize)) }}
+{{- end }}
+{{- if and (include "minedraft.speculative" .) (not $m.draft) (not (.Values.speculativeConfig).model) }}
+{{- fail "no draft named: models.draft is empty, so the drafter would load the bundled development draft beside your target. Name the draft (models.draft on the model volume, or speculativeConfig.model), or set speculativeConfig: null for plain decoding" }}
+{{- end }}
+{{- end }}
 {{- $usesVolume := or $m.target $m.draft }}
 {{- if and $usesVolume (eq $m.volume.type "none") }}
 {{- fail "models.target/models.draft name folders on the model volume: set models.volume.type to existingClaim, createClaim or emptyDir (or leave both empty for the bundled models)" }}
