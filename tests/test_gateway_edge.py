@@ -108,7 +108,9 @@ def test_grpc_needs_a_client_key_and_the_groups_take_only_the_gateways(stack, tl
 
 
 def test_openai_sdk_completions_equal_offline_streamed_or_not(client, expected) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert (models[0].max_model_len, models[0].decoding["mode"]) == (512, "ar")  # the groups' engine
     for stream in (False, True):
         assert [_complete(client, p, stream) for p in PROMPTS[:4]] == expected[:4]
     usage = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage

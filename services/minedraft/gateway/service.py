@@ -13,6 +13,8 @@ out exactly as one group would have produced it. The groups' own text is not use
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import random
 import signal
@@ -29,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from minedraft.api import generate_pb2
+from minedraft.config import EngineConfig
 from minedraft.engine.request import Request
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
@@ -320,13 +323,14 @@ class _Public:
         self._changed(self.pool.any_serving)  # in case it changed while the server started
         if settings.http_port:
             try:
-                self.http = await start_http(self._frontend().app(), self.api.host, settings.http_port, tls)
+                self.http = await start_http(self.frontend.app(), self.api.host, settings.http_port, tls)
             except BaseException:
                 await self.grpc.stop(grace=None)
                 raise
         return bound
 
-    def _frontend(self) -> OpenAIFrontend:
+    @functools.cached_property
+    def frontend(self) -> OpenAIFrontend:
         settings = self.api.settings
         return OpenAIFrontend(
             self.generator, served_model_name=self.model_name,
@@ -350,6 +354,8 @@ class _Public:
         except Refused as exc:
             log.warning("cannot read an engine group's server info (%s); trying again at its next change", exc)
             return
+        spec = json.loads(info.speculative_config_json) if info.speculative_config_json else None
+        self.frontend.decoding = EngineConfig(speculative_config=spec).decoding()  # the groups', for /v1/models
         self.generator.engine = RoutedEngine(self.router, self.tokenizer, info)
         log.info("engine groups serve %s in %s mode, max_model_len %d", self.model_name, info.mode, info.max_model_len)
 
