@@ -227,7 +227,7 @@ def test_a_whole_group_sigkilled_mid_stream_loses_no_request(stack, cases) -> No
     its requests continue on group 1 and every stream equals the offline output."""
     before = _finished_requests(stack.groups[1].metrics_port)
     load = Load(stack.address, cases)
-    load.wait_for_tokens(NUM_STREAMS * 25)
+    load.wait_for_tokens(NUM_STREAMS * 5)  # early: the client reads behind the groups, which finish in ~1 s
     stack.kill_group(0)
     assert load.results() == [expected for _, _, expected in cases]
     # group 1 finished its own share and the migrated ones (more than half of all)

@@ -234,7 +234,7 @@ def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expe
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = [pool.submit(one, p) for p in PROMPTS]
         deadline = time.monotonic() + 120
-        while chunks < len(PROMPTS) * 3:
+        while chunks < len(PROMPTS):  # early: the client reads behind the groups
             assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.01)
         stack.kill_group(0)
