@@ -39,6 +39,7 @@ KEY = "client-key"
 MODEL = "target"  # the tiny target's folder name: the default served model name
 MAX_TOKENS = 60
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(2 + i % 4)] for i in range(8)]
+TEXT_PROMPT = "def read(path):"  # tokenized at the gateway, as a scheduler would
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,20 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def expected(pair) -> list[str]:
-    """Offline greedy text of the target (EOS ignored) for each prompt."""
+def offline(pair) -> list[str]:
+    """Offline greedy text of the target (EOS ignored) for each prompt, and last for TEXT_PROMPT."""
     engine = LLMEngine.local(tiny_config(pair))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [engine.add_request(p, params) for p in PROMPTS]
+    prompts = [*PROMPTS, engine.tokenizer.encode(TEXT_PROMPT)]
+    requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     return [r.text for r in requests]
+
+
+@pytest.fixture(scope="module")
+def expected(offline) -> list[str]:
+    return offline[: len(PROMPTS)]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +88,7 @@ def client(stack, tls) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0, http_client=http, timeout=120)
 
 
-def _complete(client: openai.OpenAI, prompt: list[int], stream: bool) -> str:
+def _complete(client: openai.OpenAI, prompt: str | list[int], stream: bool) -> str:
     kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
               "extra_body": {"ignore_eos": True}}  # fmt: skip
     if not stream:
@@ -107,12 +114,13 @@ def test_grpc_needs_a_client_key_and_the_groups_take_only_the_gateways(stack, tl
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # a client's key is not the gateway's
 
 
-def test_openai_sdk_completions_equal_offline_streamed_or_not(client, expected) -> None:
+def test_openai_sdk_completions_equal_offline_streamed_or_not(client, expected, offline) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert (models[0].max_model_len, models[0].decoding["mode"]) == (512, "ar")  # the groups' engine
     for stream in (False, True):
         assert [_complete(client, p, stream) for p in PROMPTS[:4]] == expected[:4]
+        assert _complete(client, TEXT_PROMPT, stream) == offline[-1]
     usage = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[0]), 5)
 
