@@ -39,6 +39,7 @@ KEY = "client-key"
 MODEL = "target"  # the tiny target's folder name: the default served model name
 MAX_TOKENS = 60
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(2 + i % 4)] for i in range(8)]
+MAX_PROMPT_BYTES = 4096
 TEXT_PROMPT = "def read(path):"  # tokenized at the gateway, as a scheduler would
 
 
@@ -74,7 +75,8 @@ def stack(pair, tls, tmp_path_factory):
     """Groups serving TLS and taking only the gateway's key; the gateway serving TLS on gRPC and HTTP."""
     key, cert = str(tls[0]), str(tls[1])
     scheduler = scheduler_settings(tls_cert=cert, tls_key=key)
-    gateway = GatewaySettings(http_port=free_port(), tls_cert=cert, tls_key=key, backend_tls_ca=cert)
+    gateway = GatewaySettings(http_port=free_port(), tls_cert=cert, tls_key=key, backend_tls_ca=cert,
+                              max_prompt_bytes=MAX_PROMPT_BYTES)  # fmt: skip
     with GatewayStack(
         tiny_config(pair, max_num_seqs=8, max_model_len=512), 2, scheduler=scheduler, gateway=gateway, api_keys=[KEY],
         metrics_ports=[free_port(), free_port()], log_dir=tmp_path_factory.mktemp("edge-logs"),
@@ -102,6 +104,9 @@ def test_grpc_needs_a_client_key_and_the_groups_take_only_the_gateways(stack, tl
         texts = [grpc_client.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True).text for p in PROMPTS]
         assert texts == expected
         assert grpc_client.server_info().max_model_len == 512
+        with pytest.raises(MineDraftError) as info:  # the scheduler's limit, checked before tokenizing
+            grpc_client.generate("x" * (MAX_PROMPT_BYTES + 1), max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in info.value.details()
     for token in (None, "wrong"):
         with Client(stack.address, tls=cert, token=token, retries=0, timeout=60) as grpc_client:
             with pytest.raises(MineDraftError) as info:
@@ -158,6 +163,8 @@ def test_http_errors_keys_and_open_endpoints(stack, tls, client) -> None:
         client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=10_000)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="--max-prompt-bytes"):
+        client.completions.create(model=MODEL, prompt="x" * (MAX_PROMPT_BYTES + 1), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="no chat template"):  # the tiny tokenizer has none
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     context = ssl.create_default_context(cafile=str(tls[1]))

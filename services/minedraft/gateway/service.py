@@ -35,7 +35,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.request import Request
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
-from minedraft.frontends.generate import Generator, Limits
+from minedraft.frontends.generate import GenerateError, Generator, Limits
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.gateway.pool import Backend, BackendAccess, NoBackend, Pool
@@ -232,21 +232,25 @@ class Router:
 
 
 class GatewayServicer:
-    """The public gRPC API at the gateway."""
+    """The public gRPC API at the gateway: prompts checked and tokenized as the HTTP API's (and a scheduler's)
+    generate interface does, then routed (migration keeps the client's deadline for each placement)."""
 
-    def __init__(self, router: Router, tokenizer: Tokenizer) -> None:
+    def __init__(self, router: Router, generator: Generator) -> None:
         self.router = router
-        self.tokenizer = tokenizer
+        self.generator = generator
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
         request, params = await parse_generate(request_bytes, context)
-        if request.HasField("prompt_token_ids"):
-            prompt_ids = list(request.prompt_token_ids.ids)
-        else:
-            prompt_ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+        prompt = list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
+        try:
+            self.generator.check_prompt_size(prompt)
+            prompt_ids = await self.generator.prompt_ids(prompt)
+        except GenerateError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         if not prompt_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: it must contain at least one token")
-        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, self.tokenizer)
+        tokenizer = self.generator.tokenizer
+        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer)
         try:
             async for response in self.router.run(migration, context.time_remaining):
                 yield response
@@ -315,7 +319,7 @@ class _Public:
         tls = (settings.tls_cert, settings.tls_key) if settings.tls_cert else None
         await set_public_status(self.health, self.pool.any_serving)  # before the port opens: no default SERVING
         self.grpc, bound = await start_public_server(
-            GatewayServicer(self.router, self.tokenizer), self.health, f"{self.api.host}:{self.api.port}",
+            GatewayServicer(self.router, self.generator), self.health, f"{self.api.host}:{self.api.port}",
             max_receive_bytes=settings.max_request_bytes, tls=tls,
             interceptors=[GrpcAuthInterceptor(self.api.api_keys, [PUBLIC_SERVICE])],
         )  # fmt: skip
