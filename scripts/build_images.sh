@@ -5,7 +5,8 @@
 #   REGISTRY=registry.example.com/ml scripts/build_images.sh --push    # prefixed, then pushed
 #   scripts/build_images.sh --kind minedraft       # minedraft-cpu only, loaded into the kind cluster "minedraft"
 #
-# <version> is the package version from pyproject.toml (the chart's appVersion); TAG=... overrides it.
+# <version> is the package version (services/minedraft/version.py, the chart's appVersion); TAG=... overrides
+# it. .github/workflows/images.yml runs this with --push on every version tag.
 # minedraft-cuda serves the drafter and verifier on GPUs (docker/Dockerfile.cuda); minedraft-cpu serves the
 # scheduler, and everything in the chart's cpu profile (docker/Dockerfile.cpu).
 set -euo pipefail
@@ -21,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' services/minedraft/version.py)
 tag="${TAG:-$version}"
 prefix="${REGISTRY:+$REGISTRY/}"
 

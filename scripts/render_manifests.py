@@ -26,7 +26,7 @@ RELEASE = "minedraft"
 NAMESPACE = "default"
 # profile -> (values file inside the chart or None for the defaults, output file under k8s/)
 PROFILES: dict[str, tuple[str | None, str]] = {
-    "default": (None, "minedraft.yaml"),
+    "gpu": ("values-gpu.yaml", "minedraft.yaml"),
     "cpu": ("values-cpu.yaml", "minedraft-cpu.yaml"),
 }
 # Helm's install order (pkg/release/util/kind_sorter.go), for the kinds this chart can produce.

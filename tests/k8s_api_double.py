@@ -24,7 +24,7 @@ def endpoint_slice(name: str, service: str, endpoints: list[tuple[str, bool]], p
         "metadata": {"name": name, "namespace": "ns", "labels": {SERVICE_LABEL: service}},
         "addressType": "IPv4",
         "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints],
-        "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 9090}],
+        "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 7450}],
     }
 
 

@@ -170,7 +170,7 @@ def test_client_method_resolves_a_ready_pod_and_a_named_target_port() -> None:
     pods = [
         _pod("a-pending", phase="Pending"),
         _pod("b-unready", ready=False, ports=[("grpc", 50051)]),
-        _pod("c-ready", ports=[("grpc", 6000), ("metrics", 9090)]),
+        _pod("c-ready", ports=[("grpc", 6000), ("metrics", 7450)]),
     ]
     api = FakeCoreApi("grpc", pods)
     assert resolve_service_pod(api, "minedraft-scheduler", "default", 50051) == ("c-ready", 6000)

@@ -37,7 +37,14 @@ def _load_renderer():
 
 renderer = _load_renderer()
 CPU = renderer.profile_values("cpu")
+GPU_EXAMPLE = renderer.profile_values("gpu")
 CLAIM_MODELS = {"target": "llama-3-8b", "draft": "llama-3-draft"}
+
+
+def gpu_ok(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the bundled pair allowed on GPUs: these tests render the chart's structure with it (the
+    refusal itself is tested below)."""
+    return renderer.merge({"models": {"allowBundledOnGpus": True}}, values)
 COMBINATIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "cpu": CPU,
@@ -111,7 +118,7 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
 
 @functools.cache
 def _render(name: str) -> tuple[dict[str, Any], ...]:
-    return tuple(m.obj for m in renderer.render(COMBINATIONS[name]))
+    return tuple(m.obj for m in renderer.render(gpu_ok(COMBINATIONS[name])))
 
 
 def render(name: str) -> list[dict[str, Any]]:
@@ -144,9 +151,9 @@ def configmap(objs: list[dict]) -> dict[str, str]:
 # --- rendering, lint, Kubernetes schemas -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [{}, CPU], ids=["default", "cpu"])
+@pytest.mark.parametrize("values", [gpu_ok({}), CPU, GPU_EXAMPLE], ids=["default", "cpu", "gpu-example"])
 def test_lint_is_clean(values) -> None:
-    report = helm.lint(renderer.CHART_DIR, values=values or None, strict=True, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(renderer.CHART_DIR, values=values, strict=True, kube_version=f"v{KUBE_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     assert not problems, problems
 
@@ -186,7 +193,7 @@ def test_templates_never_read_the_environment(monkeypatch) -> None:
     """A token exported in the shell that renders the chart cannot leak into the manifests."""
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     for name in ("default", "created-claim-download"):
-        text = renderer.to_yaml(renderer.render(COMBINATIONS[name]), name)
+        text = renderer.to_yaml(renderer.render(gpu_ok(COMBINATIONS[name])), name)
         assert TOKEN not in text
 
 
@@ -301,7 +308,8 @@ def test_probes_are_grpc_with_a_long_startup_budget(name: str) -> None:
 
 
 def test_startup_budget_is_configurable() -> None:
-    objs = [m.obj for m in renderer.render({"probes": {"startup": {"periodSeconds": 30, "failureThreshold": 240}}})]
+    values = gpu_ok({"probes": {"startup": {"periodSeconds": 30, "failureThreshold": 240}}})
+    objs = [m.obj for m in renderer.render(values)]
     probe = pod(objs, "verifier")["containers"][0]["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] == 7200
     assert configmap(objs)["MINEDRAFT_STARTUP_TIMEOUT"] == "7200"
@@ -501,7 +509,7 @@ def test_network_policies() -> None:
     scheduler = one(objs, "NetworkPolicy", "-scheduler")["spec"]["ingress"]
     assert scheduler[0]["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]
     assert scheduler[0]["from"] == COMBINATIONS["extras"]["networkPolicy"]["clientFrom"]
-    assert scheduler[1] == {"ports": [{"port": 9090, "protocol": "TCP"}]}  # metrics: from anywhere by default
+    assert scheduler[1] == {"ports": [{"port": 7450, "protocol": "TCP"}]}  # metrics: from anywhere by default
     for component, peer, port in (("verifier", "drafter", 50061), ("drafter", "verifier", 50062)):
         control, distributed = one(objs, "NetworkPolicy", f"-{component}")["spec"]["ingress"]
         assert [_selects(p, "scheduler") for p in control["from"]] == [True]
@@ -582,20 +590,22 @@ def test_with_tls_the_scheduler_probes_health_over_https(name: str) -> None:
         assert "grpc" not in container[kind]
 
 
-def test_cert_manager_certificate_names_the_service() -> None:
+def test_cert_manager_certificate_names_the_services() -> None:
+    """The scheduler's and the gateway's: both serve this certificate."""
     certificate = one(render("cert-manager"), "Certificate")
     assert certificate["spec"]["secretName"] == "minedraft-scheduler-tls"
     assert certificate["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
     assert certificate["spec"]["dnsNames"] == [
         "minedraft-scheduler", "minedraft-scheduler.default", "minedraft-scheduler.default.svc",
-        "minedraft-scheduler.default.svc.cluster.local", "llm.example.com",
+        "minedraft-scheduler.default.svc.cluster.local", "minedraft-gateway", "minedraft-gateway.default",
+        "minedraft-gateway.default.svc", "minedraft-gateway.default.svc.cluster.local", "llm.example.com",
     ]  # fmt: skip
     assert not find(render("default"), "Certificate")
 
 
 def test_notes_print_the_port_forward_and_bench_commands() -> None:
     with helm.Chart.load(renderer.CHART_DIR) as chart:
-        notes = chart.render(name="minedraft", namespace="default")["minedraft/templates/NOTES.txt"]
+        notes = chart.render(values=gpu_ok({}), name="minedraft", namespace="default")["minedraft/templates/NOTES.txt"]
     assert "kubectl --namespace default port-forward svc/minedraft-gateway 50051:50051" in notes
     assert "minedraft bench --target 127.0.0.1:50051" in notes
     assert "curl http://127.0.0.1:8000/v1/models" in notes
@@ -626,7 +636,7 @@ def test_notes_print_the_port_forward_and_bench_commands() -> None:
 )
 def test_schema_rejects_bad_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as error:
-        renderer.render(values)
+        renderer.render(gpu_ok(values))
     assert message in str(error.value)
 
 
@@ -652,7 +662,7 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
 )  # fmt: skip
 def test_inconsistent_values_fail_with_what_to_change(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=message):
-        renderer.render(values)
+        renderer.render(gpu_ok(values))
 
 
 # --- one source of truth: the chart's values and the engine's pydantic models agree ----------------------
@@ -742,3 +752,23 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
         assert getattr(parsed, name) == values[section][key], name
     assert parsed.model == "/models/t" and parsed.speculative_config.model == "/models/d"
     assert (parsed.speculative_config.num_speculative_tokens, parsed.speculative_config.tetris) == (3, True)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({}, "no model named: models.target is empty, so the verifier would load the bundled development pair"),
+        ({"models": {"target": "t", "volume": {"type": "existingClaim", "existingClaim": "m"}}}, "no draft named"),
+    ],
+)
+def test_gpu_values_refuse_the_bundled_pair(values: dict, message: str) -> None:
+    """The bundled pair is a development model: on GPUs the user names checkpoints (or says it is a test)."""
+    with pytest.raises(helm.HelmRenderError, match=message):
+        renderer.render(values)
+    assert renderer.render(gpu_ok(values))  # the smoke-test switch
+    autoregressive = {**values, "speculativeConfig": None}
+    if values:  # a named target without speculation needs no draft
+        assert renderer.render(autoregressive)
+    configmap_data = configmap([m.obj for m in renderer.render(GPU_EXAMPLE)])  # the example names both
+    config = json.loads(configmap_data["MINEDRAFT_ENGINE_CONFIG"])
+    assert (config["model"], config["speculative_config"]["model"]) == ("/models/qwen3-8b", "/models/qwen3-0.6b")

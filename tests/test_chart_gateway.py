@@ -27,6 +27,14 @@ def _load_renderer():
 
 
 renderer = _load_renderer()
+
+
+def gpu_ok(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the bundled pair allowed on GPUs: these tests render the chart's structure with it (the
+    refusal itself is tested in test_chart.py)."""
+    return renderer.merge({"models": {"allowBundledOnGpus": True}}, values)
+
+
 GROUPS = {"engineGroups": 3}
 AUTOSCALED = {"engineGroups": 2, "autoscaling": {"enabled": True, "maxGroups": 6, "waitingRequestsPerGroup": 4},
               "serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}}  # fmt: skip
@@ -47,11 +55,13 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
     "autoscaled": AUTOSCALED,
     "no-gateway": {"gateway": {"enabled": False}},
+    "keys-tls": {"apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
+    "groups-keys-tls": {**GROUPS, "apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
 }
 
 
 def render(name: str) -> list[dict[str, Any]]:
-    return [m.obj for m in renderer.render(COMBINATIONS[name])]
+    return [m.obj for m in renderer.render(gpu_ok(COMBINATIONS[name]))]
 
 
 def one(objs: list[dict], kind: str, name: str) -> dict:
@@ -73,7 +83,7 @@ def test_every_object_validates(name: str) -> None:
 
 @pytest.mark.parametrize("values", [COMBINATIONS["groups"], AUTOSCALED], ids=["groups", "autoscaled"])
 def test_lint_is_clean(values) -> None:
-    report = helm.lint(renderer.CHART_DIR, values=values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(renderer.CHART_DIR, values=gpu_ok(values), strict=True, kube_version=f"v{KUBE_VERSION}")
     assert not [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
 
 
@@ -209,10 +219,77 @@ def test_the_gateway_can_be_switched_off() -> None:
 )
 def test_schema_rejects_bad_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as error:
-        renderer.render(values)
+        renderer.render(gpu_ok(values))
     assert message in str(error.value)
 
 
 def test_autoscaling_needs_groups() -> None:
     with pytest.raises(helm.HelmError, match="set engineGroups to 2 or more"):
-        renderer.render({"autoscaling": {"enabled": True}})
+        renderer.render(gpu_ok({"autoscaling": {"enabled": True}}))
+
+
+def _container(objs: list[dict], name: str, container: str) -> tuple[dict, dict]:
+    """(pod spec, the named container) of Deployment `name`."""
+    spec = one(objs, "Deployment", name)["spec"]["template"]["spec"]
+    return spec, next(c for c in spec["containers"] if c["name"] == container)
+
+
+def _secret_volume(spec: dict, mount_path: str, container: dict) -> dict:
+    """The Secret volume a container mounts at `mount_path`."""
+    name = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == mount_path)
+    return next(v for v in spec["volumes"] if v["name"] == name)["secret"]
+
+
+@pytest.mark.parametrize(
+    ("name", "scheduler"), [("keys-tls", "minedraft-scheduler"), ("groups-keys-tls", "minedraft-group")]
+)
+def test_the_gateway_checks_the_keys_and_reaches_the_schedulers_with_its_own(name: str, scheduler: str) -> None:
+    """The clients' keys are checked at the gateway; the schedulers accept the gateway's own key, a file from
+    the same Secret; the gateway serves TLS on gRPC and HTTP, probed over HTTPS."""
+    objs = render(name)
+    spec, gateway = _container(objs, "minedraft-gateway", "gateway")
+    args = _gateway_args(objs)
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["MINEDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-keys"}
+    key_file = args["backend_api_key_file"]
+    assert _secret_volume(spec, str(Path(key_file).parent), gateway) == {
+        "secretName": "keys",
+        "defaultMode": 0o440,
+        "items": [{"key": "gateway-key", "path": Path(key_file).name}],
+    }
+    assert env["MINEDRAFT_TLS_CERT"]["value"] == "/etc/minedraft/tls/tls.crt"
+    assert _secret_volume(spec, "/etc/minedraft/tls", gateway)["secretName"] == "certs"
+    assert int(args["http_port"]) == 8000
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    ports = {p["name"]: p for p in one(objs, "Service", "minedraft-gateway")["spec"]["ports"]}
+    assert (ports["http"]["port"], ports["http"]["appProtocol"], ports["grpc"]["port"]) == (8000, "https", 50051)
+    pod, container = _container(objs, scheduler, "scheduler")
+    scheduler_args = build_parser().parse_args(container["args"])
+    assert scheduler_args.api_key_file == [key_file]
+    assert _secret_volume(pod, str(Path(key_file).parent), container)["items"] == [
+        {"key": "gateway-key", "path": "key"}
+    ]
+    if name == "keys-tls":  # the one scheduler serves TLS: the gateway trusts the Secret's CA, by the Service's name
+        assert (args["backend_tls_ca"], args["backend_tls_server_name"]) == ("/etc/minedraft/tls/ca.crt",
+                                                                             "minedraft-scheduler")  # fmt: skip
+    else:  # the groups' schedulers serve the gateway in plaintext inside the cluster
+        assert args["backend_tls_ca"] is None
+
+
+def test_the_gateway_serves_http_by_default() -> None:
+    objs = render("default")
+    assert int(_gateway_args(objs)["http_port"]) == 8000
+    ports = {p["name"]: p["port"] for p in one(objs, "Service", "minedraft-gateway")["spec"]["ports"]}
+    assert ports == {"grpc": 50051, "http": 8000}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"tls": {"existingSecret": "c"}, "gateway": {"httpPort": 0}}, "TLS needs gateway.httpPort"),
+        ({"apiKeys": {"existingSecret": "k", "gatewayKey": ""}}, "needs apiKeys.gatewayKey"),
+    ],
+)
+def test_keys_and_tls_refuse_what_cannot_work(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        renderer.render(gpu_ok(values))

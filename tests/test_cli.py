@@ -62,9 +62,35 @@ def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["scheduler", "--model", "/nonexistent/checkpoint"], "--model /nonexistent/checkpoint: no such folder"),
+        (["up", "--speculative-config", '{"model": "/nonexistent/draft"}'],
+         "--speculative-config's model /nonexistent/draft: no such folder"),
+        (["scheduler", "--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file /nonexistent/keys"),
+        (["up", "--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file /nonexistent/keys"),
+        (["gateway", "--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file /nonexistent/keys"),
+        (["gateway", "--backend-api-key-file", "/nonexistent/key"], "cannot read --backend-api-key-file"),
+        (["gateway", "--tls-cert", "/nonexistent/cert", "--tls-key", "/nonexistent/key"],
+         "cannot read --tls-cert /nonexistent/cert"),
+        (["gateway", "--backend-tls-ca", "/nonexistent/ca"], "cannot read --backend-tls-ca /nonexistent/ca"),
+        (["gateway", "--tokenizer", "/nonexistent/target"], "--tokenizer /nonexistent/target: no such folder"),
+    ],
+)  # fmt: skip
+def test_a_missing_file_is_one_line_naming_the_flag(args: list[str], message: str) -> None:
+    """Before anything starts: exit code 2, one line on stderr, no traceback."""
+    extra = {"scheduler": ["--verifier", "127.0.0.1:1"], "gateway": ["--backend", "127.0.0.1:1"], "up": []}
+    result = _minedraft(*args, *extra[args[0]], "--port", "0")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"minedraft {args[0]}: "), result.stderr
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize(
     ("service", "flag"),
     [("scheduler", "--port"), ("scheduler", "--metrics-port"), ("scheduler", "--http-port"), ("verifier", "--port"),
-     ("gateway", "--port"), ("up", "--metrics-port")],  # fmt: skip
+     ("gateway", "--port"), ("gateway", "--http-port"), ("up", "--metrics-port")],  # fmt: skip
 )
 def test_a_taken_port_is_one_line_naming_the_flag(service: str, flag: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -79,7 +105,8 @@ def test_a_taken_port_is_one_line_naming_the_flag(service: str, flag: str) -> No
         if service == "up":
             args += ["--metrics-port", ports["--metrics-port"]]
         if service == "gateway":
-            args += ["--tokenizer", str(BUNDLED_TARGET), "--backend", "127.0.0.1:1"]
+            args += ["--tokenizer", str(BUNDLED_TARGET), "--backend", "127.0.0.1:1",
+                     "--http-port", ports["--http-port"]]  # fmt: skip
         result = _minedraft(*args)
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port} ({flag})" in result.stderr

@@ -22,7 +22,7 @@ from minedraft.launcher import free_port
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- runnable -->"
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PORTS = ("50051", "8000", "9090")
+PORTS = ("50051", "8000", "7450")
 _BLOCK = re.compile(re.escape(MARKER) + r"\n```(?:bash|sh|shell)\n(.*?)\n```", re.S)
 
 

@@ -46,7 +46,7 @@ def test_backends_follow_the_ready_endpoints_of_the_service(api_double) -> None:
         )
         try:
             await _until(pool, {"10.0.0.1:50051", "10.0.0.2:50051"})  # listed; the other Service is not ours
-            assert pool.backends["10.0.0.1:50051"].metrics_url == "http://10.0.0.1:9090/metrics"  # its queue
+            assert pool.backends["10.0.0.1:50051"].metrics_url == "http://10.0.0.1:7450/metrics"  # its queue
             api_double.put(endpoint_slice("sched-b", "minedraft-scheduler", [("10.0.1.1", True), ("10.0.1.2", False)]))
             await _until(pool, {"10.0.0.1:50051", "10.0.0.2:50051", "10.0.1.1:50051"})  # watched: only ready ones
             api_double.put(endpoint_slice("sched-a", "minedraft-scheduler", [("10.0.0.1", True), ("10.0.0.2", False)]))

@@ -46,7 +46,7 @@ def test_the_schedulers_queue_counts_what_other_gateways_sent() -> None:
 @pytest.mark.parametrize(
     ("spec", "parsed"),
     [("10.0.0.1:50051", ("10.0.0.1:50051", None)),
-     ("sched:50051@9090", ("sched:50051", "http://sched:9090/metrics"))],
+     ("sched:50051@7450", ("sched:50051", "http://sched:7450/metrics"))],
 )  # fmt: skip
 def test_backend_specs(spec: str, parsed) -> None:
     assert parse_backend(spec) == parsed

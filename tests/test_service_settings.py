@@ -13,17 +13,25 @@ import pytest
 from minedraft.cli import _settings, _up_stack, build_parser
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.launcher import child_env
-from minedraft.settings import GatewaySettings, SchedulerSettings, ServiceSettings, WorkerSettings
+from minedraft.settings import (
+    BACKEND_API_KEY_ENV,
+    GatewaySettings,
+    PublicApiSettings,
+    SchedulerSettings,
+    ServiceSettings,
+    WorkerSettings,
+)
 
 SCHEDULER = SchedulerSettings(
     http_port=8123, served_model_name="tiny", tls_cert="cert.pem", tls_key="key.pem", max_prompt_bytes=4096,
     max_waiting_requests=7, metrics_port=9300, startup_timeout=77.0, worker_wait=11.0, join_timeout=12.0,
     request_drain_timeout=5.0, step_deadline_floor=13.0, max_steps_in_flight=1, log_stats_interval=3.0,
 )  # fmt: skip
-# `up --engine-groups N` serves gRPC through the gateway only: no HTTP port or TLS there
+# `up --engine-groups N`: the gateway is the public edge (HTTP port, TLS); the groups serve gRPC to it alone
 GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
 WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0)
-GATEWAY = GatewaySettings(placement_timeout=3.0)
+PUBLIC = {name: getattr(SCHEDULER, name) for name in PublicApiSettings.model_fields}  # up's flags for both
+GATEWAY = GatewaySettings(placement_timeout=3.0, backend_tls_ca="ca.pem", backend_tls_server_name="groups", **PUBLIC)
 
 
 @pytest.fixture(autouse=True)
@@ -67,18 +75,27 @@ def test_every_service_setting_reaches_every_process_of_up() -> None:
 
 
 def test_every_service_setting_reaches_every_process_of_up_with_engine_groups() -> None:
-    scheduler = _off_default(GROUPS_SCHEDULER, "http_port", "tls_cert", "tls_key")
-    worker, gateway = _off_default(WORKER), _off_default(GATEWAY)
-    stack = _up("--engine-groups", "3", *_flags(scheduler), *_flags(worker), *_flags(gateway))
+    scheduler, worker = _off_default(SCHEDULER), _off_default(WORKER)
+    gateway = _off_default(GATEWAY, "backend_tls_ca", "backend_tls_server_name")  # up's groups serve plaintext
+    gateway = gateway.model_copy(update={"backend_tls_ca": None, "backend_tls_server_name": None})
+    stack = _up("--engine-groups", "3", *_flags(scheduler), *_flags(worker), "--placement-timeout", "3",
+                "--api-key", "secret-1")  # fmt: skip
     assert len(stack.groups) == 3
     for i, group in enumerate(stack.groups):
-        expected = scheduler.model_copy(update={"metrics_port": scheduler.metrics_port + i})
+        expected = GROUPS_SCHEDULER.model_copy(update={"metrics_port": scheduler.metrics_port + i})
         assert _child(group.commands["scheduler"], SchedulerSettings) == expected
         for name in ("verifier", "drafter"):
             assert _child(group.commands[name], WorkerSettings) == worker
     command = stack.gateway_command()
     assert command[1:3] == ["-m", "minedraft"]
     assert _child(command[3:], GatewaySettings) == gateway
+    # the gateway checks the clients' key; the groups take only the gateway's own, made for this stack
+    env = stack.gateway_env({})
+    assert env[API_KEYS_ENV] == "secret-1"
+    assert {group._scheduler_env({})[API_KEYS_ENV] for group in stack.groups} == {env[BACKEND_API_KEY_ENV]}
+    assert env[BACKEND_API_KEY_ENV] != "secret-1"
+    commands = [command] + [args for group in stack.groups for args in group.commands.values()]
+    assert all(secret not in arg for args in commands for arg in args for secret in env.values())
 
 
 def test_up_with_engine_groups_gives_the_schedulers_the_drain_timeout(capsys) -> None:
@@ -90,9 +107,9 @@ def test_up_with_engine_groups_gives_the_schedulers_the_drain_timeout(capsys) ->
     assert "--drain-timeout is deprecated, use --request-drain-timeout" in capsys.readouterr().err
 
 
-def test_up_with_engine_groups_refuses_what_only_one_group_serves() -> None:
-    with pytest.raises(ValueError, match="gateway only"):
-        _up("--engine-groups", "2", "--http-port", "8000")
+def test_up_with_engine_groups_refuses_tls_toward_its_plaintext_groups() -> None:
+    with pytest.raises(ValueError, match="--backend-tls-ca"):
+        _up("--engine-groups", "2", "--backend-tls-ca", "ca.pem")
 
 
 @pytest.mark.parametrize(
@@ -120,7 +137,7 @@ def test_flags_override_the_json_and_the_environment(monkeypatch) -> None:
 
 def test_children_do_not_inherit_setting_variables() -> None:
     """A child gets its settings whole; the launcher's MINEDRAFT_METRICS_PORT would override group i's port."""
-    env = {"MINEDRAFT_METRICS_PORT": "9090", "MINEDRAFT_DRAIN_TIMEOUT": "1", "MINEDRAFT_MAX_NUM_SEQS": "2",
+    env = {"MINEDRAFT_METRICS_PORT": "7450", "MINEDRAFT_DRAIN_TIMEOUT": "1", "MINEDRAFT_MAX_NUM_SEQS": "2",
            API_KEYS_ENV: "k", "PATH": "/bin"}  # fmt: skip
     assert child_env(env) == {API_KEYS_ENV: "k", "PATH": "/bin"}
 

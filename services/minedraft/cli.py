@@ -16,8 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from minedraft.settings import (
+    BACKEND_API_KEY_ENV,
     GatewaySettings,
     ListenError,
+    PublicApiSettings,
     SchedulerSettings,
     ServiceSettings,
     StartupError,
@@ -74,14 +76,15 @@ def _is_union(annotation: Any) -> bool:
 
 def _add_model_args(
     parser: argparse.ArgumentParser, model: type[BaseModel], whole: str, title: str,
-    base: dict[str, Any] | None = None, aliases: bool = True,
+    base: dict[str, Any] | None = None, aliases: bool = True, shared: typing.Collection[str] = (),
 ) -> None:  # fmt: skip
     """One flag per field of `model`, its help and default from the field, plus --<whole> for all of it as JSON.
 
     Every flag defaults to None ("not given"): `_model_from_args` then takes the value from the flag, else from
     its MINEDRAFT_<FIELD> variable, else from --<whole> (MINEDRAFT_<WHOLE>), else the model's default. So
     defaults live in one place, the pydantic model (`base`: a command's own defaults, e.g. up's). `aliases`:
-    also accept the model's deprecated field names.
+    also accept the model's deprecated field names. `shared`: fields whose flags another model of the same
+    command has already added (both models read them).
     """
     group = parser.add_argument_group(f"{title} (each flag also reads MINEDRAFT_<FLAG>)")
     group.add_argument(
@@ -90,6 +93,8 @@ def _add_model_args(
         f"its keys [env {_field_env(whole)}]",
     )  # fmt: skip
     for name, field in model.model_fields.items():
+        if name in shared:
+            continue
         default = (base or {}).get(name, field.default)
         default = "none" if default is None else default if isinstance(default, str) else json.dumps(default)
         group.add_argument(
@@ -164,6 +169,26 @@ def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
     return _model_from_args(args, EngineConfig, "engine_config", base)
 
 
+def _check_model_folders(config, target: bool = True, draft: bool = True) -> None:
+    """The models this process loads, where given as paths, must be folders here (a hub id is resolved, or
+    refused, where it is loaded). A scheduler reads only the target's tokenizer, a drafter only the draft."""
+    from minedraft.model.hub import is_hub_id
+
+    spec = config.speculative_config
+    given = [("--model", config.model if target else None),
+             ("--speculative-config's model", spec.model if spec and draft else None)]  # fmt: skip
+    for flag, model in given:
+        if model and not is_hub_id(model) and not Path(model).expanduser().is_dir():
+            raise ValueError(f"{flag} {model}: no such folder (give a checkpoint folder, or a Hugging Face id such "
+                             "as Qwen/Qwen3-8B: `huggingface-cli download <id>` fetches it into the local cache)")
+
+
+def _check_tls_files(settings: PublicApiSettings) -> None:
+    for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
+        if path:
+            _read_flag_file(flag, path)
+
+
 def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
     from minedraft.config import EngineConfig
 
@@ -172,9 +197,10 @@ def _explicit_engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _add_settings_args(
-    parser: argparse.ArgumentParser, model: type[ServiceSettings], title: str, aliases: bool = True
-) -> None:
-    _add_model_args(parser, model, model.json_name, title, aliases=aliases)
+    parser: argparse.ArgumentParser, model: type[ServiceSettings], title: str, aliases: bool = True,
+    shared: typing.Collection[str] = (),
+) -> None:  # fmt: skip
+    _add_model_args(parser, model, model.json_name, title, aliases=aliases, shared=shared)
 
 
 def _settings(args: argparse.Namespace, model: type[SettingsT], aliases: bool = True) -> SettingsT:
@@ -219,7 +245,32 @@ def _add_api_key_args(parser: argparse.ArgumentParser) -> None:
 def _api_keys(args: argparse.Namespace):
     from minedraft.frontends.auth import ApiKeys
 
-    return ApiKeys.load(args.api_key, args.api_key_file)
+    try:
+        return ApiKeys.load(args.api_key, args.api_key_file)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-key-file {getattr(exc, 'filename', None) or args.api_key_file}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None  # fmt: skip
+
+
+def _backend_access(args: argparse.Namespace, settings: GatewaySettings):
+    """How the gateway reaches the schedulers: its own key (--backend-api-key-file, else
+    $MINEDRAFT_BACKEND_API_KEY) and the certificates it trusts for their TLS."""
+    from minedraft.gateway.pool import BackendAccess
+
+    key = os.environ.get(BACKEND_API_KEY_ENV, "").strip() or None
+    if args.backend_api_key_file:
+        key = _read_flag_file("--backend-api-key-file", args.backend_api_key_file).decode().strip()
+        if not key:
+            raise ValueError(f"--backend-api-key-file {args.backend_api_key_file} is empty")
+    ca = _read_flag_file("--backend-tls-ca", settings.backend_tls_ca) if settings.backend_tls_ca else None
+    return BackendAccess(api_key=key, tls_ca=ca, tls_server_name=settings.backend_tls_server_name)
+
+
+def _read_flag_file(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float = 1.0, max_tokens: int = 16) -> None:
@@ -509,8 +560,10 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from minedraft.serving import configure_logging
     from minedraft.verifier.service import serve_verifier
 
+    config = _engine_config(args)
+    _check_model_folders(config, draft=False)
     configure_logging(args.log_level)
-    serve_verifier(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
+    serve_verifier(config, _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
@@ -518,8 +571,10 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.drafter.service import serve_drafter
     from minedraft.serving import configure_logging
 
+    config = _engine_config(args)
+    _check_model_folders(config, target=False)
     configure_logging(args.log_level)
-    serve_drafter(_engine_config(args), _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
+    serve_drafter(config, _dist_config(args), _settings(args, WorkerSettings), args.host, args.port)
     return 0
 
 
@@ -527,9 +582,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from minedraft.scheduler_server import PublicApi, serve_scheduler
     from minedraft.serving import configure_logging
 
-    configure_logging(args.log_level)
     api = PublicApi(_settings(args, SchedulerSettings), host=args.host, port=args.port, api_keys=_api_keys(args))
-    asyncio.run(serve_scheduler(_engine_config(args), api, verifier=args.verifier, drafter=args.drafter))
+    _check_tls_files(api.settings)
+    config = _engine_config(args)
+    _check_model_folders(config, draft=False)
+    configure_logging(args.log_level)
+    asyncio.run(serve_scheduler(config, api, verifier=args.verifier, drafter=args.drafter))
     return 0
 
 
@@ -543,17 +601,23 @@ def _up_stack(args: argparse.Namespace):
     from minedraft.launcher import LocalStack
 
     config = _engine_config(args, base=UP_DEFAULTS)
+    _check_model_folders(config)
     if args.engine_groups < 1:
         raise ValueError(f"--engine-groups must be >= 1, got {args.engine_groups}")
     scheduler, keys = _settings(args, SchedulerSettings), _api_keys(args)
+    _check_tls_files(scheduler)
     options = {"host": args.host, "port": args.port, "log_level": args.log_level, "scheduler": scheduler,
                "worker": _settings(args, WorkerSettings, aliases=False)}  # fmt: skip
     if args.engine_groups == 1:
         return LocalStack(config, **options, api_keys=keys.keys)
-    if scheduler.http_port or keys.enabled or scheduler.tls_cert:
-        raise ValueError("--engine-groups > 1 serves gRPC through the gateway only: no --http-port, API keys or "
-                         "TLS there yet")  # fmt: skip
-    return GatewayStack(config, args.engine_groups, **options, gateway=_settings(args, GatewaySettings))
+    # The gateway is the public edge: it takes the public flags; the groups behind it serve gRPC to it alone,
+    # in plaintext on this machine.
+    gateway = _settings(args, GatewaySettings)
+    if gateway.backend_tls_ca or gateway.backend_tls_server_name:
+        raise ValueError("--backend-tls-ca and --backend-tls-server-name do not apply to up: its engine groups "
+                         "serve the gateway in plaintext on this machine (--tls-cert puts TLS on the gateway)")
+    options["scheduler"] = scheduler.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
+    return GatewayStack(config, args.engine_groups, **options, gateway=gateway, api_keys=keys.keys)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -566,7 +630,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         groups = f", {args.engine_groups} engine groups behind a gateway" if args.engine_groups > 1 else ""
         print(f"MineDraft ({stack.config.mode.value}{groups}) is serving on {stack.address}; Ctrl-C stops it",
               flush=True)  # fmt: skip
-        if args.engine_groups == 1 and stack.http_url:
+        if stack.http_url:
             print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
         metrics_port = _settings(args, SchedulerSettings).metrics_port
         if metrics_port:
@@ -597,18 +661,23 @@ def _backends(value: list[str] | str | None) -> list[str]:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from minedraft.config import EngineConfig
-    from minedraft.gateway.service import serve_gateway
+    from minedraft.gateway.service import GatewayApi, serve_gateway
     from minedraft.serving import configure_logging
 
     if bool(_backends(args.backend)) == bool(args.k8s_service):
         raise ValueError("give the engine groups either as --backend HOST:PORT (repeatable) or as --k8s-service")
+    settings = _settings(args, GatewaySettings)
+    _check_tls_files(settings)
+    api = GatewayApi(settings, host=args.host, port=args.port, api_keys=_api_keys(args),
+                     access=_backend_access(args, settings))  # fmt: skip
+    tokenizer = args.tokenizer or str(EngineConfig().target_path)
+    if not Path(tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {tokenizer}: no such folder (the target checkpoint's, with tokenizer.json)")
     configure_logging(args.log_level)
     asyncio.run(
         serve_gateway(
-            tokenizer_path=args.tokenizer or str(EngineConfig().target_path), host=args.host, port=args.port,
-            backends=_backends(args.backend),
-            k8s_service=args.k8s_service, namespace=args.namespace, port_name=args.port_name,
-            placement_timeout_s=_settings(args, GatewaySettings).placement_timeout,
+            api, tokenizer_path=tokenizer, backends=_backends(args.backend), k8s_service=args.k8s_service,
+            namespace=args.namespace, port_name=args.port_name,
         )
     )  # fmt: skip
     return 0
@@ -762,7 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-url",
         default=None,
         help="--target / --base-url: a MineDraft scheduler's Prometheus endpoint (e.g. "
-        "http://127.0.0.1:9090/metrics), scraped before and after the run for step times, overhead and overlap",
+        "http://127.0.0.1:7450/metrics), scraped before and after the run for step times, overhead and overlap",
     )
     online.add_argument(
         "--json", metavar="FILE", default=None, help="also write the figures as JSON (vLLM's keys: mean_ttft_ms, ...)"
@@ -810,12 +879,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_args(up)
     _add_settings_args(up, SchedulerSettings, "scheduler (of every engine group; metrics port: group i gets port + i)")
     _add_settings_args(up, WorkerSettings, "workers (drafter and verifier of every engine group)", aliases=False)
-    _add_settings_args(up, GatewaySettings, "gateway (with --engine-groups above 1)")
+    _add_settings_args(up, GatewaySettings, "gateway (with --engine-groups above 1: it serves the public flags "
+                       "above, --http-port, keys and TLS)", shared=PublicApiSettings.model_fields)
     up.set_defaults(func=cmd_up)
 
     gateway = sub.add_parser(
         "gateway",
-        help="run the gateway: the public gRPC API in front of N engine groups, with request migration",
+        help="run the gateway: the public gRPC and OpenAI HTTP APIs in front of N engine groups, with request "
+        "migration",
         description="Routes each request to the serving engine group (scheduler) with the least outstanding work "
         "and, when that group fails mid-request, resubmits prompt + tokens streamed so far to another one; the "
         "client's stream continues. Stateless: run as many replicas as you like.",
@@ -828,6 +899,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(gateway, "--port-name", "grpc", help="the scheduler port's name in the EndpointSlices")
     _add(gateway, "--tokenizer", None, help="folder of the target's tokenizer.json (text is "
          "derived at the gateway, exact across a migration); default: the bundled target")  # fmt: skip
+    _add_api_key_args(gateway)
+    gateway.add_argument(
+        "--backend-api-key-file", default=None, help="file with the gateway's own API key, sent to the schedulers "
+        f"(never a client's key); also from ${BACKEND_API_KEY_ENV}. None: the schedulers take no key",
+    )  # fmt: skip
     _add_settings_args(gateway, GatewaySettings, "gateway")
     gateway.set_defaults(func=cmd_gateway)
 

@@ -31,6 +31,7 @@ class Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent_tokens: int = 0
+    last_output_at: float | None = None  # time.monotonic() of the last step that gave this request tokens
     on_start: Callable[[], None] | None = None  # run on the event loop once the request leaves the waiting queue
 
     def put(self, item: StreamItem | BaseException) -> None:

@@ -59,6 +59,14 @@ VLLM_NAMES = {
     NUM_REQUESTS_RUNNING: "vllm:num_requests_running",
     PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
+    "minedraft:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "minedraft:num_preemptions": "vllm:num_preemptions",
+    "minedraft:prompt_tokens": "vllm:prompt_tokens",
+    "minedraft:time_between_outputs_seconds": "vllm:inter_token_latency_seconds",
+    "minedraft:request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "minedraft:request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "minedraft:request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "minedraft:request_inference_time_seconds": "vllm:request_inference_time_seconds",
 }
 _VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's label name on request_success
 
@@ -117,6 +125,22 @@ class Metrics:
         self.e2e = Histogram(
             "minedraft:e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.output_gap = Histogram(
+            "minedraft:time_between_outputs_seconds", "Time between a request's consecutive outputs (one per step "
+            "that gave it tokens, however many)", buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "minedraft:prompt_tokens", "Prompt tokens of the requests that got their first token", registry=r
+        )
+        self.phases = {
+            phase: Histogram(f"minedraft:request_{phase}_time_seconds", help_text, buckets=_LATENCY_BUCKETS, registry=r)
+            for phase, help_text in (
+                ("queue", "Time from arrival to the first step that ran the request"),
+                ("prefill", "Time from the request's first step to its first token"),
+                ("decode", "Time from the request's first token to its end"),
+                ("inference", "Time from the request's first step to its end"),
+            )
+        }
         self.waiting = Gauge(NUM_REQUESTS_WAITING, "Requests waiting for a batch", registry=r)
         self.running = Gauge(NUM_REQUESTS_RUNNING, "Requests in a batch", registry=r)
         self.kv_usage = Gauge(
@@ -224,6 +248,13 @@ class Metrics:
         self.plain_steps.inc(controller.num_plain - plain)
         self._choices_seen = (controller, dict(controller.windows), controller.num_plain)
 
+    def record_output(self, request: Request, gap_s: float | None) -> None:
+        """A step gave `request` tokens; `gap_s`: the time since its previous output (None: the first)."""
+        if gap_s is None:
+            self.prompt_tokens.inc(len(request.prompt_ids))
+        else:
+            self.output_gap.observe(gap_s)
+
     def record_finished(self, request: Request) -> None:
         self.requests.labels(finish_reason=request.finish_reason or "unknown").inc()
         if request.first_token_time is None or request.finish_time is None:
@@ -232,6 +263,12 @@ class Metrics:
         self.e2e.observe(request.finish_time - request.arrival_time)
         if len(request.output_ids) > 1:
             self.itl.observe((request.finish_time - request.first_token_time) / (len(request.output_ids) - 1))
+        self.phases["decode"].observe(request.finish_time - request.first_token_time)
+        started = request.scheduled_time
+        if started is not None:
+            self.phases["queue"].observe(started - request.arrival_time)
+            self.phases["prefill"].observe(request.first_token_time - started)
+            self.phases["inference"].observe(request.finish_time - started)
 
 
 class _Everything(Collector):

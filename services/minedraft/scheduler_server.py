@@ -7,14 +7,11 @@ runs in its own thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import socket
 from dataclasses import dataclass, field
 
 import grpc
-import uvicorn
 from grpc_health.v1.health import aio as health_aio
 
 from minedraft.config import EngineConfig
@@ -23,15 +20,15 @@ from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer
+from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
-from minedraft.model.hub import is_hub_id
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
-from minedraft.settings import ListenError, SchedulerSettings
+from minedraft.settings import SchedulerSettings, served_model_name
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -58,13 +55,6 @@ def build_engine(
     )  # fmt: skip
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn as one task in our event loop: the scheduler owns SIGINT/SIGTERM, not uvicorn."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
 async def _start_grpc(
     api: PublicApi, servicer: MineDraftServicer, health: health_aio.HealthServicer
 ) -> grpc.aio.Server:
@@ -78,44 +68,6 @@ async def _start_grpc(
     log.info("gRPC API on %s:%d%s (NOT_SERVING until the workers are ready)", api.host, bound,
              " with TLS" if settings.tls_cert else "")  # fmt: skip
     return server
-
-
-async def _start_http(api: PublicApi, frontend: OpenAIFrontend) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
-    settings = api.settings
-    config = uvicorn.Config(
-        frontend.app(), host=api.host, port=settings.http_port, ssl_certfile=settings.tls_cert,
-        ssl_keyfile=settings.tls_key,
-        lifespan="off", access_log=False, log_level="warning",
-    )  # fmt: skip
-    server = _EmbeddedUvicorn(config)
-    sock = _listen("--http-port", api.host, settings.http_port)  # ours: uvicorn would sys.exit on a taken port
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="openai-http")
-    while not server.started:
-        if task.done():
-            task.result()
-            raise OSError(f"the HTTP server on {api.host}:{settings.http_port} stopped while starting")
-        await asyncio.sleep(0.05)
-    log.info("OpenAI HTTP API on %s://%s:%d", "https" if settings.tls_cert else "http", api.host, settings.http_port)
-    return server, task
-
-
-def _listen(flag: str, host: str, port: int) -> socket.socket:
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family)
-        # Accepted connections inherit this. asyncio sets it only on sockets whose proto is TCP, and
-        # create_server's is 0: without it, Nagle held each response's first event until the client's
-        # delayed ACK (about 40 ms more TTFT on every reused keep-alive connection).
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-    except OSError as exc:
-        raise ListenError(flag, f"{host}:{port}", exc.strerror or str(exc)) from exc
-
-
-async def _stop_http(http: tuple[_EmbeddedUvicorn, asyncio.Task] | None) -> None:
-    if http is not None:
-        http[0].force_exit = True
-        await http[1]
 
 
 class _Serving:
@@ -139,8 +91,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)
-    model_name = settings.served_model_name or (config.model if is_hub_id(config.model or "") else
-                                                config.target_path.name)  # fmt: skip
+    model_name = served_model_name(config, settings)
     metrics = Metrics(model_name=model_name)
     metrics.decoding.labels(**config.decoding()).set(1)
     if settings.metrics_port:
@@ -151,7 +102,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
         engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings)
     except BaseException:
-        await _stop_http(http)
+        await stop_http(http)
         await server.stop(grace=None)
         raise
     event_loop = asyncio.get_running_loop()
@@ -170,9 +121,9 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     await _until_signalled()
     await drain(state, loop, settings.request_drain_timeout)
     if http is not None:
-        http[0].should_exit = True  # stops accepting, lets open responses finish (uvicorn's graceful exit)
+        http.stop_accepting()
     await server.stop(grace=5)
-    await _stop_http(http)
+    await stop_http(http)
     engine.executor.close()
 
 
@@ -188,7 +139,7 @@ def _capacity(engine: LLMEngine) -> str:
 
 async def _start_openai(
     api: PublicApi, config: EngineConfig, generator: Generator, state: _Serving, metrics: Metrics, model_name: str
-) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
+) -> HttpServer:
     frontend = OpenAIFrontend(
         generator,
         served_model_name=model_name,
@@ -199,7 +150,9 @@ async def _start_openai(
         decoding=config.decoding(),
         max_body_bytes=api.settings.max_request_bytes,
     )
-    return await _start_http(api, frontend)
+    settings = api.settings
+    return await start_http(frontend.app(), api.host, settings.http_port,
+                            (settings.tls_cert, settings.tls_key) if settings.tls_cert else None)  # fmt: skip
 
 
 async def _until_signalled() -> None:

@@ -9,11 +9,17 @@ addresses, the gateway's backends) and secrets (API keys) are not settings: they
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
+
+if TYPE_CHECKING:
+    from minedraft.config import EngineConfig
+
+# The gateway's own API key toward the schedulers (a secret: from the environment or a file, never a setting).
+BACKEND_API_KEY_ENV = "MINEDRAFT_BACKEND_API_KEY"
 
 # Room in a gRPC message beyond the prompt's own bytes: sampling fields, stop strings, the request id.
 MESSAGE_HEADROOM_BYTES = 64 * 1024
@@ -42,12 +48,9 @@ class ServiceSettings(BaseModel):
     deprecated_names: ClassVar[dict[str, str]] = {}
 
 
-class SchedulerSettings(ServiceSettings):
-    """The scheduler: its public APIs (HTTP port, TLS, served name, input limits), metrics, and how it
-    waits for, recovers and drains its engine group."""
-
-    json_name = "scheduler_settings"
-    deprecated_names = {"drain_timeout": "request_drain_timeout"}
+class PublicApiSettings(ServiceSettings):
+    """What a service facing clients has (the scheduler, and the gateway in front of several): the HTTP port,
+    TLS on both public listeners, the served name and the input limits."""
 
     http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP API (and /metrics) port; 0 = off.")
     served_model_name: str | None = Field(
@@ -62,7 +65,28 @@ class SchedulerSettings(ServiceSettings):
         "request sizes.",
     )  # fmt: skip
     max_waiting_requests: int = Field(256, ge=0, description="Queued requests beyond this get RESOURCE_EXHAUSTED.")
-    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus port; 0 = off.")
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> PublicApiSettings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_prompt_bytes + MESSAGE_HEADROOM_BYTES
+
+
+class SchedulerSettings(PublicApiSettings):
+    """The scheduler: its public APIs (HTTP port, TLS, served name, input limits), metrics, and how it
+    waits for, recovers and drains its engine group."""
+
+    json_name = "scheduler_settings"
+    deprecated_names = {"drain_timeout": "request_drain_timeout"}
+
+    metrics_port: int = Field(
+        7450, ge=0, le=65535, description="Prometheus port; 0 = off. (Not 9090: that is the Prometheus server's own.)"
+    )
     startup_timeout: float = Field(1800.0, gt=0, description="Seconds to wait for the workers to load.")
     worker_wait: float = Field(
         300.0, ge=0, description="Seconds to hold requests while no verifier serves (it died and is restarting); "
@@ -86,16 +110,6 @@ class SchedulerSettings(ServiceSettings):
         "a step runs (no round trip between steps); 1 = wait for each step's results before planning the next.",
     )  # fmt: skip
 
-    @model_validator(mode="after")
-    def _check_tls(self) -> SchedulerSettings:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        return self
-
-    @property
-    def max_request_bytes(self) -> int:
-        return self.max_prompt_bytes + MESSAGE_HEADROOM_BYTES
-
 
 class WorkerSettings(ServiceSettings):
     """A drafter or verifier: how long it waits for a hung peer, and for the scheduler when it stops."""
@@ -113,14 +127,24 @@ class WorkerSettings(ServiceSettings):
     )  # fmt: skip
 
 
-class GatewaySettings(ServiceSettings):
-    """The gateway: how long a request may wait for an engine group."""
+class GatewaySettings(PublicApiSettings):
+    """The gateway: the public APIs as a scheduler serves them, how it reaches the engine groups' schedulers,
+    and how long a request may wait for one. (Its own credential toward them is a secret: a flag, not a
+    setting.)"""
 
     json_name = "gateway_settings"
 
     placement_timeout: float = Field(
         60.0, gt=0, description="Seconds a request without a deadline may wait for a serving engine group; then "
         "UNAVAILABLE.",
+    )  # fmt: skip
+    backend_tls_ca: str | None = Field(
+        None, description="PEM certificates the gateway trusts for the schedulers' TLS (their issuer, or their "
+        "own self-signed certificate); set: the gateway reaches them over TLS.",
+    )  # fmt: skip
+    backend_tls_server_name: str | None = Field(
+        None, description="Name the schedulers' certificate must carry, when they are reached by IP address "
+        "(as discovered from EndpointSlices); none: the address itself.",
     )  # fmt: skip
 
 
@@ -133,3 +157,13 @@ def settings_flags(*settings: ServiceSettings) -> list[str]:
     for model in settings:
         flags += ["--" + model.json_name.replace("_", "-"), model.model_dump_json()]
     return flags
+
+
+def served_model_name(config: EngineConfig, settings: PublicApiSettings) -> str:
+    """The model name the public APIs serve: --served-model-name, else the hub id the model was given as,
+    else the target checkpoint's folder name."""
+    from minedraft.model.hub import is_hub_id
+
+    if settings.served_model_name:
+        return settings.served_model_name
+    return config.model if config.model and is_hub_id(config.model) else config.target_path.name

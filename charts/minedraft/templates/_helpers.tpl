@@ -84,6 +84,14 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 */}}
 {{- define "minedraft.validate" -}}
 {{- $m := .Values.models }}
+{{- if and (include "minedraft.gpu" .) (not $m.allowBundledOnGpus) }}
+{{- if not $m.target }}
+{{- fail (printf "no model named: models.target is empty, so the verifier would load the bundled development pair (a model of a few MB) onto %d GPUs and the drafter onto 1. Name your checkpoints: models.target and models.draft on a model volume (models.download fetches Hub ids into it), or use -f values-cpu.yaml for the CPU profile (models.allowBundledOnGpus=true renders it on GPUs anyway, as a smoke test)" (int .Values.verifier.tensorParallelSize)) }}
+{{- end }}
+{{- if and (include "minedraft.speculative" .) (not $m.draft) (not (.Values.speculativeConfig).model) }}
+{{- fail "no draft named: models.draft is empty, so the drafter would load the bundled development draft beside your target. Name the draft (models.draft on the model volume, or speculativeConfig.model), or set speculativeConfig: null for plain decoding" }}
+{{- end }}
+{{- end }}
 {{- $usesVolume := or $m.target $m.draft }}
 {{- if and $usesVolume (eq $m.volume.type "none") }}
 {{- fail "models.target/models.draft name folders on the model volume: set models.volume.type to existingClaim, createClaim or emptyDir (or leave both empty for the bundled models)" }}
@@ -127,6 +135,12 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- end }}
 {{- if and (include "minedraft.tlsSecret" .) (not .Values.scheduler.httpPort) }}
 {{- fail "TLS needs scheduler.httpPort: the scheduler's probes check /health over HTTPS (Kubernetes' gRPC probes cannot use TLS)" }}
+{{- end }}
+{{- if and (include "minedraft.tlsSecret" .) .Values.gateway.enabled (not .Values.gateway.httpPort) }}
+{{- fail "TLS needs gateway.httpPort: the gateway's probes check /health over HTTPS (Kubernetes' gRPC probes cannot use TLS)" }}
+{{- end }}
+{{- if and .Values.apiKeys.existingSecret .Values.gateway.enabled (not .Values.apiKeys.gatewayKey) }}
+{{- fail "apiKeys.existingSecret with the gateway on needs apiKeys.gatewayKey: the key (in that Secret) of the gateway's own API key toward the schedulers" }}
 {{- end }}
 {{- if and $m.draft (not (include "minedraft.speculative" .)) }}
 {{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
@@ -229,6 +243,31 @@ grpc:
   port: {{ .port }}
   service: ""
 {{- end }}
+{{- end }}
+
+{{/* Where a container finds the gateway's own API key (the one key the gateway sends to the schedulers,
+     never a client's); "" when no API keys are configured or there is no gateway. */}}
+{{- define "minedraft.gatewayKeyFile" -}}
+{{- if and .Values.apiKeys.existingSecret .Values.gateway.enabled -}}
+/etc/minedraft/gateway-key/key
+{{- end }}
+{{- end }}
+
+{{/* The volume of that file: the apiKeys Secret, its gatewayKey entry only. */}}
+{{- define "minedraft.gatewayKeyVolume" -}}
+- name: gateway-key
+  secret:
+    secretName: {{ .Values.apiKeys.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.apiKeys.gatewayKey }}
+        path: key
+{{- end }}
+
+{{- define "minedraft.gatewayKeyMount" -}}
+- name: gateway-key
+  mountPath: /etc/minedraft/gateway-key
+  readOnly: true
 {{- end }}
 
 {{/* The Secret holding the scheduler's TLS certificate; "" = plaintext. */}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -110,6 +111,8 @@ class BatchManager:
 
     def _start(self, request: Request, index: int) -> Request:
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:  # a preempted request keeps its first
+            request.scheduled_time = time.monotonic()
         request.batch = index
         self.batches[index].append(request)
         return request

@@ -72,6 +72,7 @@ class Request:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_rejections: int = 0  # verifications that rejected a draft token (adaptive k reads its acceptance)
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when it first left the waiting queue for a batch
     first_token_time: float | None = None
     finish_time: float | None = None
     pending_drafts: int | None = None  # draft tokens the verifier holds for it, to verify; None = not drafted

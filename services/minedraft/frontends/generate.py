@@ -77,7 +77,7 @@ class Generator:
         `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
         (as Hugging Face tokenizes it)."""
         engine = self.check_ready()
-        self._check_prompt_size(prompt)
+        self.check_prompt_size(prompt)
         if request_id and request_id in self._client_ids:
             raise GenerateError(
                 ErrorKind.DUPLICATE, f"request_id {request_id!r} is already in flight; ids must be unique while running"
@@ -91,7 +91,7 @@ class Generator:
         # Reserve before the first await, so that concurrent requests see each other.
         generation = Generation(self, request_id or uuid.uuid4().hex, bool(request_id))
         try:
-            prompt_ids = await self._prompt_ids(prompt, add_special_tokens)
+            prompt_ids = await self.prompt_ids(prompt, add_special_tokens)
             self._check_request(engine, prompt_ids, params)
             engine.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
                         generation.sink)  # fmt: skip
@@ -101,7 +101,7 @@ class Generator:
         generation.prompt_ids = prompt_ids
         return generation
 
-    def _check_prompt_size(self, prompt: str | Sequence[int]) -> None:
+    def check_prompt_size(self, prompt: str | Sequence[int]) -> None:
         """Before tokenizing: a huge text costs seconds of CPU. (Token ids are bounded by max_model_len.)"""
         if not isinstance(prompt, str):
             return
@@ -117,7 +117,7 @@ class Generator:
         except ValueError as exc:
             raise GenerateError(ErrorKind.INVALID, f"prompt: {exc}") from None
 
-    async def _prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
+    async def prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
@@ -209,6 +209,8 @@ class Generation:
 
 
 def _as_generate_error(exc: BaseException) -> GenerateError:
+    if isinstance(exc, GenerateError):  # an engine client that knows the kind already (the gateway's)
+        return exc
     if isinstance(exc, ValueError):
         return GenerateError(ErrorKind.INVALID, str(exc))
     if isinstance(exc, EngineFailed):

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from minedraft.config import EngineConfig
+from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.launcher import LocalStack, child_env, free_port, scheduler_settings
-from minedraft.settings import GatewaySettings, SchedulerSettings, WorkerSettings, settings_flags
+from minedraft.settings import (
+    BACKEND_API_KEY_ENV,
+    GatewaySettings,
+    SchedulerSettings,
+    WorkerSettings,
+    served_model_name,
+    settings_flags,
+)
 from minedraft.supervision import supervised_child
 
 
@@ -28,6 +38,7 @@ class GatewayStack:
         scheduler: SchedulerSettings | None = None,
         worker: WorkerSettings | None = None,
         gateway: GatewaySettings | None = None,
+        api_keys: Sequence[str] = (),
         host: str = "127.0.0.1",
         port: int = 0,
         log_level: str = "INFO",
@@ -36,11 +47,15 @@ class GatewayStack:
         metrics_ports: list[int] | None = None,
     ) -> None:
         """Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
-        metrics_ports[i], else on scheduler.metrics_port + i (0 = off)."""
+        metrics_ports[i], else on scheduler.metrics_port + i (0 = off). With `api_keys` (the clients' keys,
+        checked by the gateway) the groups take one key only, made here for the gateway alone. With TLS on the
+        gateway, the start-up health checks trust its tls_cert (which must name `host`)."""
         if groups < 1:
             raise ValueError(f"engine groups must be >= 1, got {groups}")
         self.config = config
         scheduler = scheduler or scheduler_settings()
+        self._api_keys = list(api_keys)
+        self._backend_key = secrets.token_urlsafe(32) if api_keys else None
         base = scheduler.metrics_port
         metrics_ports = metrics_ports or [base + i if base else 0 for i in range(groups)]
         self.groups = [
@@ -51,12 +66,17 @@ class GatewayStack:
                 log_level=log_level,
                 log_dir=_group_dir(log_dir, i),
                 startup_timeout_s=startup_timeout_s,
+                api_keys=[self._backend_key] if self._backend_key else [],
             )
             for i in range(groups)
         ]
         self.settings = gateway or GatewaySettings()
+        if self.settings.served_model_name is None:  # the name the groups' schedulers serve
+            self.settings = self.settings.model_copy(update={"served_model_name": served_model_name(config, scheduler)})
         self.port = port or free_port()
         self.address = f"{host}:{self.port}"
+        scheme = "https" if self.settings.tls_cert else "http"
+        self.http_url = f"{scheme}://{host}:{self.settings.http_port}" if self.settings.http_port else None
         self._log_dir = log_dir
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -95,11 +115,21 @@ class GatewayStack:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
         out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
         options = supervised_child()
-        env = child_env(options.pop("env"))
+        env = self.gateway_env(child_env(options.pop("env")))
         self.gateway = subprocess.Popen(
             self.gateway_command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None, **options
         )
-        _wait_serving(self.address, self.gateway, self._startup_timeout_s)
+        _wait_serving(self.address, self.gateway, self._startup_timeout_s, self.settings.tls_cert)
+
+    def gateway_env(self, env: dict[str, str]) -> dict[str, str]:
+        """Keys through the environment (a command line is visible to every local user): the clients' keys,
+        and the gateway's own for the groups."""
+        env = {k: v for k, v in env.items() if k not in (API_KEYS_ENV, BACKEND_API_KEY_ENV)}
+        if self._api_keys:
+            env[API_KEYS_ENV] = ",".join(self._api_keys)
+        if self._backend_key:
+            env[BACKEND_API_KEY_ENV] = self._backend_key
+        return env
 
     def kill_group(self, index: int) -> None:
         for name in ("scheduler", "drafter", "verifier"):
@@ -150,13 +180,14 @@ def _group_dir(log_dir: Path | None, index: int) -> Path | None:
     return path
 
 
-def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:
+def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls_cert: str | None) -> None:
     import grpc
 
     from minedraft.serving import is_serving
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    credentials = grpc.ssl_channel_credentials(Path(tls_cert).read_bytes()) if tls_cert else None
+    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as channel:
         while not is_serving(channel, timeout_s=1):
             if process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with code {process.returncode} during start-up")

@@ -62,10 +62,33 @@ class Backend:
         self.sent_since_report = 0
 
 
+@dataclass(frozen=True)
+class BackendAccess:
+    """How the gateway reaches the schedulers: its own API key (sent on every call, never a client's) and,
+    for schedulers that serve TLS, the certificates it trusts and the name their certificate carries."""
+
+    api_key: str | None = None
+    tls_ca: bytes | None = None
+    tls_server_name: str | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        options = grpc_options()
+        if self.tls_ca is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options=options)
+
+
 class Pool:
     """The current set of backends; `set_addresses` applies what discovery reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, access: BackendAccess | None = None) -> None:
+        self.access = access or BackendAccess()
         self.backends: dict[str, Backend] = {}
         self._changed = asyncio.Event()
         self.on_change: list[Callable[[bool], None]] = []  # called with `any_serving` after every change
@@ -81,7 +104,7 @@ class Pool:
         self._notify()
 
     def _add(self, address: str, metrics_url: str | None) -> None:
-        channel = grpc.aio.insecure_channel(address, options=grpc_options())
+        channel = self.access.channel(address)
         backend = Backend(address, channel, generate_pb2_grpc.MineDraftStub(channel), metrics_url=metrics_url)
         loop = asyncio.get_running_loop()
         backend.tasks.append(loop.create_task(self._watch(backend)))

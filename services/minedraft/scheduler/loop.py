@@ -263,8 +263,11 @@ class EngineLoop:
             request.fail(f"streaming its output failed: {type(exc).__name__}: {exc}")
             self.engine.abort_request(request.request_id)
             new_ids, text = [], ""
-        if self.metrics:
+        if self.metrics and new_ids:
             self.metrics.generation_tokens.inc(len(new_ids))
+            now = time.monotonic()
+            self.metrics.record_output(request, None if sink.last_output_at is None else now - sink.last_output_at)
+            sink.last_output_at = now
         if request.finished:
             del self._sinks[request.request_id]
             self._left(request.request_id)

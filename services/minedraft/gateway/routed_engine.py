@@ -1,0 +1,76 @@
+"""The gateway's engine client: the OpenAI HTTP frontend runs over the engine groups through it.
+
+The HTTP app, its generate interface and their limits are the scheduler's own (`frontends/`); only the
+engine under them differs: a request submitted here goes through the gateway's `Router`, as a gRPC
+request does, so it is placed by least outstanding work and migrates when its group fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from minedraft.api import generate_pb2
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine_client import Sink, StreamItem
+from minedraft.frontends.generate import ErrorKind, GenerateError
+from minedraft.gateway.service import Migration, Refused, Router
+from minedraft.model.tokenizer import Tokenizer
+from minedraft.sampling.params import SamplingParams
+
+KINDS = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID,
+    grpc.StatusCode.ALREADY_EXISTS: ErrorKind.DUPLICATE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.BUSY,
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+}
+
+
+class RoutedEngine:
+    """An `engine_client.EngineClient` over the engine groups; `info` is a group's ServerInfo."""
+
+    failed: str | None = None  # a request waits for a serving group (up to --placement-timeout), as on gRPC
+
+    def __init__(self, router: Router, tokenizer: Tokenizer, info: generate_pb2.ServerInfo) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.info = info
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def kv_pool(self) -> tuple[int, int] | None:
+        return None  # each group has its own
+
+    # The engine's own checks, here before a group is asked: they read `max_model_len` and `tokenizer`,
+    # which this class has as the engine does.
+    check_request = LLMEngine.check_request
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
+               sink: Sink) -> None:  # fmt: skip
+        migration = Migration(request_id, prompt_ids, params, self.tokenizer)
+        task = asyncio.get_running_loop().create_task(self._stream(migration, sink), name=f"request-{request_id}")
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: the group's stream is cancelled, which frees its KV there."""
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _stream(self, migration: Migration, sink: Sink) -> None:
+        try:
+            async for reply in self.router.run(migration, _no_deadline, on_placed=sink.started):
+                finished = migration.mirror if migration.mirror.finished else None
+                sink.put(StreamItem(reply.text, list(reply.token_ids), finished))
+        except Refused as exc:
+            sink.put(GenerateError(KINDS.get(exc.code, ErrorKind.INTERNAL), exc.details))
+
+
+def _no_deadline() -> None:
+    return None
