@@ -85,9 +85,10 @@ def _renderer():
 
 def test_the_chart_renders_the_dashboard_for_grafanas_sidecar_when_asked() -> None:
     renderer = _renderer()
-    default = [m.obj for m in renderer.render({})]
+    smoke = {"models": {"allowBundledOnGpus": True}}  # the GPU defaults refuse the bundled pair otherwise
+    default = [m.obj for m in renderer.render(smoke)]
     assert not [o for o in default if o["metadata"]["name"].endswith("-dashboard")]
-    values = {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "MineDraft"}}}
+    values = {**smoke, "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "MineDraft"}}}
     (config_map,) = [m.obj for m in renderer.render(values) if m.obj["metadata"]["name"].endswith("-dashboard")]
     kubernetes_validate.validate(config_map, "1.35.0", strict=True)
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
