@@ -37,6 +37,15 @@ MODEL = "minedraft-target"  # the bundled target's folder name: the default serv
 PROMPTS = ["def main():", "import os\n\n\ndef read(path):", "class Stack:\n    def __init__(self):"]
 MAX_TOKENS = 24
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+# Each sampling option once (greedy): the served output must be the offline ar output with the same option.
+OPTIONS = [
+    {"presence_penalty": 1.5},
+    {"frequency_penalty": 1.2},
+    {"repetition_penalty": 1.5},
+    {"logit_bias": {"328": -100, "25": 3.0}},  # 328: the first token the prompt gets greedily
+    {"min_tokens": 3, "stop_token_ids": [328]},
+    {"min_p": 0.2, "presence_penalty": 0.8},
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +76,22 @@ def expected() -> dict[str, str]:
         outputs = llm.generate([*PROMPTS, list(chat_ids)], params)
     texts = [o.outputs[0].text for o in outputs]
     return {**dict(zip(PROMPTS, texts)), "chat": texts[-1]}
+
+
+def _offline_params(option: dict) -> SamplingParams:
+    bias = {int(t): b for t, b in option.get("logit_bias", {}).items()}
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **{**option, "logit_bias": bias})
+
+
+@pytest.fixture(scope="module")
+def expected_options() -> list[str]:
+    """Offline autoregressive text of PROMPTS[0] with each of OPTIONS."""
+    with LLM(device="cpu", batch_invariant=True) as llm:
+        plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+        texts = [o.outputs[0].text for o in llm.generate([PROMPTS[0]] * len(OPTIONS), [_offline_params(o) for o in
+                                                                                         OPTIONS])]  # fmt: skip
+    assert all(text != plain for text in texts), "each option must change the output, or the test proves nothing"
+    return texts
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +177,22 @@ def test_vllm_extras_and_stop_strings(client, expected) -> None:
     )  # fmt: skip
     assert done.choices[0].finish_reason == "stop"
     assert done.choices[0].text == reference[: reference.index(stop)]
+
+
+@pytest.mark.parametrize("index", range(len(OPTIONS)))
+def test_each_sampling_option_equals_offline_ar(client, stack, tls, expected_options, index) -> None:
+    """Through the SDK's own arguments where it has them, vLLM's names in extra_body otherwise, and gRPC."""
+    option = OPTIONS[index]
+    named = {k: v for k, v in option.items() if k in ("presence_penalty", "frequency_penalty", "logit_bias")}
+    extra = {k: v for k, v in option.items() if k not in named}
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, **named,
+                                     extra_body=extra)  # fmt: skip
+    assert done.choices[0].text == expected_options[index]
+    params = _offline_params(option)
+    grpc_options = {k: getattr(params, k) for k in option}
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, **grpc_options)
+    assert got.text == expected_options[index]
 
 
 def test_sampling_with_a_seed_is_reproducible(client) -> None:

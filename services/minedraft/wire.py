@@ -18,7 +18,8 @@ from minedraft.engine.plans import (
 from minedraft.engine.request import SpecDecodeStats
 from minedraft.sampling.params import SamplingParams
 
-_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p", "min_tokens")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -40,7 +41,8 @@ def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; raises pydantic.ValidationError on bad values."""
     kwargs = {name: getattr(msg, name) for name in _FIELDS if msg.HasField(name)}
     return SamplingParams(
-        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
+        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias),
     )
 
 
@@ -54,6 +56,12 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
     )
 
 
@@ -79,6 +87,7 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
         sampling=sampling_to_proto(admission.params),
         seed=admission.seed,
         batch=admission.batch,
+        num_prompt_tokens=admission.num_prompt_tokens,
     )
 
 
@@ -113,7 +122,8 @@ def plan_from_proto(
     msg: worker_pb2.StepPlan,
 ) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
     admit = [
-        Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
+        Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
+                  s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None)
         for s in msg.admit
     ]
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]

@@ -29,6 +29,8 @@ ChannelOptions = Sequence[tuple[str, Any]]
 # The documented server defaults of SamplingParameters. A value equal to its default is left unset so
 # the server applies its own default: the wire carries only what the caller chose to change.
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+# Options beyond the call's named arguments, set only when given (None: the server's default).
+_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens")
 
 
 def build_generate_request(
@@ -43,8 +45,11 @@ def build_generate_request(
     stop_token_ids: Sequence[int] | None,
     ignore_eos: bool,
     request_id: str | None,
+    **options: Any,
 ) -> pb.GenerateRequest:
-    """The one place both clients turn call arguments into a GenerateRequest."""
+    """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
+    SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+    min_p, min_tokens, logprobs); an unknown name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -58,7 +63,20 @@ def build_generate_request(
     if stop_token_ids:
         sampling.stop_token_ids.extend(operator.index(t) for t in stop_token_ids)
     sampling.ignore_eos = ignore_eos
+    _set_options(sampling, options)
     return request
+
+
+def _set_options(sampling: pb.SamplingParameters, options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        if name not in _OPTIONS:
+            raise TypeError(f"unknown sampling option {name!r}; the options are {', '.join(_OPTIONS)}")
+        if value is None:
+            continue
+        if name == "logit_bias":
+            sampling.logit_bias.update({operator.index(t): float(b) for t, b in value.items()})
+        else:
+            setattr(sampling, name, value)
 
 
 def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:

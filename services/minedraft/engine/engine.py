@@ -117,6 +117,8 @@ class LLMEngine:
                 raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
             if any(t >= vocab_size for t in params.stop_token_ids):
                 raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
+            if any(t >= vocab_size for t in params.logit_bias):
+                raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size})")
             if params.top_k > vocab_size:
                 raise ValueError(f"top_k: must be -1 (all) or in [1, {vocab_size}] (the vocabulary size)")
         if params.max_tokens > self.max_model_len:
@@ -201,7 +203,7 @@ class LLMEngine:
             request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch) for r in admitted]
+                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, len(r.prompt_ids)) for r in admitted]
             )
         if draft is None and verify is None:
             return False

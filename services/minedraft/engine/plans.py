@@ -34,6 +34,7 @@ class Admission:
     params: SamplingParams
     seed: int
     batch: int = 0  # the engine's batch it runs in
+    num_prompt_tokens: int | None = None  # how many of token_ids are prompt (penalties count the rest); None: all
 
 
 @dataclass(frozen=True)

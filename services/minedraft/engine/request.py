@@ -157,7 +157,7 @@ class Request:
         """Add text; cut it before the first stop string that the new text completes."""
         if not delta:
             return
-        if self.params.stop:
+        if self.params.stop and len(self.output_ids) >= self.params.min_tokens:  # as vLLM: no stop before min_tokens
             tail_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
             tail = self.text[tail_start:] + delta
             hits = [i for i in (tail.find(s) for s in self.params.stop) if i >= 0]

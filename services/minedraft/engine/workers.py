@@ -17,6 +17,7 @@ import torch
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, PrefillTask, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
 from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
@@ -36,6 +37,11 @@ class _Sequence:
     params: SamplingParams
     seed: int  # with the output position, keys every random draw (sampling/streams.py)
     kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
+    num_prompt: int = 0  # tokens[:num_prompt] are the prompt: penalties count what follows
+
+    def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
+        """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
+        return History(self.tokens if base is None else base, self.num_prompt, extra)
 
     def pending(self, target: list[int]) -> tuple[int, list[int]]:
         """Where to start writing, and the tokens to write, so the cache ends up holding `target`.
@@ -78,6 +84,8 @@ class _Worker:
                 tokens=list(admission.token_ids),
                 params=admission.params,
                 seed=admission.seed,
+                num_prompt=len(admission.token_ids) if admission.num_prompt_tokens is None
+                else admission.num_prompt_tokens,
             )
 
     def release(self, request_ids: list[str]) -> None:
@@ -93,6 +101,10 @@ class _Worker:
     @property
     def num_active(self) -> int:
         return len(self.sequences)
+
+    def _penalized(self, logits: torch.Tensor, seqs: list[_Sequence], histories: list[History]) -> torch.Tensor:
+        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py)."""
+        return apply_penalties(logits, [seq.params for seq in seqs], histories, self.runner.config.eos_token_ids)
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
@@ -167,6 +179,8 @@ class DraftWorker(_Worker):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
             chunks = prefill if step == 0 else []
             logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live] + chunks)
+            histories = [seqs[i].history(bases[i], drafts[i].tokens) for i in live]
+            logits = self._penalized(logits, [seqs[i] for i in live], histories)
             tokens, token_probs, q = draft_sample(
                 logits, [seqs[i].params for i in live], draws[live, step], self.support_size
             )
@@ -196,7 +210,11 @@ class DraftWorker(_Worker):
             + prefill
         )
         draws = self._window_draws(seqs, bases, max(widths))
-        params = [seq.params for seq, n in zip(seqs, widths) for _ in range(n)]
+        # Each position's q is drawn without the drafts before it, so it is processed with the window's base.
+        row_seqs = [seq for seq, n in zip(seqs, widths) for _ in range(n)]
+        logits = self._penalized(logits, row_seqs, [seq.history(base) for seq, base, n in zip(seqs, bases, widths)
+                                                    for _ in range(n)])  # fmt: skip
+        params = [seq.params for seq in row_seqs]
         row_draws = torch.cat([draws[i, :n] for i, n in enumerate(widths)])
         tokens, token_probs, q = draft_sample(logits, params, row_draws, self.support_size)
         drafts, row = [], 0
@@ -289,8 +307,11 @@ class VerifyWorker(_Worker):
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
         if not batch.seqs:  # a step of prefill chunks only
             return []
+        histories = [seq.history(extra=w.tokens[:i]) for seq, w in zip(batch.seqs, batch.windows)
+                     for i in range(len(w.tokens) + 1)]  # fmt: skip
+        row_seqs = [seq for seq, w in zip(batch.seqs, batch.windows) for _ in range(len(w.tokens) + 1)]
         new_tokens = rejection_sample(
-            batch.logits,
+            self._penalized(batch.logits, row_seqs, histories),
             [w.tokens for w in batch.windows],
             [sparse_q(w) for w in batch.windows],
             [seq.params for seq in batch.seqs],

@@ -88,20 +88,20 @@ class _SamplingBody(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     repetition_penalty: StrictFloat | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server cannot do: refused rather than silently ignored."""
-        checks = {
-            "n": self.n != 1,
-            "presence_penalty": bool(self.presence_penalty),
-            "frequency_penalty": bool(self.frequency_penalty),
-            "logit_bias": bool(self.logit_bias),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-        }
+        checks = {"n": self.n != 1}
         return [name for name, bad in checks.items() if bad]
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens}
         return SamplingParams(
+            **{name: value for name, value in options.items() if value is not None},
+            logit_bias=_token_bias(self.logit_bias),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
@@ -290,6 +290,15 @@ class OpenAIFrontend:
     async def health(self) -> Response:
         serving = self.is_serving()
         return Response(status_code=200 if serving else 503, content="" if serving else "not serving")
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids as strings."""
+    try:
+        return {int(token): value for token, value in (bias or {}).items()}
+    except ValueError:
+        raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias: keys must be token ids (integers as strings)",
+                       "logit_bias") from None  # fmt: skip
 
 
 def _params(body: _SamplingBody, max_tokens: int | None) -> SamplingParams:

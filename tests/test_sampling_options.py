@@ -1,0 +1,146 @@
+"""Penalties, biases, min_p and min_tokens: what they do to the logits, and that every decoding mode keeps
+them exactly.
+
+The processing is checked against a plain per-token reference written here from vLLM's documented
+semantics. Through the engine: greedy output with each option equals the target alone (ar) with the same
+option, token for token, in sd, pearl, minedraft and +tetris, with requests of different options in one
+batch (strict kernels, as the greedy-equivalence tests run). The statistical check of the sampled
+distribution under a penalty and a bias is in tests/test_lossless_sampling.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
+from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.penalties import History, apply_penalties
+from minedraft.sampling.sampler import processed_probs
+
+from conftest import tiny_config
+
+EOS = 2
+MODES = {
+    "sd": {"num_speculative_tokens": 3},
+    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
+    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
+    "minedraft+tetris": {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True,
+                         "tetris_extra_proposals": 2, "tetris_turn_on_batch_size": 2, "tetris_capacity": 5},
+}  # fmt: skip
+
+
+def _reference(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """One row, token by token, as vLLM documents the options (min_tokens, bias, then the penalties)."""
+    out = []
+    for token, value in enumerate(logits):
+        if len(output) < params.min_tokens and token in {*params.stop_token_ids, *([] if params.ignore_eos else [EOS])}:
+            value = float("-inf")
+        value += params.logit_bias.get(token, 0.0)
+        if token in prompt or token in output:
+            value = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        value -= params.frequency_penalty * output.count(token) + params.presence_penalty * (token in output)
+        out.append(value)
+    return out
+
+
+def test_penalties_match_the_per_token_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 12
+    tokens = [3, 4, 5, 5, 6, 5, 7]  # prompt 3 4 5, output 5 6 5 7
+    cases = [
+        (SamplingParams(presence_penalty=0.7), [8]),
+        (SamplingParams(frequency_penalty=-0.4, presence_penalty=1.1), [5, 5]),
+        (SamplingParams(repetition_penalty=1.6), [9]),
+        (SamplingParams(logit_bias={1: 3.5, 5: -100.0}), []),
+        (SamplingParams(min_tokens=6, stop_token_ids=[9]), []),  # 4 outputs: EOS and 9 banned
+        (SamplingParams(min_tokens=6, stop_token_ids=[9]), [9, 1]),  # 6 outputs: allowed again
+        (SamplingParams(min_tokens=5, ignore_eos=True), []),
+        (SamplingParams(), [1]),  # untouched
+    ]
+    logits = torch.randn(len(cases), vocab, generator=gen) * 3
+    params = [p for p, _ in cases]
+    histories = [History(tokens, 3, extra) for _, extra in cases]
+    got = apply_penalties(logits.clone(), params, histories, [EOS])
+    for row, (p, extra) in enumerate(cases):
+        expected = _reference(logits[row].tolist(), p, tokens[:3], tokens[3:] + extra)
+        assert torch.allclose(got[row], torch.tensor(expected), atol=1e-5), (row, p)
+    assert got[4, EOS] == got[4, 9] == float("-inf") and torch.isfinite(got[5]).all()
+    assert torch.isfinite(got[6, EOS]) and got[6, 9] == logits[6, 9]
+    assert torch.equal(got[7], logits[7])
+
+
+def test_min_p_keeps_tokens_within_the_ratio_of_the_best() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    probs = processed_probs(logits, [SamplingParams(min_p=0.2)])  # keeps p >= 0.1
+    assert torch.allclose(probs, torch.tensor([[0.5, 0.3, 0.12, 0]]) / 0.92)
+    assert torch.allclose(processed_probs(logits, [SamplingParams(min_p=0.2, top_k=2)]),
+                          torch.tensor([[0.625, 0.375, 0, 0]]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0}, {"min_p": 1.5},
+     {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}}, {"min_tokens": -1}, {"min_tokens": 17}],
+)  # fmt: skip
+def test_out_of_range_options_are_refused_by_name(kwargs) -> None:
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**kwargs)
+    assert next(iter(kwargs)) in str(info.value)
+
+
+def _options(first_tokens: list[int]) -> list[SamplingParams]:
+    """Each option once, greedy, with settings strong enough to change the tiny target's output."""
+    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    return [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy, presence_penalty=2.0),
+        SamplingParams(**greedy, frequency_penalty=1.5),
+        SamplingParams(**greedy, repetition_penalty=1.9),
+        SamplingParams(**greedy, logit_bias={first_tokens[0]: -100.0, 11: 4.0}),
+        SamplingParams(**{**greedy, "ignore_eos": False}, min_tokens=8, stop_token_ids=[first_tokens[1]]),
+        SamplingParams(**greedy, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.1),
+    ]
+
+
+def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1) -> list[list[int]]:
+    engine = LLMEngine.local(config, max_in_flight=in_flight)
+    try:
+        requests = [engine.add_request(prompt, params) for prompt, params in work]
+        while engine.has_unfinished() or engine.in_flight:
+            engine.advance()
+        return [r.output_ids for r in requests]
+    finally:
+        engine.executor.close()
+
+
+@pytest.fixture(scope="module")
+def workload(pair) -> tuple[list[tuple[list[int], SamplingParams]], list[list[int]]]:
+    """Every option on two prompts, all in one batch, and ar's outputs for it."""
+    prompts = [[5, 17, 42, 9], [100, 3]]
+    plain = _run(tiny_config(pair), [(p, SamplingParams(temperature=0.0, max_tokens=2)) for p in prompts])
+    work = [(p, params) for p, first in zip(prompts, plain) for params in _options(first)]
+    expected = _run(tiny_config(pair, max_num_seqs=4), work)
+    return work, expected
+
+
+def test_each_option_changes_the_greedy_output(workload) -> None:
+    """Otherwise the equivalence below would prove nothing."""
+    _, expected = workload
+    per_prompt = len(expected) // 2
+    for start in (0, per_prompt):
+        plain, *optioned = expected[start : start + per_prompt]
+        assert all(out != plain for out in optioned), optioned
+    min_tokens_rows = [expected[5], expected[5 + per_prompt]]
+    assert all(len(out) >= 8 for out in min_tokens_rows)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["one-in-flight", "planned-ahead"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_with_each_option_equals_ar(pair, workload, mode: str, in_flight: int) -> None:
+    work, expected = workload
+    got = _run(tiny_config(pair, MODES[mode], max_num_seqs=4), work, in_flight)
+    for (_, params), exp, out in zip(work, expected, got):
+        assert out == exp, f"{mode}: {params.model_dump(exclude_defaults=True)}"
