@@ -84,12 +84,17 @@ def _offline_params(option: dict) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def expected_options() -> list[str]:
-    """Offline autoregressive text of PROMPTS[0] with each of OPTIONS."""
+def offline_llm():
     with LLM(device="cpu", batch_invariant=True) as llm:
-        plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
-        texts = [o.outputs[0].text for o in llm.generate([PROMPTS[0]] * len(OPTIONS), [_offline_params(o) for o in
-                                                                                         OPTIONS])]  # fmt: skip
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def expected_options(offline_llm) -> list[str]:
+    """Offline autoregressive text of PROMPTS[0] with each of OPTIONS."""
+    plain = offline_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+    texts = [o.outputs[0].text for o in offline_llm.generate([PROMPTS[0]] * len(OPTIONS),
+                                                             [_offline_params(o) for o in OPTIONS])]  # fmt: skip
     assert all(text != plain for text in texts), "each option must change the output, or the test proves nothing"
     return texts
 
@@ -195,6 +200,32 @@ def test_each_sampling_option_equals_offline_ar(client, stack, tls, expected_opt
     assert got.text == expected_options[index]
 
 
+def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
+    """The served (MineDraft-mode) logprobs and top 3 of each token, completions and chat, streamed or not, and over
+    gRPC, are the offline ar ones with the same option (a presence penalty: the processed distribution)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3, presence_penalty=0.5)
+    out = offline_llm.generate(PROMPTS[0], params)[0].outputs[0]
+    token_lps = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
+    top = [sorted(d.values(), reverse=True)[:3] for d in out.logprobs]
+    kwargs = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "presence_penalty": 0.5}
+    done = client.completions.create(prompt=PROMPTS[0], logprobs=3, **kwargs)
+    assert done.choices[0].logprobs.token_logprobs == token_lps
+    assert [sorted(d.values(), reverse=True) for d in done.choices[0].logprobs.top_logprobs] == top
+    assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text == out.text
+    chunks = list(client.completions.create(prompt=PROMPTS[0], logprobs=3, stream=True, **kwargs))
+    assert [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+            ] == token_lps  # fmt: skip
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=3, presence_penalty=0.5)
+    assert [t.logprob for t in got.logprobs] == token_lps and [list(t.top_logprobs) for t in got.logprobs] == top
+    chat = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **kwargs)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob <= 0 for c in content)
+    plain = client.chat.completions.create(messages=CHAT, **kwargs)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
 def test_sampling_with_a_seed_is_reproducible(client) -> None:
     kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
@@ -208,7 +239,7 @@ def test_sampling_with_a_seed_is_reproducible(client) -> None:
         ({"n": 2}, "n"),
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": ["a", "b"]}, "one prompt"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"prompt": "x " * 2000}, "max_model_len"),
     ],

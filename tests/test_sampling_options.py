@@ -1,14 +1,17 @@
-"""Penalties, biases, min_p and min_tokens: what they do to the logits, and that every decoding mode keeps
-them exactly.
+"""Penalties, biases, min_p, min_tokens and logprobs: what they do, and that every decoding mode keeps them
+exactly.
 
 The processing is checked against a plain per-token reference written here from vLLM's documented
 semantics. Through the engine: greedy output with each option equals the target alone (ar) with the same
 option, token for token, in sd, pearl, minedraft and +tetris, with requests of different options in one
-batch (strict kernels, as the greedy-equivalence tests run). The statistical check of the sampled
-distribution under a penalty and a bias is in tests/test_lossless_sampling.py.
+batch (strict kernels, as the greedy-equivalence tests run); so are the logprobs returned. The
+statistical check of the sampled distribution under a penalty and a bias is in
+tests/test_lossless_sampling.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -106,12 +109,16 @@ def _options(first_tokens: list[int]) -> list[SamplingParams]:
 
 
 def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1) -> list[list[int]]:
+    return [r.output_ids for r in _requests(config, work, in_flight)]
+
+
+def _requests(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1) -> list:
     engine = LLMEngine.local(config, max_in_flight=in_flight)
     try:
         requests = [engine.add_request(prompt, params) for prompt, params in work]
         while engine.has_unfinished() or engine.in_flight:
             engine.advance()
-        return [r.output_ids for r in requests]
+        return requests
     finally:
         engine.executor.close()
 
@@ -144,3 +151,29 @@ def test_greedy_with_each_option_equals_ar(pair, workload, mode: str, in_flight:
     got = _run(tiny_config(pair, MODES[mode], max_num_seqs=4), work, in_flight)
     for (_, params), exp, out in zip(work, expected, got):
         assert out == exp, f"{mode}: {params.model_dump(exclude_defaults=True)}"
+
+
+@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft+tetris"])
+def test_logprobs_under_speculation_equal_ar(pair, workload, mode: str) -> None:
+    """The target's logprobs of each token, and its top 3, whatever the mode (the drafter's never show)."""
+    work = [(prompt, params.model_copy(update={"logprobs": 3 if i % 2 else 0})) for i, (prompt, params)
+            in enumerate(workload[0])]  # fmt: skip
+    expected = _requests(tiny_config(pair, max_num_seqs=4), work)
+    got = _requests(tiny_config(pair, MODES[mode], max_num_seqs=4), work, in_flight=2)
+    for exp, out in zip(expected, got):
+        assert out.output_ids == exp.output_ids
+        assert len(out.logprobs) == len(out.output_ids) and out.logprobs == exp.logprobs
+        for lp in out.logprobs:
+            assert len(lp.top_ids) == exp.params.logprobs and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+            if lp.top_ids:  # greedy: the token is the best one (of the penalised logits)
+                assert lp.logprob == lp.top_logprobs[0] < 0
+    assert any(r.logprobs[0].logprob < -0.5 for r in expected)  # not all one-hot: the target's own distribution
+
+
+def test_logprobs_of_a_sampled_token_follow_its_processed_distribution(pair) -> None:
+    """Random requests: each token's logprob is log p of the distribution it was drawn from (top_k keeps 4)."""
+    params = SamplingParams(temperature=0.7, top_k=4, max_tokens=6, seed=3, logprobs=5, presence_penalty=1.0)
+    (request,) = _requests(tiny_config(pair, MODES["sd"]), [([5, 17, 42, 9], params)])
+    for token, lp in zip(request.output_ids, request.logprobs):
+        assert lp.logprob == lp.top_logprobs[lp.top_ids.index(token)]
+        assert abs(sum(math.exp(v) for v in lp.top_logprobs[:4]) - 1) < 1e-4 and lp.top_logprobs[4] == -math.inf

@@ -16,10 +16,10 @@ from minedraft.engine.plans import (
     VerifyTask,
 )
 from minedraft.engine.request import SpecDecodeStats
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens")  # fmt: skip
+           "repetition_penalty", "min_p", "min_tokens", "logprobs")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -62,7 +62,18 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         logit_bias=params.logit_bias,
         min_p=params.min_p,
         min_tokens=params.min_tokens,
+        logprobs=params.logprobs,
     )
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[generate_pb2.TokenLogprob]:
+    return [generate_pb2.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
+            for t in logprobs or []]  # fmt: skip
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob] | None:
+    """None for an empty list: a request that asked for logprobs gets one per token."""
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs] or None
 
 
 def stats_from_proto(msg: generate_pb2.SpecDecodeStats) -> SpecDecodeStats:
@@ -144,6 +155,7 @@ def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
             token_ids=v.token_ids,
             num_draft_tokens=v.num_draft_tokens,
             num_accepted=v.num_accepted,
+            logprobs=logprobs_to_proto(v.logprobs),
         )
         for v in results
     ]
@@ -156,7 +168,9 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.worker_seconds[role] = reply.compute_seconds
         result.idle_seconds[role] = reply.idle_seconds
         result.verified.extend(
-            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted) for v in reply.verified
+            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted,
+                     logprobs_from_proto(v.logprobs))
+            for v in reply.verified  # fmt: skip
         )
         result.drafted.update(reply.drafted)
         result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)

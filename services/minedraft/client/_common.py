@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import grpc
 
 from minedraft.api import generate_pb2 as pb
-from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, Usage
+from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, TokenLogprob, Usage
 from minedraft.version import __version__
 
 
@@ -30,7 +30,8 @@ ChannelOptions = Sequence[tuple[str, Any]]
 # the server applies its own default: the wire carries only what the caller chose to change.
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
-_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens")
+_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+            "logprobs")  # fmt: skip
 
 
 def build_generate_request(
@@ -99,15 +100,20 @@ def _finish_reason(value: int) -> str | None:
         return "unknown"
 
 
+def _logprobs(msg: pb.GenerateResponse) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs)) for t in msg.logprobs] or None
+
+
 def to_delta(msg: pb.GenerateResponse) -> Delta:
     finish_reason = _finish_reason(msg.finish_reason)
     if finish_reason is None:
-        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id)
+        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id, logprobs=_logprobs(msg))
     stats = msg.spec_decode_stats
     return Delta(
         text=msg.text,
         token_ids=list(msg.token_ids),
         request_id=msg.request_id,
+        logprobs=_logprobs(msg),
         finish_reason=finish_reason,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
         spec_decode_stats=SpecDecodeStats(
@@ -137,6 +143,7 @@ def completion_from_deltas(deltas: Iterable[Delta]) -> Completion:
         usage=last.usage,
         spec_decode_stats=last.spec_decode_stats,
         request_id=last.request_id,
+        logprobs=[t for d in deltas for t in d.logprobs or []] if any(d.logprobs for d in deltas) else None,
     )
 
 

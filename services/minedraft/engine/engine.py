@@ -14,7 +14,7 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -229,7 +229,7 @@ class LLMEngine:
             request.num_rejections += verified.num_accepted < verified.num_draft_tokens
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # finished or aborted meanwhile: its tokens are dropped
-                self._append(request, verified.token_ids)
+                self._append(request, verified.token_ids, verified.logprobs)
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
             request = self._running_since(request_id, step)
@@ -249,10 +249,10 @@ class LLMEngine:
         return request if request.admitted_in <= step else None
 
     @staticmethod
-    def _append(request: Request, token_ids: list[int]) -> None:
+    def _append(request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """A failure in one request's own bookkeeping (detokenizing, stop strings) fails that request alone."""
         try:
-            request.append_tokens(token_ids)
+            request.append_tokens(token_ids, logprobs)
         except Exception as exc:
             request.fail(f"processing its output failed: {type(exc).__name__}: {exc}")
 

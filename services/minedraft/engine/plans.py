@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
     import torch
@@ -99,6 +99,7 @@ class Verified:
     token_ids: list[int]
     num_draft_tokens: int
     num_accepted: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
 
 @dataclass

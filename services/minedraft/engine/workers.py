@@ -16,7 +16,8 @@ import torch
 
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, PrefillTask, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.logprobs import token_logprobs
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
@@ -310,20 +311,41 @@ class VerifyWorker(_Worker):
         histories = [seq.history(extra=w.tokens[:i]) for seq, w in zip(batch.seqs, batch.windows)
                      for i in range(len(w.tokens) + 1)]  # fmt: skip
         row_seqs = [seq for seq, w in zip(batch.seqs, batch.windows) for _ in range(len(w.tokens) + 1)]
+        logits = self._penalized(batch.logits, row_seqs, histories)
         new_tokens = rejection_sample(
-            self._penalized(batch.logits, row_seqs, histories),
+            logits,
             [w.tokens for w in batch.windows],
             [sparse_q(w) for w in batch.windows],
             [seq.params for seq in batch.seqs],
             RowKeys.of([seq.seed for seq in batch.seqs], [len(seq.tokens) for seq in batch.seqs]),
         )
+        logprobs = self._logprobs(logits, batch, new_tokens)
         results = []
-        for task, w, tokens in zip(batch.plan.tasks, batch.windows, new_tokens):
+        for task, w, tokens, lps in zip(batch.plan.tasks, batch.windows, new_tokens, logprobs):
             accepted = len(tokens) - 1
             if w.tokens and accepted == len(w.tokens) and not task.keep_bonus:
                 tokens = tokens[:-1]
-            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted))
+            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted,
+                                    None if lps is None else lps[: len(tokens)]))  # fmt: skip
         return results
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, batch: VerifyBatch, new_tokens: list[list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """Per request that asks for them, the logprobs of its new tokens: new token j came from its row j."""
+        rows, params, tokens, start = [], [], [], 0
+        for seq, w, out in zip(batch.seqs, batch.windows, new_tokens):
+            if seq.params.logprobs is not None:
+                rows.extend(range(start, start + len(out)))
+                params.extend([seq.params] * len(out))
+                tokens.extend(out)
+            start += len(w.tokens) + 1
+        if not rows:
+            return [None] * len(new_tokens)
+        flat = iter(token_logprobs(logits[torch.tensor(rows, device=logits.device)], params, tokens))
+        return [[next(flat) for _ in out] if seq.params.logprobs is not None else None
+                for seq, out in zip(batch.seqs, new_tokens)]  # fmt: skip
 
     def commit(self, batch: VerifyBatch, results: list[Verified]) -> None:
         """Record what the cache now holds and the new committed tokens (followers get `results` from rank 0)."""

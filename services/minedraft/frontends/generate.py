@@ -193,7 +193,8 @@ class Generation:
             if isinstance(later, BaseException):
                 self._pending = later
                 break
-            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished)
+            logprobs = None if item.logprobs is None else item.logprobs + (later.logprobs or [])
+            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished, logprobs)
         return item
 
     async def __aenter__(self) -> Generation:

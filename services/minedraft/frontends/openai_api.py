@@ -22,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 from starlette.exceptions import HTTPException
 
+from minedraft.engine_client import StreamItem
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
-from minedraft.sampling.params import SamplingParams, Text
+from minedraft.model.tokenizer import Tokenizer
+from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.wire import describe_validation_error
 
 STATUS = {
@@ -102,6 +104,7 @@ class _SamplingBody(BaseModel):
         return SamplingParams(
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),
+            logprobs=self.num_logprobs(),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
@@ -116,6 +119,10 @@ class _SamplingBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """Top tokens to return with each output token's logprob; None: no logprobs."""
+        return None
+
 
 class CompletionBody(_SamplingBody):
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
@@ -126,9 +133,11 @@ class CompletionBody(_SamplingBody):
     suffix: Text | None = None
 
     def unsupported(self) -> list[str]:
-        extra = {"echo": self.echo, "logprobs": self.logprobs is not None, "best_of": self.best_of not in (None, 1),
-                 "suffix": bool(self.suffix)}  # fmt: skip
+        extra = {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
         return super().unsupported() + [name for name, bad in extra.items() if bad]
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """One prompt per request: a string, token ids, or a list holding exactly one of those."""
@@ -167,7 +176,7 @@ class ChatCompletionBody(_SamplingBody):
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras for templates
@@ -176,9 +185,13 @@ class ChatCompletionBody(_SamplingBody):
 
     def unsupported(self) -> list[str]:
         text_format = not self.response_format or self.response_format.get("type") == "text"
-        extra = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None, "tools": bool(self.tools),
-                 "response_format": not text_format}  # fmt: skip
+        extra = {"tools": bool(self.tools), "response_format": not text_format}
         return super().unsupported() + [name for name, bad in extra.items() if bad]
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # --- the app -----------------------------------------------------------------------------------------------
@@ -235,7 +248,8 @@ class OpenAIFrontend:
         self.check_model(body)
         params = _params(body, body.max_tokens)
         generation = await _start(self.generator, body.single_prompt(), params)
-        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
+        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+                                  self.generator.tokenizer)  # fmt: skip
         return await _respond(generation, stream, body.stream)
 
     async def chat_completions(self, body: ChatCompletionBody) -> Response:
@@ -245,7 +259,8 @@ class OpenAIFrontend:
             (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), self.generator.max_model_len
         )  # no limit asked: as much as the context leaves
         generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False)
-        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
+        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+                            self.generator.tokenizer)  # fmt: skip
         return await _respond(generation, stream, body.stream)
 
     def _render(self, body: ChatCompletionBody) -> str:
@@ -316,6 +331,8 @@ async def _start(generator: Generator, prompt, params: SamplingParams, **kwargs)
 
 # --- responses ---------------------------------------------------------------------------------------------
 
+Logprobs = list[tuple[int, TokenLogprob]] | None  # (token id, its logprobs) per output token
+
 
 class _Stream:
     """Builds one endpoint's chunks and final body from the generate interface's items."""
@@ -323,9 +340,13 @@ class _Stream:
     object_full: str
     object_chunk: str
 
-    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, response_id: str, model: str, include_usage: bool, tokenizer: Tokenizer | None = None) -> None:
         self.id, self.model, self.include_usage = response_id, model, include_usage
+        self.tokenizer = tokenizer  # renders the tokens of logprobs
         self.created = int(time.time())
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
 
     def _envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -333,13 +354,13 @@ class _Stream:
             body["usage"] = usage
         return body
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
         raise NotImplementedError
 
     def first_chunks(self) -> list[dict]:
         return []
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
         raise NotImplementedError
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -348,14 +369,27 @@ class _Stream:
 
 class CompletionStream(_Stream):
     object_full = object_chunk = "text_completion"
+    _offset = 0  # text_offset of the next token
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope(self.object_chunk, [choice])
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope(self.object_full, [choice], usage)
+
+    def _logprobs(self, logprobs: Logprobs) -> dict | None:
+        """The legacy completions shape: tokens, their logprobs, {token: logprob} of the top ones, offsets."""
+        if logprobs is None:
+            return None
+        tokens = [self._token(t) for t, _ in logprobs]
+        offsets = [self._offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        self._offset += sum(len(s) for s in tokens)
+        top = [{self._token(t): _finite(lp.logprob), **{self._token(i): _finite(v) for i, v in zip(lp.top_ids,
+               lp.top_logprobs)}} for t, lp in logprobs]  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for _, lp in logprobs], "top_logprobs": top,
+                "text_offset": offsets}  # fmt: skip
 
 
 class ChatStream(_Stream):
@@ -364,17 +398,33 @@ class ChatStream(_Stream):
     def first_chunks(self) -> list[dict]:
         return [self._delta({"role": "assistant", "content": ""}, None)]
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return self._delta({"content": text} if text else {}, finish_reason)
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
+        return self._delta({"content": text} if text else {}, finish_reason, logprobs)
 
-    def _delta(self, delta: dict, finish_reason: str | None) -> dict:
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": None,
+    def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
+        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
                                                    "finish_reason": finish_reason}])  # fmt: skip
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope(self.object_full, [choice], usage)
+
+    def _logprobs(self, logprobs: Logprobs) -> dict | None:
+        """Chat's shape: per token its text, logprob and UTF-8 bytes, and the same for the top ones."""
+        if logprobs is None:
+            return None
+        return {"content": [{**self._entry(t, lp.logprob), "top_logprobs": [self._entry(i, v) for i, v in
+                             zip(lp.top_ids, lp.top_logprobs)]} for t, lp in logprobs]}  # fmt: skip
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the request's filters drop gets vLLM's floor."""
+    return max(logprob, -9999.0)
 
 
 def _usage(generation: Generation) -> dict:
@@ -386,8 +436,16 @@ async def _respond(generation: Generation, stream: _Stream, streaming: bool) -> 
     if streaming:
         return StreamingResponse(_sse(generation, stream), media_type="text/event-stream")
     async with generation:
-        text = "".join([item.text async for item in generation])
-    return JSONResponse(stream.full(text, generation.finished.finish_reason, _usage(generation)))
+        items = [item async for item in generation]
+    text, logprobs = "".join(item.text for item in items), _item_logprobs(items)
+    return JSONResponse(stream.full(text, generation.finished.finish_reason, _usage(generation), logprobs))
+
+
+def _item_logprobs(items: list[StreamItem]) -> Logprobs:
+    """(token id, its logprobs) of every token of `items`; None where the request asked for no logprobs."""
+    if all(item.logprobs is None for item in items):
+        return None
+    return [pair for item in items for pair in zip(item.token_ids, item.logprobs or [])]
 
 
 async def _sse(generation: Generation, stream: _Stream) -> AsyncIterator[str]:
@@ -399,7 +457,7 @@ async def _sse(generation: Generation, stream: _Stream) -> AsyncIterator[str]:
             async for item in generation:
                 finished = item.finished
                 if item.text or finished is None:
-                    yield _event(stream.chunk(item.text, None))
+                    yield _event(stream.chunk(item.text, None, _item_logprobs([item])))
                 if finished is not None:
                     yield _event(stream.chunk("", finished.finish_reason))
             if stream.include_usage:

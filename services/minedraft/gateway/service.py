@@ -87,7 +87,8 @@ class Migration:
         text = self.mirror.take_stream_delta()
         if not (new_ids or text or self.mirror.finished):
             return None
-        response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids)
+        response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids,
+                                                 logprobs=list(reply.logprobs)[: len(new_ids)])  # fmt: skip
         if self.mirror.finished:
             response.finish_reason = FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
             response.usage.prompt_tokens = len(self.prompt_ids)

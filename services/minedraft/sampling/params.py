@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import (
@@ -35,6 +36,7 @@ GREEDY_EPSILON = 1e-5
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # most likely tokens returned per output token, at most (as vLLM's default max_logprobs)
 
 
 def as_float32(value: float) -> float:
@@ -68,6 +70,15 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 Bias = Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and the `SamplingParams.logprobs` most likely tokens' (best first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop. ``temperature=0`` means greedy decoding."""
 
@@ -91,6 +102,8 @@ class SamplingParams(BaseModel):
                                             "ids, in [-100, 100].")  # fmt: skip
     min_p: Float32 = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the most "
                            "likely one's probability; 0 = off.")  # fmt: skip
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's "
+                                       "log-probability and this many most likely tokens'; None = none.")  # fmt: skip
     min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX, description="Generate at least this many tokens before "
                                   "EOS, a stop token or a stop string may end the output.")  # fmt: skip
 
