@@ -253,6 +253,67 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
     assert info.value.body["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "named", "why"),
+    [
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured output"),
+        ("/v1/completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "structured output"),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "structured output"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+        ("/v1/completions", {"n": 2}, "n", "one sample"),
+        ("/v1/completions", {"best_of": 3}, "best_of", "one sample"),
+        ("/v1/completions", {"echo": True}, "echo", "echo"),
+        ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
+        ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
+        ("/v1/completions", {"bad_words": ["x"]}, "bad_words", "bad_words is not implemented"),
+        ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
+         "messages[0].tool_call_id", "tool calls"),
+    ],
+)  # fmt: skip
+def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, named, why) -> None:
+    prompt = {"prompt": "def f():"} if path == "/v1/completions" else {"messages": CHAT}
+    status, raw = _https(stack, tls, path, json.dumps({"model": MODEL, "max_tokens": 4, **prompt, **fields}).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == named and f"{named} ({why}" in error["message"], error
+
+
+def test_fields_set_to_what_the_server_does_or_ignored_on_purpose_are_accepted(client) -> None:
+    extra = {"skip_special_tokens": True, "include_stop_str_in_output": False, "use_beam_search": False,
+             "tool_choice": "none", "parallel_tool_calls": True, "metadata": {"team": "a"}, "store": False,
+             "prompt_logprobs": None, "add_generation_prompt": True}  # fmt: skip
+    done = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, user="u1",
+                                          stream_options=None, extra_body=extra)  # fmt: skip
+    assert done.usage.completion_tokens == 4
+    done = client.completions.create(model=MODEL, prompt="def f():", max_tokens=4,
+                                     extra_body={"add_special_tokens": True, "echo": False})
+    assert done.usage.completion_tokens == 4
+
+
+def test_images_are_one_line_400(client) -> None:
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=4)
+    message = info.value.body["message"]
+    assert "this model takes text only (a content part of type 'image_url')" in message and "\n" not in message
+    assert message.count(";") == 0  # one complaint, not one per member of the content union
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_it(client) -> None:
+    context = client.models.list().data[0].max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=context - 2)
+    assert (f"maximum context length is {context} tokens. However, you requested {context + 1} tokens (3 in the "
+            f"prompt, {context - 2} for the completion") in info.value.body["message"]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=context - 2)
+    assert f"maximum context length is {context} tokens" in info.value.body["message"]
+
+
 def test_malformed_bodies_are_400_with_pydantic_messages(stack, tls, client) -> None:
     status, raw = _https(stack, tls, "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
     assert status == 400

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions (FastAPI).
 
 A thin frontend over the same generate interface as the gRPC API. Streams are server-sent events ending
-with `data: [DONE]`; errors have OpenAI's JSON shape. Unknown body fields are ignored (as vLLM does, since
-clients send vendor extras); known fields we cannot honour (n > 1, logprobs, penalties, tools, ...) are
-refused with a 400 that names them.
+with `data: [DONE]`; errors have OpenAI's JSON shape. No body field is silently ignored: the request models
+declare what is honoured, and every other field is refused with a 400 that names it, unless it is set to
+what this server does anyway or is one of the few listed as ignored on purpose (`openai_fields.py`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
+from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.wire import describe_validation_error
@@ -62,7 +63,10 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None, code:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False  # ignored on purpose: chunks are never padded, their content is the same
 
 
 class _SamplingBody(BaseModel):
@@ -71,7 +75,7 @@ class _SamplingBody(BaseModel):
     Types are strict (no bool for a number, no string for a bool); ranges are SamplingParams' and the
     engine's, checked before anything reaches a step."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, so that each is honoured, refused or ignored by name
 
     model: str
     temperature: StrictFloat | None = None
@@ -93,10 +97,11 @@ class _SamplingBody(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
 
-    def unsupported(self) -> list[str]:
-        """Fields set to something this server cannot do: refused rather than silently ignored."""
-        checks = {"n": self.n != 1}
-        return [name for name, bad in checks.items() if bad]
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
+        return [("n", "one sample per request: n = 1")] * (self.n != 1) + refusals(
+            self.model_extra or {}, add_special_tokens=not isinstance(self, ChatCompletionBody)
+        )
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -132,9 +137,10 @@ class CompletionBody(_SamplingBody):
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self) -> list[tuple[str, str]]:
         extra = {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
-        return super().unsupported() + [name for name, bad in extra.items() if bad]
+        return super().unsupported() + [(name, NOT_IMPLEMENTED.get(name, "one sample per request"))
+                                        for name, bad in extra.items() if bad]  # fmt: skip
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -155,11 +161,21 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # refused by name unless empty (`ChatCompletionBody.unsupported`)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        """One clear line for an image, audio or file part, instead of every union member's complaint."""
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise ValueError(f"this model takes text only (a content part of type {kind!r})")
+        return value
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -186,7 +202,9 @@ class ChatCompletionBody(_SamplingBody):
     def unsupported(self) -> list[str]:
         text_format = not self.response_format or self.response_format.get("type") == "text"
         extra = {"tools": bool(self.tools), "response_format": not text_format}
-        return super().unsupported() + [name for name, bad in extra.items() if bad]
+        messages = [r for i, m in enumerate(self.messages) for r in refusals(m.model_extra or {}, False,
+                                                                              f"messages[{i}].")]  # fmt: skip
+        return super().unsupported() + [(name, NOT_IMPLEMENTED[name]) for name, bad in extra.items() if bad] + messages
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -229,12 +247,8 @@ class OpenAIFrontend:
             raise APIError(HTTPStatus.NOT_FOUND, message, "model", "model_not_found")
         unsupported = body.unsupported()
         if unsupported:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"not supported by this server: {', '.join(unsupported)} (n must be 1; logprobs, penalties, "
-                "tools, echo, best_of and suffix are not implemented)",
-                unsupported[0],
-            )
+            reasons = "; ".join(f"{name} ({why})" for name, why in unsupported)
+            raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: {reasons}", unsupported[0][0])
 
     async def models(self) -> dict:
         if not self.is_serving():  # tools poll this to know when to start: ready means a request could run
@@ -247,7 +261,7 @@ class OpenAIFrontend:
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
         params = _params(body, body.max_tokens)
-        generation = await _start(self.generator, body.single_prompt(), params)
+        generation = await _start(self.generator, body.single_prompt(), params, fit_context=True)
         stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                                   self.generator.tokenizer)  # fmt: skip
         return await _respond(generation, stream, body.stream)
@@ -255,10 +269,10 @@ class OpenAIFrontend:
     async def chat_completions(self, body: ChatCompletionBody) -> Response:
         self.check_model(body)
         prompt = self._render(body)
-        max_tokens = next(
-            (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), self.generator.max_model_len
-        )  # no limit asked: as much as the context leaves
-        generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False)
+        asked = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), None)
+        max_tokens = self.generator.max_model_len if asked is None else asked  # none asked: what the context leaves
+        generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False,
+                                  fit_context=asked is not None)  # fmt: skip
         stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                             self.generator.tokenizer)  # fmt: skip
         return await _respond(generation, stream, body.stream)
