@@ -10,6 +10,7 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -103,9 +104,17 @@ class _Worker:
     def num_active(self) -> int:
         return len(self.sequences)
 
-    def _penalized(self, logits: torch.Tensor, seqs: list[_Sequence], histories: list[History]) -> torch.Tensor:
-        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py)."""
-        return apply_penalties(logits, [seq.params for seq in seqs], histories, self.runner.config.eos_token_ids)
+    def _penalized(
+        self, logits: torch.Tensor, seqs: list[_Sequence], rows: Iterable[tuple[_Sequence, History]]
+    ) -> torch.Tensor:
+        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py).
+        `seqs`: the batch's requests; `rows`: each logits row's request and history, read only when one of
+        them asks for processing."""
+        if not any(seq.params.penalized for seq in seqs):
+            return logits
+        row_seqs, histories = zip(*rows)
+        eos = self.runner.config.eos_token_ids
+        return apply_penalties(logits, [seq.params for seq in row_seqs], histories, eos)
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
@@ -180,8 +189,8 @@ class DraftWorker(_Worker):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
             chunks = prefill if step == 0 else []
             logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live] + chunks)
-            histories = [seqs[i].history(bases[i], drafts[i].tokens) for i in live]
-            logits = self._penalized(logits, [seqs[i] for i in live], histories)
+            rows = ((seqs[i], seqs[i].history(bases[i], drafts[i].tokens)) for i in live)
+            logits = self._penalized(logits, seqs, rows)
             tokens, token_probs, q = draft_sample(
                 logits, [seqs[i].params for i in live], draws[live, step], self.support_size
             )
@@ -212,10 +221,9 @@ class DraftWorker(_Worker):
         )
         draws = self._window_draws(seqs, bases, max(widths))
         # Each position's q is drawn without the drafts before it, so it is processed with the window's base.
-        row_seqs = [seq for seq, n in zip(seqs, widths) for _ in range(n)]
-        logits = self._penalized(logits, row_seqs, [seq.history(base) for seq, base, n in zip(seqs, bases, widths)
-                                                    for _ in range(n)])  # fmt: skip
-        params = [seq.params for seq in row_seqs]
+        rows = ((seq, seq.history(base)) for seq, base, n in zip(seqs, bases, widths) for _ in range(n))
+        logits = self._penalized(logits, seqs, rows)
+        params = [seq.params for seq, n in zip(seqs, widths) for _ in range(n)]
         row_draws = torch.cat([draws[i, :n] for i, n in enumerate(widths)])
         tokens, token_probs, q = draft_sample(logits, params, row_draws, self.support_size)
         drafts, row = [], 0
@@ -308,10 +316,9 @@ class VerifyWorker(_Worker):
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
         if not batch.seqs:  # a step of prefill chunks only
             return []
-        histories = [seq.history(extra=w.tokens[:i]) for seq, w in zip(batch.seqs, batch.windows)
-                     for i in range(len(w.tokens) + 1)]  # fmt: skip
-        row_seqs = [seq for seq, w in zip(batch.seqs, batch.windows) for _ in range(len(w.tokens) + 1)]
-        logits = self._penalized(batch.logits, row_seqs, histories)
+        rows = ((seq, seq.history(extra=w.tokens[:i])) for seq, w in zip(batch.seqs, batch.windows)
+                for i in range(len(w.tokens) + 1))  # fmt: skip
+        logits = self._penalized(batch.logits, batch.seqs, rows)
         new_tokens = rejection_sample(
             logits,
             [w.tokens for w in batch.windows],
