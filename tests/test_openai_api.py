@@ -226,6 +226,42 @@ def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_several_prompts_and_samples_are_choices_in_order(client, expected) -> None:
+    """A list of prompts and n samples of each: choice p * n + j is sample j of prompt p (greedy: all equal)."""
+    prompts = PROMPTS[:2]
+    done = client.completions.create(model=MODEL, prompt=prompts, n=2, best_of=2, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert [c.text for c in done.choices] == [expected[p] for p in prompts for _ in range(2)]
+    assert done.usage.completion_tokens == 4 * MAX_TOKENS
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    assert done.usage.prompt_tokens == sum(single)  # each prompt counts once, not once per sample
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True))  # fmt: skip
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in done.choices]
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2, 3]
+
+
+def test_samples_of_one_prompt_differ_and_repeat_with_the_seed(client, expected) -> None:
+    kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 11}
+    first = [c.text for c in client.completions.create(**kwargs).choices]
+    assert len(set(first)) == 3
+    assert [c.text for c in client.completions.create(**kwargs).choices] == first
+    one = client.completions.create(**{**kwargs, "n": 1}).choices[0].text
+    assert one == first[0]  # sample 0 keeps the request's seed: n = 1 gives the same text
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.message.content for c in chat.choices] == [expected["chat"]] * 2
+
+
+def test_echo_puts_the_prompt_before_the_output(client, expected) -> None:
+    prompt = PROMPTS[0]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert done.choices[0].text == prompt + expected[prompt]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            echo=True, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == prompt + expected[prompt]
+
+
 def test_sampling_with_a_seed_is_reproducible(client) -> None:
     kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
@@ -236,9 +272,9 @@ def test_sampling_with_a_seed_is_reproducible(client) -> None:
     [
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"prompt": ""}, "prompt is empty"),
-        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"prompt": ["a"] * 9, "n": 8}, "more than the 64 choices"),
         ({"logprobs": 21}, "logprobs"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"prompt": "x " * 2000}, "max_model_len"),
@@ -263,9 +299,9 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
-        ("/v1/completions", {"n": 2}, "n", "one sample"),
-        ("/v1/completions", {"best_of": 3}, "best_of", "one sample"),
-        ("/v1/completions", {"echo": True}, "echo", "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "no beam search"),
         ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
         ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
@@ -312,6 +348,26 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_it(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=context - 2)
     assert f"maximum context length is {context} tokens" in info.value.body["message"]
+
+
+def test_tokenize_detokenize_and_version(stack, tls, client) -> None:
+    def post(path: str, body: dict) -> tuple[int, dict]:
+        status, raw = _https(stack, tls, path, json.dumps(body).encode())
+        return status, json.loads(raw)
+
+    status, got = post("/tokenize", {"model": MODEL, "prompt": PROMPTS[0]})
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
+    assert status == 200 and got["count"] == len(got["tokens"]) == completion.usage.prompt_tokens
+    assert got["max_model_len"] == client.models.list().data[0].max_model_len
+    assert post("/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": PROMPTS[0]})
+    status, chat = post("/tokenize", {"messages": CHAT})  # model is optional
+    done = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert status == 200 and chat["count"] == done.usage.prompt_tokens
+    assert post("/tokenize", {"model": "gpt-4", "prompt": "x"})[0] == 404
+    assert post("/tokenize", {})[0] == post("/detokenize", {"tokens": [10**9]})[0] == 400
+    assert _https(stack, tls, "/tokenize", json.dumps({"prompt": "x"}).encode(), key=None)[0] == 401
+    status, raw = _https(stack, tls, "/version", key=None)
+    assert status == 200 and json.loads(raw)["version"]
 
 
 def test_malformed_bodies_are_400_with_pydantic_messages(stack, tls, client) -> None:

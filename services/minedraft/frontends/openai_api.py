@@ -8,12 +8,14 @@ what this server does anyway or is one of the few listed as ignored on purpose (
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +31,7 @@ from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, G
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
+from minedraft.version import __version__
 from minedraft.wire import describe_validation_error
 
 STATUS = {
@@ -61,6 +64,8 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None, code:
 
 # --- request bodies ----------------------------------------------------------------------------------------
 
+MAX_CHOICES = 64  # choices (prompts x n) in one request: each is a request of its own to the engine
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -82,7 +87,7 @@ class _SamplingBody(BaseModel):
     top_p: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: Text | list[Text] | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat | None = None
@@ -99,9 +104,7 @@ class _SamplingBody(BaseModel):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
-        return [("n", "one sample per request: n = 1")] * (self.n != 1) + refusals(
-            self.model_extra or {}, add_special_tokens=not isinstance(self, ChatCompletionBody)
-        )
+        return refusals(self.model_extra or {}, add_special_tokens=not isinstance(self, ChatCompletionBody))
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -138,21 +141,24 @@ class CompletionBody(_SamplingBody):
     suffix: Text | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        extra = {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
-        return super().unsupported() + [(name, NOT_IMPLEMENTED.get(name, "one sample per request"))
-                                        for name, bad in extra.items() if bad]  # fmt: skip
+        refused = [("best_of", "best_of other than n is not implemented")] * (self.best_of not in (None, self.n))
+        refused += [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
+        refused += [("echo", "echo with logprobs needs prompt logprobs, which are not implemented")] * (
+            self.echo and self.logprobs is not None)  # fmt: skip
+        return super().unsupported() + refused
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """One prompt per request: a string, token ids, or a list holding exactly one of those."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or token ids, or a list of those (one choice per prompt and sample)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(HTTPStatus.BAD_REQUEST, "only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        return prompt
+            if len(prompt) * self.n > MAX_CHOICES:
+                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x n = {self.n} is more than the "
+                               f"{MAX_CHOICES} choices one request may have", "prompt")  # fmt: skip
+            return list(prompt)
+        return [prompt]
 
 
 class TextPart(BaseModel):
@@ -212,6 +218,26 @@ class ChatCompletionBody(_SamplingBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for rendered messages
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
 # --- the app -----------------------------------------------------------------------------------------------
 
 
@@ -242,9 +268,7 @@ class OpenAIFrontend:
             raise APIError(HTTPStatus.UNAUTHORIZED, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     def check_model(self, body: _SamplingBody) -> None:
-        if body.model != self.model_name:
-            message = f"The model `{body.model}` does not exist."
-            raise APIError(HTTPStatus.NOT_FOUND, message, "model", "model_not_found")
+        self._check_model_name(body.model)
         unsupported = body.unsupported()
         if unsupported:
             reasons = "; ".join(f"{name} ({why})" for name, why in unsupported)
@@ -260,24 +284,29 @@ class OpenAIFrontend:
 
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
-        params = _params(body, body.max_tokens)
-        generation = await _start(self.generator, body.single_prompt(), params, fit_context=True)
+        params, prompts = _params(body, body.max_tokens), body.prompts()
+        generations = await _start_all(self.generator, prompts, params, body.n, fit_context=True)
+        echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
         stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
-                                  self.generator.tokenizer)  # fmt: skip
-        return await _respond(generation, stream, body.stream)
+                                  self.generator.tokenizer, echo=echo)  # fmt: skip
+        return await _respond(generations, stream, body.stream, body.n)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before the output: the prompt as sent, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(list(prompt))
 
     async def chat_completions(self, body: ChatCompletionBody) -> Response:
         self.check_model(body)
         prompt = self._render(body)
         asked = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), None)
         max_tokens = self.generator.max_model_len if asked is None else asked  # none asked: what the context leaves
-        generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False,
-                                  fit_context=asked is not None)  # fmt: skip
+        generations = await _start_all(self.generator, [prompt], _params(body, max_tokens), body.n,
+                                       add_special_tokens=False, fit_context=asked is not None)  # fmt: skip
         stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                             self.generator.tokenizer)  # fmt: skip
-        return await _respond(generation, stream, body.stream)
+        return await _respond(generations, stream, body.stream, body.n)
 
-    def _render(self, body: ChatCompletionBody) -> str:
+    def _render(self, body: ChatCompletionBody | TokenizeBody) -> str:
         if self.chat_template is None:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
@@ -302,6 +331,9 @@ class OpenAIFrontend:
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         if self.registry is not None:  # a route, not a mounted app: /metrics answers itself, no redirect
             app.add_api_route("/metrics", self.metrics, methods=["GET"])
@@ -315,6 +347,35 @@ class OpenAIFrontend:
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, body: TokenizeBody) -> dict:
+        self._check_model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(HTTPStatus.BAD_REQUEST, "send either `prompt` or `messages`", "prompt")
+        refused = [r for i, m in enumerate(body.messages or []) for r in refusals(m.model_extra or {}, False,
+                                                                                   f"messages[{i}].")]  # fmt: skip
+        if refused:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: {refused[0][0]} ({refused[0][1]})",
+                           refused[0][0])  # fmt: skip
+        text = body.prompt if body.messages is None else self._render(body)
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        tokens = await asyncio.to_thread(self.generator.tokenizer.encode_concurrently, text, special)
+        return {"count": len(tokens), "max_model_len": self.generator.max_model_len, "tokens": tokens,
+                "token_strs": None}  # fmt: skip
+
+    async def detokenize(self, body: DetokenizeBody) -> dict:
+        self._check_model_name(body.model)
+        vocab = self.generator.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(HTTPStatus.BAD_REQUEST, f"tokens: token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.generator.tokenizer.decode(body.tokens)}
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    def _check_model_name(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     async def health(self) -> Response:
         serving = self.is_serving()
@@ -343,13 +404,33 @@ async def _start(generator: Generator, prompt, params: SamplingParams, **kwargs)
     return await generator.start(prompt, params, **kwargs)
 
 
+async def _start_all(generator: Generator, prompts: list, params: SamplingParams, n: int, **kwargs) -> list[Generation]:
+    """`n` samples of each prompt, in choice order (prompt by prompt); all admitted, or none (those already
+    admitted are closed when one is refused). Sample j > 0 of a seeded request gets a seed of its own."""
+    generations: list[Generation] = []
+    try:
+        for prompt in prompts:
+            for j in range(n):
+                seed = params.seed if params.seed is None or j == 0 else (params.seed + j * _GOLDEN) % 2**64
+                generations.append(await _start(generator, prompt, params.model_copy(update={"seed": seed}), **kwargs))
+    except BaseException:
+        for generation in generations:
+            await generation.aclose()
+        raise
+    return generations
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of one request's samples over the 64-bit range
+
+
 # --- responses ---------------------------------------------------------------------------------------------
 
 Logprobs = list[tuple[int, TokenLogprob]] | None  # (token id, its logprobs) per output token
 
 
 class _Stream:
-    """Builds one endpoint's chunks and final body from the generate interface's items."""
+    """Builds one endpoint's chunks and final body from the generate interface's items; choice `index` i is
+    the i-th generation of the request (prompt by prompt, `n` samples each)."""
 
     object_full: str
     object_chunk: str
@@ -368,14 +449,17 @@ class _Stream:
             body["usage"] = usage
         return body
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
         raise NotImplementedError
 
-    def first_chunks(self) -> list[dict]:
+    def first_chunks(self, index: int = 0) -> list[dict]:
         return []
 
-    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
         raise NotImplementedError
+
+    def full(self, choices: list[dict], usage: dict) -> dict:
+        return self._envelope(self.object_full, choices, usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.object_chunk, [], usage)
@@ -383,23 +467,36 @@ class _Stream:
 
 class CompletionStream(_Stream):
     object_full = object_chunk = "text_completion"
-    _offset = 0  # text_offset of the next token
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+    def __init__(self, *args, echo: list[str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # per choice, the prompt text its output follows (`echo`)
+        self._offsets: dict[int, int] = {}  # per choice, the text_offset of its next token
+
+    def first_chunks(self, index: int = 0) -> list[dict]:
+        return [self.chunk("", None, None, index)] if self.echo else []
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
+        if self.echo and index not in self._offsets:
+            text = self.echo[index] + text
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(logprobs, index),
+                  "finish_reason": finish_reason}  # fmt: skip
+        self._offsets.setdefault(index, 0)
         return self._envelope(self.object_chunk, [choice])
 
-    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        return self._envelope(self.object_full, [choice], usage)
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
+        echoed = self.echo[index] if self.echo else ""
+        return {"index": index, "text": echoed + text, "logprobs": self._logprobs(logprobs, index),
+                "finish_reason": finish_reason}  # fmt: skip
 
-    def _logprobs(self, logprobs: Logprobs) -> dict | None:
+    def _logprobs(self, logprobs: Logprobs, index: int) -> dict | None:
         """The legacy completions shape: tokens, their logprobs, {token: logprob} of the top ones, offsets."""
         if logprobs is None:
             return None
         tokens = [self._token(t) for t, _ in logprobs]
-        offsets = [self._offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-        self._offset += sum(len(s) for s in tokens)
+        start = self._offsets.get(index, 0)
+        offsets = [start + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        self._offsets[index] = start + sum(len(s) for s in tokens)
         top = [{self._token(t): _finite(lp.logprob), **{self._token(i): _finite(v) for i, v in zip(lp.top_ids,
                lp.top_logprobs)}} for t, lp in logprobs]  # fmt: skip
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for _, lp in logprobs], "top_logprobs": top,
@@ -409,20 +506,20 @@ class CompletionStream(_Stream):
 class ChatStream(_Stream):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def first_chunks(self) -> list[dict]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def first_chunks(self, index: int = 0) -> list[dict]:
+        return [self._delta({"role": "assistant", "content": ""}, None, None, index)]
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
-        return self._delta({"content": text} if text else {}, finish_reason, logprobs)
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
+        return self._delta({"content": text} if text else {}, finish_reason, logprobs, index)
 
-    def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs = None) -> dict:
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+    def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                                                    "finish_reason": finish_reason}])  # fmt: skip
 
-    def full(self, text: str, finish_reason: str, usage: dict, logprobs: Logprobs = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        return self._envelope(self.object_full, [choice], usage)
+        return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish_reason}  # fmt: skip
 
     def _logprobs(self, logprobs: Logprobs) -> dict | None:
         """Chat's shape: per token its text, logprob and UTF-8 bytes, and the same for the top ones."""
@@ -441,18 +538,27 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def _usage(generation: Generation) -> dict:
-    prompt, completion = len(generation.prompt_ids), len(generation.finished.output_ids)
+def _usage(generations: list[Generation], n: int) -> dict:
+    """Each prompt counts once, however many samples it had; every sample's output counts."""
+    prompt = sum(len(g.prompt_ids) for g in generations[::n])
+    completion = sum(len(g.finished.output_ids) for g in generations)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _respond(generation: Generation, stream: _Stream, streaming: bool) -> Response:
+async def _respond(generations: list[Generation], stream: _Stream, streaming: bool, n: int = 1) -> Response:
     if streaming:
-        return StreamingResponse(_sse(generation, stream), media_type="text/event-stream")
-    async with generation:
-        items = [item async for item in generation]
-    text, logprobs = "".join(item.text for item in items), _item_logprobs(items)
-    return JSONResponse(stream.full(text, generation.finished.finish_reason, _usage(generation), logprobs))
+        return StreamingResponse(_sse(generations, stream, n), media_type="text/event-stream")
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
+        outputs = await asyncio.gather(*(_collect(g) for g in generations))
+    choices = [stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, _item_logprobs(items))
+               for i, (g, items) in enumerate(zip(generations, outputs))]  # fmt: skip
+    return JSONResponse(stream.full(choices, _usage(generations, n)))
+
+
+async def _collect(generation: Generation) -> list[StreamItem]:
+    return [item async for item in generation]
 
 
 def _item_logprobs(items: list[StreamItem]) -> Logprobs:
@@ -462,23 +568,59 @@ def _item_logprobs(items: list[StreamItem]) -> Logprobs:
     return [pair for item in items for pair in zip(item.token_ids, item.logprobs or [])]
 
 
-async def _sse(generation: Generation, stream: _Stream) -> AsyncIterator[str]:
-    """Chunks as server-sent events; a failure mid-stream is sent as an error event before [DONE]."""
-    async with generation:
+async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncIterator[str]:
+    """Chunks as server-sent events, each generation's as they come (choice `index` tells them apart); a
+    failure mid-stream is sent as an error event before [DONE]."""
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
         try:
-            for chunk in stream.first_chunks():
-                yield _event(chunk)
-            async for item in generation:
+            for index in range(len(generations)):
+                for chunk in stream.first_chunks(index):
+                    yield _event(chunk)
+            async for index, item in _merged(generations):
                 finished = item.finished
                 if item.text or finished is None:
-                    yield _event(stream.chunk(item.text, None, _item_logprobs([item])))
+                    yield _event(stream.chunk(item.text, None, _item_logprobs([item]), index))
                 if finished is not None:
-                    yield _event(stream.chunk("", finished.finish_reason))
+                    yield _event(stream.chunk("", finished.finish_reason, None, index))
             if stream.include_usage:
-                yield _event(stream.usage_chunk(_usage(generation)))
+                yield _event(stream.usage_chunk(_usage(generations, n)))
         except GenerateError as exc:
             yield _event(error_body(STATUS[exc.kind], exc.message))
     yield "data: [DONE]\n\n"
+
+
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, StreamItem]]:
+    """(index, item) of every generation, in the order they arrive."""
+    if len(generations) == 1:  # the common case, without tasks
+        async for item in generations[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for item in generation:
+                await queue.put((index, item))
+        except GenerateError as exc:
+            await queue.put(exc)
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        live = len(tasks)
+        while live:
+            got = await queue.get()
+            if isinstance(got, GenerateError):
+                raise got
+            if got[1] is None:
+                live -= 1
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _event(payload: dict) -> str:

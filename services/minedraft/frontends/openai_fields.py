@@ -21,7 +21,7 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_
 
 _STRUCTURED = "structured output is not implemented"
 _TOOLS = "tool calls are not implemented"
-_ONE_SAMPLE = "one sample per request: n = 1, no best_of or beam search"
+_ONE_SAMPLE = "no beam search and no best-of ranking"
 # Known fields this server does not implement, with what is missing. Each is accepted only when set to the
 # value in `_AS_DONE` (what this server does anyway) or to null.
 NOT_IMPLEMENTED = {
