@@ -384,6 +384,15 @@ def test_unknown_model_is_404(client) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_model_is_optional(stack, tls) -> None:
+    body = {"prompt": "def f():", "max_tokens": 3, "temperature": 0}
+    status, raw = _https(stack, tls, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and json.loads(raw)["model"] == MODEL
 
 
 def test_a_wrong_or_missing_key_is_401(stack, tls, client) -> None:

@@ -82,7 +82,7 @@ class _SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # kept, so that each is honoured, refused or ignored by name
 
-    model: str
+    model: str | None = None  # None: the served model
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     seed: StrictInt | None = None
@@ -278,9 +278,15 @@ class OpenAIFrontend:
         if not self.is_serving():  # tools poll this to know when to start: ready means a request could run
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is not serving now (starting, or forming its "
                            "engine group again after a worker failed): retry later")  # fmt: skip
-        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
-                 "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model_name(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
+                "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
 
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
@@ -329,6 +335,7 @@ class OpenAIFrontend:
         app = FastAPI(title="MineDraft OpenAI-compatible API", docs_url=None, redoc_url=None)
         auth = [Depends(self.check_key)]
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
