@@ -45,6 +45,7 @@ OPTIONS = [
     {"logit_bias": {"328": -100, "25": 3.0}},  # 328: the first token the prompt gets greedily
     {"min_tokens": 3, "stop_token_ids": [328]},
     {"min_p": 0.2, "presence_penalty": 0.8},
+    {"bad_words": ["isinstance"]},  # the greedy text holds it
 ]
 
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.sampler import processed_probs
@@ -26,6 +27,7 @@ from minedraft.sampling.sampler import processed_probs
 from conftest import tiny_config
 
 EOS = 2
+G_ID = 41  # "G" in the tiny checkpoints' byte-level vocabulary
 MODES = {
     "sd": {"num_speculative_tokens": 3},
     "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
@@ -75,6 +77,16 @@ def test_penalties_match_the_per_token_reference() -> None:
     assert torch.equal(got[7], logits[7])
 
 
+def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest() -> None:
+    tokens, words = [3, 4, 5, 5, 6, 5, 7], [[7], [6, 5, 9], [5, 8], [4, 10]]  # output 5 6 5 7
+    params = SamplingParams(bad_words=["x"])  # the engine tokenizes the words; the rows carry the ids
+    rows = [History(tokens, 3, extra, words) for extra in ([], [6, 5], [6])]
+    got = apply_penalties(torch.zeros(3, 12), [params] * 3, rows, [EOS])
+    banned = [set(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in got]
+    # [4, 10]: 4 is prompt, never output. Drafts before a row count as output.
+    assert banned == [{7}, {7, 9, 8}, {7}]
+
+
 def test_min_p_keeps_tokens_within_the_ratio_of_the_best() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
     probs = processed_probs(logits, [SamplingParams(min_p=0.2)])  # keeps p >= 0.1
@@ -105,6 +117,8 @@ def _options(first_tokens: list[int]) -> list[SamplingParams]:
         SamplingParams(**greedy, logit_bias={first_tokens[0]: -100.0, 11: 4.0}),
         SamplingParams(**{**greedy, "ignore_eos": False}, min_tokens=8, stop_token_ids=[first_tokens[1]]),
         SamplingParams(**greedy, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.1),
+        # A bias makes "G" (token G_ID) the greedy choice everywhere; the bad word "GG" then bans it after itself.
+        SamplingParams(**greedy, logit_bias={G_ID: 20.0}, bad_words=["GG"]),
     ]
 
 
@@ -128,6 +142,7 @@ def workload(pair) -> tuple[list[tuple[list[int], SamplingParams]], list[list[in
     """Every option on two prompts, all in one batch, and ar's outputs for it."""
     prompts = [[5, 17, 42, 9], [100, 3]]
     plain = _run(tiny_config(pair), [(p, SamplingParams(temperature=0.0, max_tokens=2)) for p in prompts])
+    assert load_tokenizer(pair[0]).encode("GG", add_special_tokens=False) == [G_ID, G_ID]
     work = [(p, params) for p, first in zip(prompts, plain) for params in _options(first)]
     expected = _run(tiny_config(pair, max_num_seqs=4), work)
     return work, expected
@@ -142,6 +157,8 @@ def test_each_option_changes_the_greedy_output(workload) -> None:
         assert all(out != plain for out in optioned), optioned
     min_tokens_rows = [expected[5], expected[5 + per_prompt]]
     assert all(len(out) >= 8 for out in min_tokens_rows)
+    for out in (expected[per_prompt - 1], expected[-1]):  # bad words: G every other token, never twice in a row
+        assert out.count(G_ID) >= 10 and all(not (a == b == G_ID) for a, b in zip(out, out[1:])), out
 
 
 @pytest.mark.parametrize("in_flight", [1, 2], ids=["one-in-flight", "planned-ahead"])

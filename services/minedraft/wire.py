@@ -42,7 +42,7 @@ def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in _FIELDS if msg.HasField(name)}
     return SamplingParams(
         **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logit_bias=dict(msg.logit_bias),
+        logit_bias=dict(msg.logit_bias), bad_words=list(msg.bad_words),
     )
 
 
@@ -63,6 +63,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         min_p=params.min_p,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        bad_words=params.bad_words,
     )
 
 
@@ -99,6 +100,7 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
         seed=admission.seed,
         batch=admission.batch,
         num_prompt_tokens=admission.num_prompt_tokens,
+        bad_words_ids=[generate_pb2.TokenIds(ids=ids) for ids in admission.bad_words_ids],
     )
 
 
@@ -134,7 +136,8 @@ def plan_from_proto(
 ) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
     admit = [
         Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
-                  s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None)
+                  s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
+                  [list(w.ids) for w in s.bad_words_ids])
         for s in msg.admit
     ]
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]

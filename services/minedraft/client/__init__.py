@@ -8,7 +8,8 @@
             print(delta.text, end="", flush=True)
 
 More sampling options go by their SamplingParameters names (`presence_penalty`, `frequency_penalty`,
-`repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`, `logprobs`): `client.generate("Hi", logprobs=2)`.
+`repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`, `logprobs`, `bad_words`): `client.generate("Hi",
+logprobs=2)`.
 `AsyncClient` has the same methods as coroutines (`stream` is an async iterator). Failed calls raise
 `MineDraftError`, a `grpc.RpcError` with the server's `.code()` and `.details()`.
 """

@@ -31,7 +31,7 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-            "logprobs")  # fmt: skip
+            "logprobs", "bad_words")  # fmt: skip
 
 
 def build_generate_request(
@@ -50,7 +50,7 @@ def build_generate_request(
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-    min_p, min_tokens, logprobs); an unknown name is a TypeError."""
+    min_p, min_tokens, logprobs, bad_words); an unknown name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -76,6 +76,8 @@ def _set_options(sampling: pb.SamplingParameters, options: dict[str, Any]) -> No
             continue
         if name == "logit_bias":
             sampling.logit_bias.update({operator.index(t): float(b) for t, b in value.items()})
+        elif name == "bad_words":
+            sampling.bad_words.extend([value] if isinstance(value, str) else value)
         else:
             setattr(sampling, name, value)
 

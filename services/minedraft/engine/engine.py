@@ -91,7 +91,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_ids, params)
-        return Request.create(
+        request = Request.create(
             request_id,
             prompt_ids,
             params,
@@ -101,6 +101,17 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             prompt=prompt,
         )
+        request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        return request
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the target tokenizes it, without and with a leading space (as vLLM does): the
+        workers ban by token sequences."""
+        if words and not hasattr(self.tokenizer, "encode"):
+            raise ValueError("bad_words: this engine has no tokenizer to turn them into tokens")
+        variants = [self.tokenizer.encode(text, add_special_tokens=False) for word in words
+                    for text in (word.lstrip(), " " + word.lstrip())]  # fmt: skip
+        return [ids for i, ids in enumerate(variants) if ids and ids not in variants[:i]]
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The bounds that depend on the model, checked before a request reaches any step (the static ones
@@ -203,7 +214,8 @@ class LLMEngine:
             request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, len(r.prompt_ids)) for r in admitted]
+                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, len(r.prompt_ids), r.bad_words_ids)
+                 for r in admitted]  # fmt: skip
             )
         if draft is None and verify is None:
             return False

@@ -35,6 +35,7 @@ class Admission:
     seed: int
     batch: int = 0  # the engine's batch it runs in
     num_prompt_tokens: int | None = None  # how many of token_ids are prompt (penalties count the rest); None: all
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences the output must not hold
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class Request:
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs asks for them
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the target tokenizes them
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

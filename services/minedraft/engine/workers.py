@@ -40,10 +40,11 @@ class _Sequence:
     seed: int  # with the output position, keys every random draw (sampling/streams.py)
     kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
     num_prompt: int = 0  # tokens[:num_prompt] are the prompt: penalties count what follows
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
         """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
-        return History(self.tokens if base is None else base, self.num_prompt, extra)
+        return History(self.tokens if base is None else base, self.num_prompt, extra, self.bad_words_ids)
 
     def pending(self, target: list[int]) -> tuple[int, list[int]]:
         """Where to start writing, and the tokens to write, so the cache ends up holding `target`.
@@ -88,6 +89,7 @@ class _Worker:
                 seed=admission.seed,
                 num_prompt=len(admission.token_ids) if admission.num_prompt_tokens is None
                 else admission.num_prompt_tokens,
+                bad_words_ids=admission.bad_words_ids,
             )
 
     def release(self, request_ids: list[str]) -> None:

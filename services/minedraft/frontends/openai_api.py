@@ -101,6 +101,7 @@ class _SamplingBody(BaseModel):
     repetition_penalty: StrictFloat | None = None
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
+    bad_words: list[Text] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
@@ -108,7 +109,8 @@ class _SamplingBody(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens}
+                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
+                   "bad_words": self.bad_words}
         return SamplingParams(
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),

@@ -31,7 +31,7 @@ NOT_IMPLEMENTED = {
     "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
     "use_beam_search": _ONE_SAMPLE, "length_penalty": _ONE_SAMPLE,
     "prompt_logprobs": "prompt logprobs are not implemented",
-    "bad_words": "bad_words is not implemented", "allowed_token_ids": "allowed_token_ids is not implemented",
+    "allowed_token_ids": "allowed_token_ids is not implemented",
     "logits_processors": "custom logits processors are not implemented",
     "include_stop_str_in_output": "stop strings are always left out of the output",
     "skip_special_tokens": "special tokens are always left out of the text",

@@ -104,6 +104,9 @@ class SamplingParams(BaseModel):
                            "likely one's probability; 0 = off.")  # fmt: skip
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's "
                                        "log-probability and this many most likely tokens'; None = none.")  # fmt: skip
+    bad_words: list[Text] = Field(default_factory=list, description="Words the output must not contain: the last "
+                                  "token of each (as it tokenizes with and without a leading space) is banned where "
+                                  "the output ends with the ones before it.")  # fmt: skip
     min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX, description="Generate at least this many tokens before "
                                   "EOS, a stop token or a stop string may end the output.")  # fmt: skip
 
@@ -148,6 +151,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str]) -> list[str]:
+        if any(not word.strip() for word in value):
+            raise ValueError("bad words must not be empty or only spaces")
+        return value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _none_to_dict(cls, value):
@@ -161,9 +171,9 @@ class SamplingParams(BaseModel):
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits change before temperature: penalties, biases or min_tokens."""
+        """Whether the logits change before temperature: penalties, biases, min_tokens or bad words."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)  # fmt: skip
+                    or self.logit_bias or self.min_tokens or self.bad_words)  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,11 @@
-"""Logits processing that depends on the tokens before a position: min_tokens, logit_bias, penalties.
+"""Logits processing that depends on the tokens before a position: bad words, min_tokens, logit_bias,
+penalties.
 
 Applied to the raw logits, before temperature, min_p, top-k and top-p, in vLLM's order and with its
 meanings:
 
+- bad_words (as token sequences): the last token of a sequence gets -inf where the output ends with the
+  tokens before it (a one-token word is banned everywhere);
 - min_tokens: while the output is shorter, the stop tokens (``stop_token_ids``, and the EOS tokens unless
   ``ignore_eos``) get -inf;
 - logit_bias: added to the named tokens' logits;
@@ -40,6 +43,8 @@ class History:
     tokens: Sequence[int]
     num_prompt: int
     extra: Sequence[int] = ()
+    bad_words_ids: Sequence[Sequence[int]] = ()  # the request's bad words as token sequences (not history, but
+    # the one other thing a row's processing reads per request)
 
     @property
     def num_output(self) -> int:
@@ -67,6 +72,7 @@ def _processed(
     logits: Tensor, params_list: list[SamplingParams], histories: list[History], eos_token_ids: Sequence[int]
 ) -> Tensor:
     counts, in_prompt = _token_counts(histories, logits.shape[-1], logits.device)
+    logits = _mask(logits, _bad_words(histories, logits.shape[-1]))
     logits = _mask_stop_tokens(logits, params_list, histories, eos_token_ids)
     logits = _add_bias(logits, params_list)
     column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
@@ -100,6 +106,28 @@ def _bincount(tokens: Tensor, vocab: int) -> Tensor:
     return torch.bincount(tokens[tokens < vocab], minlength=vocab)
 
 
+def _bad_words(histories: list[History], vocab: int) -> list[tuple[int, int]]:
+    """(row, token) for each bad word's last token whose other tokens end the row's output."""
+    banned = []
+    for row, h in enumerate(histories):
+        if not h.bad_words_ids:
+            continue
+        longest = max(len(word) for word in h.bad_words_ids) - 1
+        start = max(h.num_prompt, len(h.tokens) - longest)
+        tail = [*h.tokens[start:], *h.extra][-longest:] if longest else []
+        for *prefix, last in h.bad_words_ids:
+            if last < vocab and (not prefix or tail[len(tail) - len(prefix) :] == prefix):
+                banned.append((row, last))
+    return banned
+
+
+def _mask(logits: Tensor, banned: list[tuple[int, int]]) -> Tensor:
+    if banned:
+        at = torch.tensor(banned, dtype=torch.long, device=logits.device)
+        logits[at[:, 0], at[:, 1]] = float("-inf")
+    return logits
+
+
 def _mask_stop_tokens(
     logits: Tensor, params_list: list[SamplingParams], histories: list[History], eos_token_ids: Sequence[int]
 ) -> Tensor:
@@ -111,10 +139,7 @@ def _mask_stop_tokens(
         for t in {*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)}
         if t < vocab
     ]
-    if banned:
-        at = torch.tensor(banned, dtype=torch.long, device=logits.device)
-        logits[at[:, 0], at[:, 1]] = float("-inf")
-    return logits
+    return _mask(logits, banned)
 
 
 def _add_bias(logits: Tensor, params_list: list[SamplingParams]) -> Tensor:
