@@ -351,6 +351,13 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_it(client) -> None:
     assert f"maximum context length is {context} tokens" in info.value.body["message"]
 
 
+def test_offline_chat_renders_the_template_as_the_server(offline_llm, expected) -> None:
+    out = offline_llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].text for o in out] == [expected["chat"]]
+    two = offline_llm.chat([CHAT, CHAT[1:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].text == expected["chat"][: len(two[0].outputs[0].text)]
+
+
 def test_tokenize_detokenize_and_version(stack, tls, client) -> None:
     def post(path: str, body: dict) -> tuple[int, dict]:
         status, raw = _https(stack, tls, path, json.dumps(body).encode())
