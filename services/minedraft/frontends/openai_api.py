@@ -207,7 +207,7 @@ class ChatCompletionBody(_SamplingBody):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self) -> list[tuple[str, str]]:
         text_format = not self.response_format or self.response_format.get("type") == "text"
         extra = {"tools": bool(self.tools), "response_format": not text_format}
         messages = [r for i, m in enumerate(self.messages) for r in refusals(m.model_extra or {}, False,

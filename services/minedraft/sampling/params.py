@@ -7,9 +7,9 @@ range, before it reaches any step. Types are strict: a bool is not an int, a str
 Bounds that depend on the model (token ids below the vocabulary, max_tokens within the context) are the
 engine's to check (`LLMEngine.check_request`).
 
-Penalties, biases, min_p and min_tokens have vLLM's names and meanings (see `sampling/penalties.py` for
-how they change the logits); every one of them changes the target distribution, and speculative decoding
-samples exactly from the changed one.
+Penalties, biases, bad words, min_p, min_tokens and logprobs have vLLM's names and meanings (see
+`sampling/penalties.py` for how they change the logits, `sampling/logprobs.py` for what logprobs are);
+each changes the target distribution, and speculative decoding samples exactly from the changed one.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class SamplingParams(BaseModel):
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
         return value
 
-    @field_validator("stop", "stop_token_ids", mode="before")
+    @field_validator("stop", "stop_token_ids", "bad_words", mode="before")
     @classmethod
     def _none_or_one_to_list(cls, value):
         if value is None:
