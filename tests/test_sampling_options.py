@@ -19,6 +19,8 @@ from pydantic import ValidationError
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.model.kv_cache import bytes_per_block
+from minedraft.model.runner import ModelRunner
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
@@ -126,12 +128,15 @@ def _run(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_
     return [r.output_ids for r in _requests(config, work, in_flight)]
 
 
-def _requests(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1) -> list:
+def _requests(config: EngineConfig, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1,
+              stats: dict | None = None) -> list:  # fmt: skip
     engine = LLMEngine.local(config, max_in_flight=in_flight)
     try:
         requests = [engine.add_request(prompt, params) for prompt, params in work]
         while engine.has_unfinished() or engine.in_flight:
             engine.advance()
+        if stats is not None:
+            stats["preemptions"] = engine.num_preemptions
         return requests
     finally:
         engine.executor.close()
@@ -194,3 +199,21 @@ def test_logprobs_of_a_sampled_token_follow_its_processed_distribution(pair) -> 
     for token, lp in zip(request.output_ids, request.logprobs):
         assert lp.logprob == lp.top_logprobs[lp.top_ids.index(token)]
         assert abs(sum(math.exp(v) for v in lp.top_logprobs[:4]) - 1) < 1e-4 and lp.top_logprobs[4] == -math.inf
+
+
+def test_preempted_requests_keep_their_options(pair, workload) -> None:
+    """A KV pool with room for about two requests: requests are preempted and re-admitted with their output
+    so far, which the options must still count as output (not as prompt)."""
+    work, expected = workload
+    config = tiny_config(pair, MODES["minedraft"], max_num_seqs=4, block_size=8, max_model_len=40,
+                         kv_cache_memory_bytes=_kv_bytes(pair[0], blocks=8, block_size=8))  # fmt: skip
+    stats: dict = {}
+    got = [r.output_ids for r in _requests(config, work, in_flight=2, stats=stats)]
+    assert stats["preemptions"] > 0, "the budget is meant to force preemption"
+    assert got == expected
+
+
+def _kv_bytes(target: str, blocks: int, block_size: int) -> int:
+    config = ModelRunner(target, max_seq_len=8).config
+    return blocks * bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                    block_size, torch.float32)  # fmt: skip
