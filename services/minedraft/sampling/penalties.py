@@ -54,8 +54,8 @@ class History:
 def apply_penalties(
     logits: Tensor, params_list: Sequence[SamplingParams], histories: Sequence[History], eos_token_ids: Sequence[int]
 ) -> Tensor:
-    """Logits [m, V] with each row's min_tokens, logit_bias and penalties applied (float32; the rows that ask
-    for none are left as they are, and with none in the batch the tensor itself comes back)."""
+    """Logits [m, V] with each row's bad words, min_tokens, logit_bias and penalties applied (float32; the rows
+    that ask for none are left as they are, and with none in the batch the tensor itself comes back)."""
     if len(params_list) != logits.shape[0] or len(histories) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows, {len(params_list)} params, {len(histories)} histories")
     rows = [i for i, p in enumerate(params_list) if p.penalized]
