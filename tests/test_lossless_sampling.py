@@ -7,6 +7,10 @@ differs from the target's) and the drafter samples from its top-3 only (a sparse
 target may pick). The joint distribution of the two tokens is computed exactly from the target and
 compared with the engine's empirical one by a chi-square test.
 
+The same with a presence penalty and a logit bias (which move mass into and out of the top six, and
+penalise the second token for repeating the first): the exact joint then processes the second token's
+logits with the first as output, and every mode must match it.
+
 Threshold: p-value > 1e-3. Seeds are fixed, so the test is deterministic; with a correct sampler the
 chance of a fixed seed landing below 1e-3 is 0.1% per test, and a wrong rule (for example sampling from
 p instead of the residual after a rejection) moves the distribution by far more than the noise at this
@@ -25,6 +29,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.penalties import History, apply_penalties
 
 from conftest import make_pair, pard_draft, target_probs
 
@@ -38,14 +43,24 @@ def pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("lossless"), seed=11, draft_hidden_size=32, draft_seed=12)
 
 
-def _exact_joint(target) -> dict[tuple[int, int], float]:
-    """P(t1, t2 | PROMPT) under the target with PARAMS, computed by enumeration."""
+def _penalized_params(target) -> dict:
+    """PARAMS with a presence penalty, and a bias that pushes the target's first choice down and its
+    seventh (outside top_k) up into the top six."""
+    runner = ModelRunner(target, num_slots=1, max_seq_len=16)
+    order = runner.forward([SeqInput(runner.allocate_slot(), PROMPT, 0)])[0].argsort(descending=True).tolist()
+    return {**PARAMS, "presence_penalty": 1.5, "logit_bias": {order[0]: -1.5, order[6]: 2.5}}
+
+
+def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, int], float]:
+    """P(t1, t2 | PROMPT) under the target with `params_kwargs`, computed by enumeration."""
     runner = ModelRunner(target, num_slots=1, max_seq_len=16)
     slot = runner.allocate_slot()
-    params = SamplingParams(**PARAMS)
+    params = SamplingParams(**params_kwargs)
+    eos = runner.config.eos_token_ids
 
     def probs_after(tokens: list[int]) -> torch.Tensor:
-        return target_probs(runner.forward([SeqInput(slot, tokens, 0)]), params)[0]
+        logits = runner.forward([SeqInput(slot, tokens, 0)])
+        return target_probs(apply_penalties(logits, [params], [History(tokens, len(PROMPT))], eos), params)[0]
 
     p1 = probs_after(PROMPT)
     joint = {}
@@ -56,10 +71,10 @@ def _exact_joint(target) -> dict[tuple[int, int], float]:
     return joint
 
 
-def _sample(config: EngineConfig) -> Counter:
+def _sample(config: EngineConfig, params_kwargs: dict) -> Counter:
     engine = LLMEngine.local(config)
     try:
-        requests = [engine.add_request(PROMPT, SamplingParams(**PARAMS, seed=i)) for i in range(NUM_SAMPLES)]
+        requests = [engine.add_request(PROMPT, SamplingParams(**params_kwargs, seed=i)) for i in range(NUM_SAMPLES)]
         while engine.has_unfinished():
             engine.step()
         return Counter(tuple(r.output_ids) for r in requests)
@@ -79,13 +94,15 @@ def _sample(config: EngineConfig) -> Counter:
     ],
     ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard"],
 )
-def test_sampled_pairs_follow_the_target_distribution(pair, spec, tmp_path) -> None:
+@pytest.mark.parametrize("options", ["plain", "penalty+bias"])
+def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:
     """With parallel drafting the second draft token comes from the mask position's q, drawn without
     seeing the first: the rejection rule must still give the target's distribution."""
     target, draft = pair
     if spec and spec.get("parallel_drafting"):
         draft = pard_draft(draft, tmp_path)
-    joint = _exact_joint(target)
+    params_kwargs = PARAMS if options == "plain" else _penalized_params(target)
+    joint = _exact_joint(target, params_kwargs)
     config = EngineConfig(
         model=str(target),
         speculative_config={**spec, "model": str(draft)} if spec else None,
@@ -94,7 +111,7 @@ def test_sampled_pairs_follow_the_target_distribution(pair, spec, tmp_path) -> N
         device="cpu",
         draft_support_size=3,
     )
-    counts = _sample(config)
+    counts = _sample(config, params_kwargs)
     assert set(counts) <= set(joint), f"sampled pairs the target cannot produce: {set(counts) - set(joint)}"
     cells = sorted(joint, key=joint.get, reverse=True)
     # Pool the rare cells so every expected count is large enough for the chi-square approximation.

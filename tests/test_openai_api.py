@@ -37,6 +37,16 @@ MODEL = "minedraft-target"  # the bundled target's folder name: the default serv
 PROMPTS = ["def main():", "import os\n\n\ndef read(path):", "class Stack:\n    def __init__(self):"]
 MAX_TOKENS = 24
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+# Each sampling option once (greedy): the served output must be the offline ar output with the same option.
+OPTIONS = [
+    {"presence_penalty": 1.5},
+    {"frequency_penalty": 1.2},
+    {"repetition_penalty": 1.5},
+    {"logit_bias": {"328": -100, "25": 3.0}},  # 328: the first token the prompt gets greedily
+    {"min_tokens": 3, "stop_token_ids": [328]},
+    {"min_p": 0.2, "presence_penalty": 0.8},
+    {"bad_words": ["isinstance"]},  # the greedy text holds it
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +77,27 @@ def expected() -> dict[str, str]:
         outputs = llm.generate([*PROMPTS, list(chat_ids)], params)
     texts = [o.outputs[0].text for o in outputs]
     return {**dict(zip(PROMPTS, texts)), "chat": texts[-1]}
+
+
+def _offline_params(option: dict) -> SamplingParams:
+    bias = {int(t): b for t, b in option.get("logit_bias", {}).items()}
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **{**option, "logit_bias": bias})
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    with LLM(device="cpu", batch_invariant=True) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def expected_options(offline_llm) -> list[str]:
+    """Offline autoregressive text of PROMPTS[0] with each of OPTIONS."""
+    plain = offline_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+    texts = [o.outputs[0].text for o in offline_llm.generate([PROMPTS[0]] * len(OPTIONS),
+                                                             [_offline_params(o) for o in OPTIONS])]  # fmt: skip
+    assert all(text != plain for text in texts), "each option must change the output, or the test proves nothing"
+    return texts
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +185,84 @@ def test_vllm_extras_and_stop_strings(client, expected) -> None:
     assert done.choices[0].text == reference[: reference.index(stop)]
 
 
+@pytest.mark.parametrize("index", range(len(OPTIONS)))
+def test_each_sampling_option_equals_offline_ar(client, stack, tls, expected_options, index) -> None:
+    """Through the SDK's own arguments where it has them, vLLM's names in extra_body otherwise, and gRPC."""
+    option = OPTIONS[index]
+    named = {k: v for k, v in option.items() if k in ("presence_penalty", "frequency_penalty", "logit_bias")}
+    extra = {k: v for k, v in option.items() if k not in named}
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, **named,
+                                     extra_body=extra)  # fmt: skip
+    assert done.choices[0].text == expected_options[index]
+    params = _offline_params(option)
+    grpc_options = {k: getattr(params, k) for k in option}
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, **grpc_options)
+    assert got.text == expected_options[index]
+
+
+def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
+    """The served (MineDraft-mode) logprobs and top 3 of each token, completions and chat, streamed or not, and over
+    gRPC, are the offline ar ones with the same option (a presence penalty: the processed distribution)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3, presence_penalty=0.5)
+    out = offline_llm.generate(PROMPTS[0], params)[0].outputs[0]
+    token_lps = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
+    top = [sorted(d.values(), reverse=True)[:3] for d in out.logprobs]
+    kwargs = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "presence_penalty": 0.5}
+    done = client.completions.create(prompt=PROMPTS[0], logprobs=3, **kwargs)
+    assert done.choices[0].logprobs.token_logprobs == token_lps
+    assert [sorted(d.values(), reverse=True) for d in done.choices[0].logprobs.top_logprobs] == top
+    assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text == out.text
+    chunks = list(client.completions.create(prompt=PROMPTS[0], logprobs=3, stream=True, **kwargs))
+    assert [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+            ] == token_lps  # fmt: skip
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=3, presence_penalty=0.5)
+    assert [t.logprob for t in got.logprobs] == token_lps and [list(t.top_logprobs) for t in got.logprobs] == top
+    chat = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **kwargs)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob <= 0 for c in content)
+    plain = client.chat.completions.create(messages=CHAT, **kwargs)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_several_prompts_and_samples_are_choices_in_order(client, expected) -> None:
+    """A list of prompts and n samples of each: choice p * n + j is sample j of prompt p (greedy: all equal)."""
+    prompts = PROMPTS[:2]
+    done = client.completions.create(model=MODEL, prompt=prompts, n=2, best_of=2, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert [c.text for c in done.choices] == [expected[p] for p in prompts for _ in range(2)]
+    assert done.usage.completion_tokens == 4 * MAX_TOKENS
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    assert done.usage.prompt_tokens == sum(single)  # each prompt counts once, not once per sample
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True))  # fmt: skip
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in done.choices]
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2, 3]
+
+
+def test_samples_of_one_prompt_differ_and_repeat_with_the_seed(client, expected) -> None:
+    kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 11}
+    first = [c.text for c in client.completions.create(**kwargs).choices]
+    assert len(set(first)) == 3
+    assert [c.text for c in client.completions.create(**kwargs).choices] == first
+    one = client.completions.create(**{**kwargs, "n": 1}).choices[0].text
+    assert one == first[0]  # sample 0 keeps the request's seed: n = 1 gives the same text
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.message.content for c in chat.choices] == [expected["chat"]] * 2
+
+
+def test_echo_puts_the_prompt_before_the_output(client, expected) -> None:
+    prompt = PROMPTS[0]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert done.choices[0].text == prompt + expected[prompt]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            echo=True, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == prompt + expected[prompt]
+
+
 def test_sampling_with_a_seed_is_reproducible(client) -> None:
     kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
@@ -164,10 +273,10 @@ def test_sampling_with_a_seed_is_reproducible(client) -> None:
     [
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"prompt": ""}, "prompt is empty"),
-        ({"prompt": ["a", "b"]}, "one prompt"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"prompt": ["a"] * 9, "n": 8}, "more than the 64 choices"),
+        ({"logprobs": 21}, "logprobs"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"prompt": "x " * 2000}, "max_model_len"),
     ],
@@ -179,6 +288,94 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
     assert info.value.status_code == 400
     assert message in info.value.body["message"]
     assert info.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "named", "why"),
+    [
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured output"),
+        ("/v1/completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "structured output"),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "structured output"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+        ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "no beam search"),
+        ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
+        ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
+        ("/v1/completions", {"bad_words": ["x"]}, "bad_words", "bad_words is not implemented"),
+        ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
+         "messages[0].tool_call_id", "tool calls"),
+    ],
+)  # fmt: skip
+def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, named, why) -> None:
+    prompt = {"prompt": "def f():"} if path == "/v1/completions" else {"messages": CHAT}
+    status, raw = _https(stack, tls, path, json.dumps({"model": MODEL, "max_tokens": 4, **prompt, **fields}).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == named and f"{named} ({why}" in error["message"], error
+
+
+def test_fields_set_to_what_the_server_does_or_ignored_on_purpose_are_accepted(client) -> None:
+    extra = {"skip_special_tokens": True, "include_stop_str_in_output": False, "use_beam_search": False,
+             "tool_choice": "none", "parallel_tool_calls": True, "metadata": {"team": "a"}, "store": False,
+             "prompt_logprobs": None, "add_generation_prompt": True}  # fmt: skip
+    done = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, user="u1",
+                                          stream_options=None, extra_body=extra)  # fmt: skip
+    assert done.usage.completion_tokens == 4
+    done = client.completions.create(model=MODEL, prompt="def f():", max_tokens=4,
+                                     extra_body={"add_special_tokens": True, "echo": False})
+    assert done.usage.completion_tokens == 4
+
+
+def test_images_are_one_line_400(client) -> None:
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=4)
+    message = info.value.body["message"]
+    assert "this model takes text only (a content part of type 'image_url')" in message and "\n" not in message
+    assert message.count(";") == 0  # one complaint, not one per member of the content union
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_it(client) -> None:
+    context = client.models.list().data[0].max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=context - 2)
+    assert (f"maximum context length is {context} tokens. However, you requested {context + 1} tokens (3 in the "
+            f"prompt, {context - 2} for the completion") in info.value.body["message"]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=context - 2)
+    assert f"maximum context length is {context} tokens" in info.value.body["message"]
+
+
+def test_offline_chat_renders_the_template_as_the_server(offline_llm, expected) -> None:
+    out = offline_llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].text for o in out] == [expected["chat"]]
+    two = offline_llm.chat([CHAT, CHAT[1:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].text == expected["chat"][: len(two[0].outputs[0].text)]
+
+
+def test_tokenize_detokenize_and_version(stack, tls, client) -> None:
+    def post(path: str, body: dict) -> tuple[int, dict]:
+        status, raw = _https(stack, tls, path, json.dumps(body).encode())
+        return status, json.loads(raw)
+
+    status, got = post("/tokenize", {"model": MODEL, "prompt": PROMPTS[0]})
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
+    assert status == 200 and got["count"] == len(got["tokens"]) == completion.usage.prompt_tokens
+    assert got["max_model_len"] == client.models.list().data[0].max_model_len
+    assert post("/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": PROMPTS[0]})
+    status, chat = post("/tokenize", {"messages": CHAT})  # model is optional
+    done = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert status == 200 and chat["count"] == done.usage.prompt_tokens
+    assert post("/tokenize", {"model": "gpt-4", "prompt": "x"})[0] == 404
+    assert post("/tokenize", {})[0] == post("/detokenize", {"tokens": [10**9]})[0] == 400
+    assert _https(stack, tls, "/tokenize", json.dumps({"prompt": "x"}).encode(), key=None)[0] == 401
+    status, raw = _https(stack, tls, "/version", key=None)
+    assert status == 200 and json.loads(raw)["version"]
 
 
 def test_malformed_bodies_are_400_with_pydantic_messages(stack, tls, client) -> None:
@@ -195,6 +392,15 @@ def test_unknown_model_is_404(client) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_model_is_optional(stack, tls) -> None:
+    body = {"prompt": "def f():", "max_tokens": 3, "temperature": 0}
+    status, raw = _https(stack, tls, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and json.loads(raw)["model"] == MODEL
 
 
 def test_a_wrong_or_missing_key_is_401(stack, tls, client) -> None:

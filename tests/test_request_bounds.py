@@ -243,3 +243,21 @@ def test_grpc_probe_is_invalid_argument_naming_the_field(stack, gateway, edge) -
         assert field in info.value.details(), (fields, info.value.details())
         _grpc_canary(address)
     channel.close()
+
+
+@pytest.mark.parametrize("edge", ["scheduler", "gateway"])
+def test_grpc_fields_the_server_does_not_know_are_refused(stack, gateway, edge) -> None:
+    """A client built from a newer generate.proto may send an option this server would silently skip."""
+    address = stack.address if edge == "scheduler" else gateway
+    unknown = b"\x98\x06\x01"  # field 99, varint 1
+    sampling = pb.SamplingParameters.FromString(pb.SamplingParameters(max_tokens=4).SerializeToString() + unknown)
+    with grpc.insecure_channel(address) as channel:
+        generate = channel.unary_stream("/minedraft.v1.MineDraft/Generate", request_serializer=bytes,
+                                        response_deserializer=pb.GenerateResponse.FromString)  # fmt: skip
+        for request in (pb.GenerateRequest(prompt=CANARY, sampling=sampling).SerializeToString(),
+                        pb.GenerateRequest(prompt=CANARY).SerializeToString() + unknown):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                list(generate(request, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "field number 99: unknown to this server" in info.value.details()
+    _grpc_canary(address)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from minedraft.engine.request import Request
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -24,6 +24,7 @@ class StreamItem:
     text: str
     token_ids: list[int]
     finished: Request | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 @dataclass

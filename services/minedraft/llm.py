@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -12,6 +12,9 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.engine.request import Request
 from minedraft.outputs import RequestOutput
 from minedraft.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from minedraft.frontends.chat import ChatTemplate
 
 PromptInput = str | list[int]
 
@@ -34,6 +37,7 @@ class LLM:
         an error."""
         self.config = EngineConfig(model=model, speculative_config=speculative_config, **engine_args)
         self._workers = None
+        self._template = None  # the chat template, loaded by the first chat()
         if self.config.tensor_parallel_size > 1:
             self.engine = self._tensor_parallel_engine()
         else:
@@ -80,6 +84,35 @@ class LLM:
                 finished = sum(r.finished for r in self.engine.advance() or [])
                 bar.update(finished)
         return [RequestOutput.from_request(r) for r in requests]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or several, rendered
+        with the target's chat template as the HTTP chat endpoint renders them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = self._chat_template()
+        kwargs = chat_template_kwargs or {}
+        prompts = [
+            self.tokenizer.encode(template.render(list(c), add_generation_prompt, **kwargs), add_special_tokens=False)
+            for c in conversations
+        ]  # the template holds its special tokens already
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_template(self) -> ChatTemplate:
+        from minedraft.frontends.chat import ChatTemplate
+
+        if self._template is None:
+            self._template = ChatTemplate.from_checkpoint(self.config.target_path)
+            if self._template is None:
+                raise ValueError(f"{self.config.target_path} has no chat template: use generate()")
+        return self._template
 
     def close(self) -> None:
         self.engine.executor.close()

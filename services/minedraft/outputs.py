@@ -13,6 +13,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" (| "abort", or "error": failed alone)
+    # Per output token, when SamplingParams.logprobs asked: {token id: logprob} of the token and the top ones.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -38,8 +40,16 @@ class RequestOutput:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_ids,
-            outputs=[CompletionOutput(0, request.text, list(request.output_ids), request.finish_reason)],
+            outputs=[CompletionOutput(0, request.text, list(request.output_ids), request.finish_reason,
+                                      _logprob_dicts(request))],  # fmt: skip
             finished=request.finished,
             spec_decode_stats=request.stats,
             metrics=RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time),
         )
+
+
+def _logprob_dicts(request: Request) -> list[dict[int, float]] | None:
+    if request.logprobs is None:
+        return None
+    return [{token: lp.logprob, **dict(zip(lp.top_ids, lp.top_logprobs))}
+            for token, lp in zip(request.output_ids, request.logprobs)]  # fmt: skip

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
@@ -61,10 +62,22 @@ async def parse_request(message_type, data: bytes, context: grpc.aio.ServicerCon
 async def parse_generate(data: bytes, context: grpc.aio.ServicerContext):
     """A Generate request and its sampling parameters, or INVALID_ARGUMENT naming what is wrong."""
     request = await parse_request(generate_pb2.GenerateRequest, data, context)
+    unknown = _unknown_fields(request) or _unknown_fields(request.sampling)
+    if unknown:
+        message = f"{unknown}: unknown to this server (a newer generate.proto?); it would be ignored, so it is refused"
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
     try:
         return request, sampling_from_proto(request.sampling)
     except ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
+
+
+def _unknown_fields(message) -> str | None:
+    """The first field the message carries that these stubs do not know, named by its number."""
+    fields = UnknownFieldSet(message)
+    if len(fields) == 0:
+        return None
+    return f"{message.DESCRIPTOR.name} field number {fields[0].field_number}"
 
 
 def add_public_api(servicer, server: grpc.aio.Server) -> None:

@@ -16,9 +16,10 @@ from minedraft.engine.plans import (
     VerifyTask,
 )
 from minedraft.engine.request import SpecDecodeStats
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
-_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p", "min_tokens", "logprobs")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -40,7 +41,8 @@ def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; raises pydantic.ValidationError on bad values."""
     kwargs = {name: getattr(msg, name) for name in _FIELDS if msg.HasField(name)}
     return SamplingParams(
-        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
+        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias), bad_words=list(msg.bad_words),
     )
 
 
@@ -54,7 +56,25 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        logprobs=params.logprobs,
+        bad_words=params.bad_words,
     )
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[generate_pb2.TokenLogprob]:
+    return [generate_pb2.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
+            for t in logprobs or []]  # fmt: skip
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob] | None:
+    """None for an empty list: a request that asked for logprobs gets one per token."""
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs] or None
 
 
 def stats_from_proto(msg: generate_pb2.SpecDecodeStats) -> SpecDecodeStats:
@@ -79,6 +99,8 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
         sampling=sampling_to_proto(admission.params),
         seed=admission.seed,
         batch=admission.batch,
+        num_prompt_tokens=admission.num_prompt_tokens,
+        bad_words_ids=[generate_pb2.TokenIds(ids=ids) for ids in admission.bad_words_ids],
     )
 
 
@@ -113,7 +135,9 @@ def plan_from_proto(
     msg: worker_pb2.StepPlan,
 ) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
     admit = [
-        Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch)
+        Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
+                  s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
+                  [list(w.ids) for w in s.bad_words_ids])
         for s in msg.admit
     ]
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]
@@ -134,6 +158,7 @@ def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
             token_ids=v.token_ids,
             num_draft_tokens=v.num_draft_tokens,
             num_accepted=v.num_accepted,
+            logprobs=logprobs_to_proto(v.logprobs),
         )
         for v in results
     ]
@@ -146,7 +171,9 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.worker_seconds[role] = reply.compute_seconds
         result.idle_seconds[role] = reply.idle_seconds
         result.verified.extend(
-            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted) for v in reply.verified
+            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted,
+                     logprobs_from_proto(v.logprobs))
+            for v in reply.verified  # fmt: skip
         )
         result.drafted.update(reply.drafted)
         result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)

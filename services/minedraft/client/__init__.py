@@ -7,6 +7,9 @@
         for delta in client.stream("Hello", max_tokens=32):
             print(delta.text, end="", flush=True)
 
+More sampling options go by their SamplingParameters names (`presence_penalty`, `frequency_penalty`,
+`repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`, `logprobs`, `bad_words`): `client.generate("Hi",
+logprobs=2)`.
 `AsyncClient` has the same methods as coroutines (`stream` is an async iterator). Failed calls raise
 `MineDraftError`, a `grpc.RpcError` with the server's `.code()` and `.details()`.
 """
@@ -14,7 +17,15 @@
 from minedraft.client._aio import AsyncClient
 from minedraft.client._sync import Client
 from minedraft.client.retry import RetryPolicy
-from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo, SpecDecodeStats, Usage
+from minedraft.client.types import (
+    Completion,
+    Delta,
+    MineDraftError,
+    ServerInfo,
+    SpecDecodeStats,
+    TokenLogprob,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -25,5 +36,6 @@ __all__ = [
     "RetryPolicy",
     "ServerInfo",
     "SpecDecodeStats",
+    "TokenLogprob",
     "Usage",
 ]

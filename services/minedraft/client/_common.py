@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import grpc
 
 from minedraft.api import generate_pb2 as pb
-from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, Usage
+from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, TokenLogprob, Usage
 from minedraft.version import __version__
 
 
@@ -29,6 +29,9 @@ ChannelOptions = Sequence[tuple[str, Any]]
 # The documented server defaults of SamplingParameters. A value equal to its default is left unset so
 # the server applies its own default: the wire carries only what the caller chose to change.
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+# Options beyond the call's named arguments, set only when given (None: the server's default).
+_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+            "logprobs", "bad_words")  # fmt: skip
 
 
 def build_generate_request(
@@ -43,8 +46,11 @@ def build_generate_request(
     stop_token_ids: Sequence[int] | None,
     ignore_eos: bool,
     request_id: str | None,
+    **options: Any,
 ) -> pb.GenerateRequest:
-    """The one place both clients turn call arguments into a GenerateRequest."""
+    """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
+    SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+    min_p, min_tokens, logprobs, bad_words); an unknown name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -58,7 +64,22 @@ def build_generate_request(
     if stop_token_ids:
         sampling.stop_token_ids.extend(operator.index(t) for t in stop_token_ids)
     sampling.ignore_eos = ignore_eos
+    _set_options(sampling, options)
     return request
+
+
+def _set_options(sampling: pb.SamplingParameters, options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        if name not in _OPTIONS:
+            raise TypeError(f"unknown sampling option {name!r}; the options are {', '.join(_OPTIONS)}")
+        if value is None:
+            continue
+        if name == "logit_bias":
+            sampling.logit_bias.update({operator.index(t): float(b) for t, b in value.items()})
+        elif name == "bad_words":
+            sampling.bad_words.extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(sampling, name, value)
 
 
 def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:
@@ -81,15 +102,20 @@ def _finish_reason(value: int) -> str | None:
         return "unknown"
 
 
+def _logprobs(msg: pb.GenerateResponse) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs)) for t in msg.logprobs] or None
+
+
 def to_delta(msg: pb.GenerateResponse) -> Delta:
     finish_reason = _finish_reason(msg.finish_reason)
     if finish_reason is None:
-        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id)
+        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id, logprobs=_logprobs(msg))
     stats = msg.spec_decode_stats
     return Delta(
         text=msg.text,
         token_ids=list(msg.token_ids),
         request_id=msg.request_id,
+        logprobs=_logprobs(msg),
         finish_reason=finish_reason,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
         spec_decode_stats=SpecDecodeStats(
@@ -119,6 +145,7 @@ def completion_from_deltas(deltas: Iterable[Delta]) -> Completion:
         usage=last.usage,
         spec_decode_stats=last.spec_decode_stats,
         request_id=last.request_id,
+        logprobs=[t for d in deltas for t in d.logprobs or []] if any(d.logprobs for d in deltas) else None,
     )
 
 

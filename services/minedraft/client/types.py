@@ -69,6 +69,15 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target, and the most likely tokens' (best first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     """One streamed message: the new text and token ids since the previous delta.
 
@@ -83,6 +92,7 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     spec_decode_stats: SpecDecodeStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for `logprobs`
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class Completion:
     usage: Usage
     spec_decode_stats: SpecDecodeStats
     request_id: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for `logprobs`
 
 
 @dataclass(frozen=True)

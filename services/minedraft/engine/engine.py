@@ -14,7 +14,7 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -101,7 +101,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_ids, params)
-        return Request.create(
+        request = Request.create(
             request_id,
             prompt_ids,
             params,
@@ -111,6 +111,17 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             prompt=prompt,
         )
+        request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        return request
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the target tokenizes it, without and with a leading space (as vLLM does): the
+        workers ban by token sequences."""
+        if words and not hasattr(self.tokenizer, "encode"):
+            raise ValueError("bad_words: this engine has no tokenizer to turn them into tokens")
+        variants = [self.tokenizer.encode(text, add_special_tokens=False) for word in words
+                    for text in (word.lstrip(), " " + word.lstrip())]  # fmt: skip
+        return [ids for i, ids in enumerate(variants) if ids and ids not in variants[:i]]
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The bounds that depend on the model, checked before a request reaches any step (the static ones
@@ -127,6 +138,8 @@ class LLMEngine:
                 raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
             if any(t >= vocab_size for t in params.stop_token_ids):
                 raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
+            if any(t >= vocab_size for t in params.logit_bias):
+                raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size})")
             if params.top_k > vocab_size:
                 raise ValueError(f"top_k: must be -1 (all) or in [1, {vocab_size}] (the vocabulary size)")
         if params.max_tokens > self.max_model_len:
@@ -211,7 +224,8 @@ class LLMEngine:
             request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch) for r in admitted]
+                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, len(r.prompt_ids), r.bad_words_ids)
+                 for r in admitted]  # fmt: skip
             )
         if draft is None and verify is None:
             return False
@@ -237,7 +251,7 @@ class LLMEngine:
             request.num_rejections += verified.num_accepted < verified.num_draft_tokens
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if not request.finished:  # finished or aborted meanwhile: its tokens are dropped
-                self._append(request, verified.token_ids)
+                self._append(request, verified.token_ids, verified.logprobs)
             touched.append(request)
         for request_id, num_tokens in result.drafted.items():
             request = self._running_since(request_id, step)
@@ -257,10 +271,10 @@ class LLMEngine:
         return request if request.admitted_in <= step else None
 
     @staticmethod
-    def _append(request: Request, token_ids: list[int]) -> None:
+    def _append(request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """A failure in one request's own bookkeeping (detokenizing, stop strings) fails that request alone."""
         try:
-            request.append_tokens(token_ids)
+            request.append_tokens(token_ids, logprobs)
         except Exception as exc:
             request.fail(f"processing its output failed: {type(exc).__name__}: {exc}")
 

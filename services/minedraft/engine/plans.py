@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
     import torch
@@ -34,6 +34,8 @@ class Admission:
     params: SamplingParams
     seed: int
     batch: int = 0  # the engine's batch it runs in
+    num_prompt_tokens: int | None = None  # how many of token_ids are prompt (penalties count the rest); None: all
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences the output must not hold
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Verified:
     token_ids: list[int]
     num_draft_tokens: int
     num_accepted: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
 
 @dataclass

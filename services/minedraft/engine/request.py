@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from minedraft.engine.detokenizer import Decoder, IncrementalDetokenizer
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +65,8 @@ class Request:
     detokenizer: IncrementalDetokenizer
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs asks for them
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the target tokenizes them
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -109,6 +111,7 @@ class Request:
             eos_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prompt=prompt,
+            logprobs=None if params.logprobs is None else [],
         )
 
     @property
@@ -119,15 +122,18 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_tokens(self, token_ids: list[int]) -> None:
-        """Take newly verified tokens one by one, stopping at the first stop condition.
+    def append_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Take newly verified tokens (and their logprobs, if it asked) one by one, stopping at the first stop
+        condition.
 
         Tokens after a stop are dropped, exactly as if decoding had stopped there.
         """
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             if self.first_token_time is None:
                 self.first_token_time = time.monotonic()
             self.output_ids.append(token_id)
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[i])
             delta = self.detokenizer.add(token_id)
             if token_id in self.eos_token_ids:
                 self._finish("stop")
@@ -158,7 +164,7 @@ class Request:
         """Add text; cut it before the first stop string that the new text completes."""
         if not delta:
             return
-        if self.params.stop:
+        if self.params.stop and len(self.output_ids) >= self.params.min_tokens:  # as vLLM: no stop before min_tokens
             tail_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
             tail = self.text[tail_start:] + delta
             hits = [i for i in (tail.find(s) for s in self.params.stop) if i >= 0]

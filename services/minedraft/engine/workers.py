@@ -10,13 +10,16 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, PrefillTask, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.logprobs import token_logprobs
+from minedraft.sampling.params import SamplingParams, TokenLogprob
+from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
 from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
@@ -36,6 +39,12 @@ class _Sequence:
     params: SamplingParams
     seed: int  # with the output position, keys every random draw (sampling/streams.py)
     kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
+    num_prompt: int = 0  # tokens[:num_prompt] are the prompt: penalties count what follows
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+
+    def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
+        """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
+        return History(self.tokens if base is None else base, self.num_prompt, extra, self.bad_words_ids)
 
     def pending(self, target: list[int]) -> tuple[int, list[int]]:
         """Where to start writing, and the tokens to write, so the cache ends up holding `target`.
@@ -83,6 +92,9 @@ class _Worker:
                 tokens=list(admission.token_ids),
                 params=admission.params,
                 seed=admission.seed,
+                num_prompt=len(admission.token_ids) if admission.num_prompt_tokens is None
+                else admission.num_prompt_tokens,
+                bad_words_ids=admission.bad_words_ids,
             )
             seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
             self.sequences[admission.request_id] = seq
@@ -114,6 +126,18 @@ class _Worker:
     @property
     def num_active(self) -> int:
         return len(self.sequences)
+
+    def _penalized(
+        self, logits: torch.Tensor, seqs: list[_Sequence], rows: Iterable[tuple[_Sequence, History]]
+    ) -> torch.Tensor:
+        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py).
+        `seqs`: the batch's requests; `rows`: each logits row's request and history, read only when one of
+        them asks for processing."""
+        if not any(seq.params.penalized for seq in seqs):
+            return logits
+        row_seqs, histories = zip(*rows)
+        eos = self.runner.config.eos_token_ids
+        return apply_penalties(logits, [seq.params for seq in row_seqs], histories, eos)
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
@@ -188,6 +212,8 @@ class DraftWorker(_Worker):
             live = [i for i, t in enumerate(tasks) if t.num_tokens > step]
             chunks = prefill if step == 0 else []
             logits = self.runner.forward([SeqInput(seqs[i].slot, inputs[i][1], inputs[i][0]) for i in live] + chunks)
+            rows = ((seqs[i], seqs[i].history(bases[i], drafts[i].tokens)) for i in live)
+            logits = self._penalized(logits, seqs, rows)
             tokens, token_probs, q = draft_sample(
                 logits, [seqs[i].params for i in live], draws[live, step], self.support_size
             )
@@ -217,6 +243,9 @@ class DraftWorker(_Worker):
             + prefill
         )
         draws = self._window_draws(seqs, bases, max(widths))
+        # Each position's q is drawn without the drafts before it, so it is processed with the window's base.
+        rows = ((seq, seq.history(base)) for seq, base, n in zip(seqs, bases, widths) for _ in range(n))
+        logits = self._penalized(logits, seqs, rows)
         params = [seq.params for seq, n in zip(seqs, widths) for _ in range(n)]
         row_draws = torch.cat([draws[i, :n] for i, n in enumerate(widths)])
         tokens, token_probs, q = draft_sample(logits, params, row_draws, self.support_size)
@@ -310,20 +339,43 @@ class VerifyWorker(_Worker):
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
         if not batch.seqs:  # a step of prefill chunks only
             return []
+        rows = ((seq, seq.history(extra=w.tokens[:i])) for seq, w in zip(batch.seqs, batch.windows)
+                for i in range(len(w.tokens) + 1))  # fmt: skip
+        logits = self._penalized(batch.logits, batch.seqs, rows)
         new_tokens = rejection_sample(
-            batch.logits,
+            logits,
             [w.tokens for w in batch.windows],
             [sparse_q(w) for w in batch.windows],
             [seq.params for seq in batch.seqs],
             RowKeys.of([seq.seed for seq in batch.seqs], [len(seq.tokens) for seq in batch.seqs]),
         )
+        logprobs = self._logprobs(logits, batch, new_tokens)
         results = []
-        for task, w, tokens in zip(batch.plan.tasks, batch.windows, new_tokens):
+        for task, w, tokens, lps in zip(batch.plan.tasks, batch.windows, new_tokens, logprobs):
             accepted = len(tokens) - 1
             if w.tokens and accepted == len(w.tokens) and not task.keep_bonus:
                 tokens = tokens[:-1]
-            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted))
+            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted,
+                                    None if lps is None else lps[: len(tokens)]))  # fmt: skip
         return results
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, batch: VerifyBatch, new_tokens: list[list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """Per request that asks for them, the logprobs of its new tokens: new token j came from its row j."""
+        rows, params, tokens, start = [], [], [], 0
+        for seq, w, out in zip(batch.seqs, batch.windows, new_tokens):
+            if seq.params.logprobs is not None:
+                rows.extend(range(start, start + len(out)))
+                params.extend([seq.params] * len(out))
+                tokens.extend(out)
+            start += len(w.tokens) + 1
+        if not rows:
+            return [None] * len(new_tokens)
+        flat = iter(token_logprobs(logits[torch.tensor(rows, device=logits.device)], params, tokens))
+        return [[next(flat) for _ in out] if seq.params.logprobs is not None else None
+                for seq, out in zip(batch.seqs, new_tokens)]  # fmt: skip
 
     def commit(self, batch: VerifyBatch, results: list[Verified]) -> None:
         """Record what the cache now holds and the new committed tokens (followers get `results` from rank 0)."""

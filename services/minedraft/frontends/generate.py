@@ -71,11 +71,13 @@ class Generator:
         request_id: str | None = None,
         *,
         add_special_tokens: bool = True,
+        fit_context: bool = False,
     ) -> Generation:
         """Admit one request; raises GenerateError if it is refused. The caller must close the result.
 
         `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
-        (as Hugging Face tokenizes it)."""
+        (as Hugging Face tokenizes it). `fit_context`: refuse a request whose prompt and max_tokens together
+        exceed the context (OpenAI's rule) instead of stopping it at the context's end."""
         engine = self.check_ready()
         self.check_prompt_size(prompt)
         if request_id and request_id in self._client_ids:
@@ -93,6 +95,8 @@ class Generator:
         try:
             prompt_ids = await self.prompt_ids(prompt, add_special_tokens)
             self._check_request(engine, prompt_ids, params)
+            if fit_context:
+                _check_context_length(engine.max_model_len, len(prompt_ids), params.max_tokens)
             engine.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
                         generation.sink)  # fmt: skip
         except BaseException:
@@ -132,6 +136,16 @@ class Generator:
             engine.check_request(prompt_ids, params)
         except ValueError as exc:
             raise GenerateError(ErrorKind.INVALID, str(exc)) from None
+
+
+def _check_context_length(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
+    if num_prompt + max_tokens > max_model_len:
+        raise GenerateError(
+            ErrorKind.INVALID,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion "
+            f"(max_tokens)). Please reduce the length of the prompt or max_tokens.",
+        )
 
 
 class Generation:
@@ -193,7 +207,8 @@ class Generation:
             if isinstance(later, BaseException):
                 self._pending = later
                 break
-            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished)
+            logprobs = None if item.logprobs is None else item.logprobs + (later.logprobs or [])
+            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished, logprobs)
         return item
 
     async def __aenter__(self) -> Generation:

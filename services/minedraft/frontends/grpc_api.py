@@ -15,7 +15,7 @@ from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
 from minedraft.model.config import load_model_config
 from minedraft.serving import parse_generate, parse_request
 from minedraft.version import __version__
-from minedraft.wire import finish_reason_to_proto, stats_to_proto
+from minedraft.wire import finish_reason_to_proto, logprobs_to_proto, stats_to_proto
 
 STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,7 +79,8 @@ def checkpoint_quantization(path: Path) -> str:
 
 
 def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
-    response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids)
+    response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids,
+                                              logprobs=logprobs_to_proto(item.logprobs))  # fmt: skip
     done = item.finished
     if done is not None:
         response.finish_reason = finish_reason_to_proto(done.finish_reason)

@@ -1,31 +1,37 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions (FastAPI).
 
 A thin frontend over the same generate interface as the gRPC API. Streams are server-sent events ending
-with `data: [DONE]`; errors have OpenAI's JSON shape. Unknown body fields are ignored (as vLLM does, since
-clients send vendor extras); known fields we cannot honour (n > 1, logprobs, penalties, tools, ...) are
-refused with a 400 that names them.
+with `data: [DONE]`; errors have OpenAI's JSON shape. No body field is silently ignored: the request models
+declare what is honoured, and every other field is refused with a 400 that names it, unless it is set to
+what this server does anyway or is one of the few listed as ignored on purpose (`openai_fields.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
+from minedraft.engine_client import StreamItem
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
-from minedraft.sampling.params import SamplingParams, Text
+from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
+from minedraft.model.tokenizer import Tokenizer
+from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
+from minedraft.version import __version__
 from minedraft.wire import describe_validation_error
 
 STATUS = {
@@ -58,9 +64,14 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None, code:
 
 # --- request bodies ----------------------------------------------------------------------------------------
 
+MAX_CHOICES = 64  # choices (prompts x n) in one request: each is a request of its own to the engine
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False  # ignored on purpose: chunks are never padded, their content is the same
 
 
 class _SamplingBody(BaseModel):
@@ -69,14 +80,14 @@ class _SamplingBody(BaseModel):
     Types are strict (no bool for a number, no string for a bool); ranges are SamplingParams' and the
     engine's, checked before anything reaches a step."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, so that each is honoured, refused or ignored by name
 
-    model: str
+    model: str | None = None  # None: the served model
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: Text | list[Text] | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat | None = None
@@ -88,20 +99,22 @@ class _SamplingBody(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     repetition_penalty: StrictFloat | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[Text] | None = None
 
-    def unsupported(self) -> list[str]:
-        """Fields set to something this server cannot do: refused rather than silently ignored."""
-        checks = {
-            "n": self.n != 1,
-            "presence_penalty": bool(self.presence_penalty),
-            "frequency_penalty": bool(self.frequency_penalty),
-            "logit_bias": bool(self.logit_bias),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-        }
-        return [name for name, bad in checks.items() if bad]
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
+        return refusals(self.model_extra or {}, add_special_tokens=not isinstance(self, ChatCompletionBody))
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
+                   "bad_words": self.bad_words}
         return SamplingParams(
+            **{name: value for name, value in options.items() if value is not None},
+            logit_bias=_token_bias(self.logit_bias),
+            logprobs=self.num_logprobs(),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
@@ -116,6 +129,10 @@ class _SamplingBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """Top tokens to return with each output token's logprob; None: no logprobs."""
+        return None
+
 
 class CompletionBody(_SamplingBody):
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
@@ -125,19 +142,25 @@ class CompletionBody(_SamplingBody):
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
-    def unsupported(self) -> list[str]:
-        extra = {"echo": self.echo, "logprobs": self.logprobs is not None, "best_of": self.best_of not in (None, 1),
-                 "suffix": bool(self.suffix)}  # fmt: skip
-        return super().unsupported() + [name for name, bad in extra.items() if bad]
+    def unsupported(self) -> list[tuple[str, str]]:
+        refused = [("best_of", "best_of other than n is not implemented")] * (self.best_of not in (None, self.n))
+        refused += [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
+        refused += [("echo", "echo with logprobs needs prompt logprobs, which are not implemented")] * (
+            self.echo and self.logprobs is not None)  # fmt: skip
+        return super().unsupported() + refused
 
-    def single_prompt(self) -> str | list[int]:
-        """One prompt per request: a string, token ids, or a list holding exactly one of those."""
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or token ids, or a list of those (one choice per prompt and sample)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(HTTPStatus.BAD_REQUEST, "only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        return prompt
+            if len(prompt) * self.n > MAX_CHOICES:
+                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x n = {self.n} is more than the "
+                               f"{MAX_CHOICES} choices one request may have", "prompt")  # fmt: skip
+            return list(prompt)
+        return [prompt]
 
 
 class TextPart(BaseModel):
@@ -146,11 +169,21 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # refused by name unless empty (`ChatCompletionBody.unsupported`)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        """One clear line for an image, audio or file part, instead of every union member's complaint."""
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise ValueError(f"this model takes text only (a content part of type {kind!r})")
+        return value
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -167,18 +200,44 @@ class ChatCompletionBody(_SamplingBody):
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras for templates
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self) -> list[tuple[str, str]]:
         text_format = not self.response_format or self.response_format.get("type") == "text"
-        extra = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None, "tools": bool(self.tools),
-                 "response_format": not text_format}  # fmt: skip
-        return super().unsupported() + [name for name, bad in extra.items() if bad]
+        extra = {"tools": bool(self.tools), "response_format": not text_format}
+        messages = [r for i, m in enumerate(self.messages) for r in refusals(m.model_extra or {}, False,
+                                                                              f"messages[{i}].")]  # fmt: skip
+        return super().unsupported() + [(name, NOT_IMPLEMENTED[name]) for name, bad in extra.items() if bad] + messages
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for rendered messages
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 # --- the app -----------------------------------------------------------------------------------------------
@@ -211,44 +270,51 @@ class OpenAIFrontend:
             raise APIError(HTTPStatus.UNAUTHORIZED, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     def check_model(self, body: _SamplingBody) -> None:
-        if body.model != self.model_name:
-            message = f"The model `{body.model}` does not exist."
-            raise APIError(HTTPStatus.NOT_FOUND, message, "model", "model_not_found")
+        self._check_model_name(body.model)
         unsupported = body.unsupported()
         if unsupported:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"not supported by this server: {', '.join(unsupported)} (n must be 1; logprobs, penalties, "
-                "tools, echo, best_of and suffix are not implemented)",
-                unsupported[0],
-            )
+            reasons = "; ".join(f"{name} ({why})" for name, why in unsupported)
+            raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: {reasons}", unsupported[0][0])
 
     async def models(self) -> dict:
         if not self.is_serving():  # tools poll this to know when to start: ready means a request could run
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is not serving now (starting, or forming its "
                            "engine group again after a worker failed): retry later")  # fmt: skip
-        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
-                 "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model_name(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
+                "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
 
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
-        params = _params(body, body.max_tokens)
-        generation = await _start(self.generator, body.single_prompt(), params)
-        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
-        return await _respond(generation, stream, body.stream)
+        params, prompts = _params(body, body.max_tokens), body.prompts()
+        generations = await _start_all(self.generator, prompts, params, body.n, fit_context=True)
+        echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
+        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+                                  self.generator.tokenizer, echo=echo)  # fmt: skip
+        return await _respond(generations, stream, body.stream, body.n)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before the output: the prompt as sent, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(list(prompt))
 
     async def chat_completions(self, body: ChatCompletionBody) -> Response:
         self.check_model(body)
         prompt = self._render(body)
-        max_tokens = next(
-            (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), self.generator.max_model_len
-        )  # no limit asked: as much as the context leaves
-        generation = await _start(self.generator, prompt, _params(body, max_tokens), add_special_tokens=False)
-        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage)
-        return await _respond(generation, stream, body.stream)
+        asked = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), None)
+        max_tokens = self.generator.max_model_len if asked is None else asked  # none asked: what the context leaves
+        generations = await _start_all(self.generator, [prompt], _params(body, max_tokens), body.n,
+                                       add_special_tokens=False, fit_context=asked is not None)  # fmt: skip
+        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+                            self.generator.tokenizer)  # fmt: skip
+        return await _respond(generations, stream, body.stream, body.n)
 
-    def _render(self, body: ChatCompletionBody) -> str:
+    def _render(self, body: ChatCompletionBody | TokenizeBody) -> str:
         if self.chat_template is None:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
@@ -271,8 +337,12 @@ class OpenAIFrontend:
         app = FastAPI(title="MineDraft OpenAI-compatible API", docs_url=None, redoc_url=None)
         auth = [Depends(self.check_key)]
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         if self.registry is not None:  # a route, not a mounted app: /metrics answers itself, no redirect
             app.add_api_route("/metrics", self.metrics, methods=["GET"])
@@ -287,9 +357,47 @@ class OpenAIFrontend:
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def tokenize(self, body: TokenizeBody) -> dict:
+        self._check_model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(HTTPStatus.BAD_REQUEST, "send either `prompt` or `messages`", "prompt")
+        refused = [r for i, m in enumerate(body.messages or []) for r in refusals(m.model_extra or {}, False,
+                                                                                   f"messages[{i}].")]  # fmt: skip
+        if refused:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: {refused[0][0]} ({refused[0][1]})",
+                           refused[0][0])  # fmt: skip
+        text = body.prompt if body.messages is None else self._render(body)
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        tokens = await asyncio.to_thread(self.generator.tokenizer.encode_concurrently, text, special)
+        return {"count": len(tokens), "max_model_len": self.generator.max_model_len, "tokens": tokens,
+                "token_strs": None}  # fmt: skip
+
+    async def detokenize(self, body: DetokenizeBody) -> dict:
+        self._check_model_name(body.model)
+        vocab = self.generator.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(HTTPStatus.BAD_REQUEST, f"tokens: token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.generator.tokenizer.decode(body.tokens)}
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    def _check_model_name(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model", "model_not_found")
+
     async def health(self) -> Response:
         serving = self.is_serving()
         return Response(status_code=200 if serving else 503, content="" if serving else "not serving")
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids as strings."""
+    try:
+        return {int(token): value for token, value in (bias or {}).items()}
+    except ValueError:
+        raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias: keys must be token ids (integers as strings)",
+                       "logit_bias") from None  # fmt: skip
 
 
 def _params(body: _SamplingBody, max_tokens: int | None) -> SamplingParams:
@@ -305,18 +413,44 @@ async def _start(generator: Generator, prompt, params: SamplingParams, **kwargs)
     return await generator.start(prompt, params, **kwargs)
 
 
+async def _start_all(generator: Generator, prompts: list, params: SamplingParams, n: int, **kwargs) -> list[Generation]:
+    """`n` samples of each prompt, in choice order (prompt by prompt); all admitted, or none (those already
+    admitted are closed when one is refused). Sample j > 0 of a seeded request gets a seed of its own."""
+    generations: list[Generation] = []
+    try:
+        for prompt in prompts:
+            for j in range(n):
+                seed = params.seed if params.seed is None or j == 0 else (params.seed + j * _GOLDEN) % 2**64
+                generations.append(await _start(generator, prompt, params.model_copy(update={"seed": seed}), **kwargs))
+    except BaseException:
+        for generation in generations:
+            await generation.aclose()
+        raise
+    return generations
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of one request's samples over the 64-bit range
+
+
 # --- responses ---------------------------------------------------------------------------------------------
+
+Logprobs = list[tuple[int, TokenLogprob]] | None  # (token id, its logprobs) per output token
 
 
 class _Stream:
-    """Builds one endpoint's chunks and final body from the generate interface's items."""
+    """Builds one endpoint's chunks and final body from the generate interface's items; choice `index` i is
+    the i-th generation of the request (prompt by prompt, `n` samples each)."""
 
     object_full: str
     object_chunk: str
 
-    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, response_id: str, model: str, include_usage: bool, tokenizer: Tokenizer | None = None) -> None:
         self.id, self.model, self.include_usage = response_id, model, include_usage
+        self.tokenizer = tokenizer  # renders the tokens of logprobs
         self.created = int(time.time())
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
 
     def _envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -324,14 +458,17 @@ class _Stream:
             body["usage"] = usage
         return body
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
         raise NotImplementedError
 
-    def first_chunks(self) -> list[dict]:
+    def first_chunks(self, index: int = 0) -> list[dict]:
         return []
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
         raise NotImplementedError
+
+    def full(self, choices: list[dict], usage: dict) -> dict:
+        return self._envelope(self.object_full, choices, usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope(self.object_chunk, [], usage)
@@ -340,64 +477,159 @@ class _Stream:
 class CompletionStream(_Stream):
     object_full = object_chunk = "text_completion"
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, *args, echo: list[str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # per choice, the prompt text its output follows (`echo`)
+        self._offsets: dict[int, int] = {}  # per choice, the text_offset of its next token
+
+    def first_chunks(self, index: int = 0) -> list[dict]:
+        return [self.chunk("", None, None, index)] if self.echo else []
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
+        if self.echo and index not in self._offsets:
+            text = self.echo[index] + text
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(logprobs, index),
+                  "finish_reason": finish_reason}  # fmt: skip
+        self._offsets.setdefault(index, 0)
         return self._envelope(self.object_chunk, [choice])
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object_full, [choice], usage)
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
+        echoed = self.echo[index] if self.echo else ""
+        return {"index": index, "text": echoed + text, "logprobs": self._logprobs(logprobs, index),
+                "finish_reason": finish_reason}  # fmt: skip
+
+    def _logprobs(self, logprobs: Logprobs, index: int) -> dict | None:
+        """The legacy completions shape: tokens, their logprobs, {token: logprob} of the top ones, offsets."""
+        if logprobs is None:
+            return None
+        tokens = [self._token(t) for t, _ in logprobs]
+        start = self._offsets.get(index, 0)
+        offsets = [start + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        self._offsets[index] = start + sum(len(s) for s in tokens)
+        top = [{self._token(t): _finite(lp.logprob), **{self._token(i): _finite(v) for i, v in zip(lp.top_ids,
+               lp.top_logprobs)}} for t, lp in logprobs]  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for _, lp in logprobs], "top_logprobs": top,
+                "text_offset": offsets}  # fmt: skip
 
 
 class ChatStream(_Stream):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def first_chunks(self) -> list[dict]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def first_chunks(self, index: int = 0) -> list[dict]:
+        return [self._delta({"role": "assistant", "content": ""}, None, None, index)]
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return self._delta({"content": text} if text else {}, finish_reason)
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
+        return self._delta({"content": text} if text else {}, finish_reason, logprobs, index)
 
-    def _delta(self, delta: dict, finish_reason: str | None) -> dict:
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": None,
+    def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                                                    "finish_reason": finish_reason}])  # fmt: skip
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object_full, [choice], usage)
+        return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish_reason}  # fmt: skip
+
+    def _logprobs(self, logprobs: Logprobs) -> dict | None:
+        """Chat's shape: per token its text, logprob and UTF-8 bytes, and the same for the top ones."""
+        if logprobs is None:
+            return None
+        return {"content": [{**self._entry(t, lp.logprob), "top_logprobs": [self._entry(i, v) for i, v in
+                             zip(lp.top_ids, lp.top_logprobs)]} for t, lp in logprobs]}  # fmt: skip
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def _usage(generation: Generation) -> dict:
-    prompt, completion = len(generation.prompt_ids), len(generation.finished.output_ids)
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the request's filters drop gets vLLM's floor."""
+    return max(logprob, -9999.0)
+
+
+def _usage(generations: list[Generation], n: int) -> dict:
+    """Each prompt counts once, however many samples it had; every sample's output counts."""
+    prompt = sum(len(g.prompt_ids) for g in generations[::n])
+    completion = sum(len(g.finished.output_ids) for g in generations)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _respond(generation: Generation, stream: _Stream, streaming: bool) -> Response:
+async def _respond(generations: list[Generation], stream: _Stream, streaming: bool, n: int = 1) -> Response:
     if streaming:
-        return StreamingResponse(_sse(generation, stream), media_type="text/event-stream")
-    async with generation:
-        text = "".join([item.text async for item in generation])
-    return JSONResponse(stream.full(text, generation.finished.finish_reason, _usage(generation)))
+        return StreamingResponse(_sse(generations, stream, n), media_type="text/event-stream")
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
+        outputs = await asyncio.gather(*(_collect(g) for g in generations))
+    choices = [stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, _item_logprobs(items))
+               for i, (g, items) in enumerate(zip(generations, outputs))]  # fmt: skip
+    return JSONResponse(stream.full(choices, _usage(generations, n)))
 
 
-async def _sse(generation: Generation, stream: _Stream) -> AsyncIterator[str]:
-    """Chunks as server-sent events; a failure mid-stream is sent as an error event before [DONE]."""
-    async with generation:
+async def _collect(generation: Generation) -> list[StreamItem]:
+    return [item async for item in generation]
+
+
+def _item_logprobs(items: list[StreamItem]) -> Logprobs:
+    """(token id, its logprobs) of every token of `items`; None where the request asked for no logprobs."""
+    if all(item.logprobs is None for item in items):
+        return None
+    return [pair for item in items for pair in zip(item.token_ids, item.logprobs or [])]
+
+
+async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncIterator[str]:
+    """Chunks as server-sent events, each generation's as they come (choice `index` tells them apart); a
+    failure mid-stream is sent as an error event before [DONE]."""
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
         try:
-            for chunk in stream.first_chunks():
-                yield _event(chunk)
-            async for item in generation:
+            for index in range(len(generations)):
+                for chunk in stream.first_chunks(index):
+                    yield _event(chunk)
+            async for index, item in _merged(generations):
                 finished = item.finished
                 if item.text or finished is None:
-                    yield _event(stream.chunk(item.text, None))
+                    yield _event(stream.chunk(item.text, None, _item_logprobs([item]), index))
                 if finished is not None:
-                    yield _event(stream.chunk("", finished.finish_reason))
+                    yield _event(stream.chunk("", finished.finish_reason, None, index))
             if stream.include_usage:
-                yield _event(stream.usage_chunk(_usage(generation)))
+                yield _event(stream.usage_chunk(_usage(generations, n)))
         except GenerateError as exc:
             yield _event(error_body(STATUS[exc.kind], exc.message))
     yield "data: [DONE]\n\n"
+
+
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, StreamItem]]:
+    """(index, item) of every generation, in the order they arrive."""
+    if len(generations) == 1:  # the common case, without tasks
+        async for item in generations[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for item in generation:
+                await queue.put((index, item))
+        except GenerateError as exc:
+            await queue.put(exc)
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        live = len(tasks)
+        while live:
+            got = await queue.get()
+            if isinstance(got, GenerateError):
+                raise got
+            if got[1] is None:
+                live -= 1
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _event(payload: dict) -> str:

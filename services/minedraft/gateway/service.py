@@ -82,7 +82,9 @@ class Migration:
 
     def submission(self) -> generate_pb2.GenerateRequest:
         """Prompt + tokens so far, the remaining max_tokens, the pinned seed."""
-        params = self.params.model_copy(update={"max_tokens": self.remaining})
+        produced = len(self.mirror.output_ids)
+        params = self.params.model_copy(update={"max_tokens": self.remaining,
+                                                "min_tokens": max(0, self.params.min_tokens - produced)})  # fmt: skip
         ids = self.prompt_ids + self.mirror.output_ids
         return generate_pb2.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=generate_pb2.TokenIds(ids=ids),
@@ -102,7 +104,8 @@ class Migration:
         text = self.mirror.take_stream_delta()
         if not (new_ids or text or self.mirror.finished):
             return None
-        response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids)
+        response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids,
+                                                 logprobs=list(reply.logprobs)[: len(new_ids)])  # fmt: skip
         if self.mirror.finished:
             response.finish_reason = FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
             response.usage.prompt_tokens = len(self.prompt_ids)

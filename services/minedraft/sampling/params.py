@@ -6,21 +6,37 @@ token ids as uint32), so a value the wire cannot carry exactly is refused here, 
 range, before it reaches any step. Types are strict: a bool is not an int, a string is not a number.
 Bounds that depend on the model (token ids below the vocabulary, max_tokens within the context) are the
 engine's to check (`LLMEngine.check_request`).
+
+Penalties, biases, bad words, min_p, min_tokens and logprobs have vLLM's names and meanings (see
+`sampling/penalties.py` for how they change the logits, `sampling/logprobs.py` for what logprobs are);
+each changes the target distribution, and speculative decoding samples exactly from the changed one.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # most likely tokens returned per output token, at most (as vLLM's default max_logprobs)
 
 
 def as_float32(value: float) -> float:
@@ -51,6 +67,16 @@ def check_unicode(value: str) -> str:
 Float32 = Annotated[StrictFloat, Field(allow_inf_nan=False), AfterValidator(check_float32)]
 Text = Annotated[str, Field(strict=True), AfterValidator(check_unicode)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+Bias = Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and the `SamplingParams.logprobs` most likely tokens' (best first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class SamplingParams(BaseModel):
@@ -66,6 +92,23 @@ class SamplingParams(BaseModel):
     stop: list[Text] = Field(default_factory=list, description="Stop when the text contains one of these.")
     stop_token_ids: list[TokenId] = Field(default_factory=list, description="Stop after one of these tokens.")
     ignore_eos: StrictBool = Field(False, description="Keep generating past the end-of-sequence token.")
+    presence_penalty: Float32 = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token "
+                                      "the output holds already.")  # fmt: skip
+    frequency_penalty: Float32 = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per "
+                                       "time the output holds it.")  # fmt: skip
+    repetition_penalty: Float32 = Field(1.0, gt=0.0, description="Divides the positive logits (multiplies the "
+                                        "negative ones) of tokens in the prompt or the output; 1 = off.")  # fmt: skip
+    logit_bias: dict[TokenId, Bias] = Field(default_factory=dict, description="Added to the logits of these token "
+                                            "ids, in [-100, 100].")  # fmt: skip
+    min_p: Float32 = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the most "
+                           "likely one's probability; 0 = off.")  # fmt: skip
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's "
+                                       "log-probability and this many most likely tokens'; None = none.")  # fmt: skip
+    bad_words: list[Text] = Field(default_factory=list, description="Words the output must not contain: the last "
+                                  "token of each (as it tokenizes with and without a leading space) is banned where "
+                                  "the output ends with the ones before it.")  # fmt: skip
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX, description="Generate at least this many tokens before "
+                                  "EOS, a stop token or a stop string may end the output.")  # fmt: skip
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kwargs) -> None:
         # Positional order as in vLLM: SamplingParams(temperature, top_p, top_k, ...).
@@ -92,7 +135,7 @@ class SamplingParams(BaseModel):
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
         return value
 
-    @field_validator("stop", "stop_token_ids", mode="before")
+    @field_validator("stop", "stop_token_ids", "bad_words", mode="before")
     @classmethod
     def _none_or_one_to_list(cls, value):
         if value is None:
@@ -107,6 +150,30 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str]) -> list[str]:
+        if any(not word.strip() for word in value):
+            raise ValueError("bad words must not be empty or only spaces")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _none_to_dict(cls, value):
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change before temperature: penalties, biases, min_tokens or bad words."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words)  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,10 @@ Every random draw is a float64 uniform that the caller passes in, one per row; t
 the request's seed and output position (``streams``), so a request gives the same tokens whatever else
 is in the batch and whatever ran before (a re-admitted request draws what it would have drawn).
 
-Top-k and top-p follow vLLM/HF: temperature first, then top-k on the scaled logits, then top-p keeps
-the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (at least one token).
+Top-k and top-p follow vLLM/HF: temperature first (on logits the request's penalties and biases have
+already changed, ``penalties``), then min_p drops the tokens whose probability is below min_p x the
+largest, then top-k on the scaled logits, then top-p keeps the smallest prefix of the sorted
+probabilities whose mass reaches ``top_p`` (at least one token).
 Ties: every token whose logit equals the last kept one is kept, for top-k (as vLLM and HF do) and for
 top-p (where vLLM and HF cut inside a run of equal values by sort position). So the result never
 depends on how a sort (CPU or CUDA, stable or not) orders equal values.
@@ -32,10 +34,13 @@ def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
     return index.clamp_(max=probs.shape[-1] - 1)
 
 
-def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask (to -inf) what top-k and then top-p drop.
+def _filter(logits: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) what min_p, then top-k, then top-p drop.
 
-    ``top_k`` [r] int64 (>= vocab turns it off), ``top_p`` [r] float64 (1 turns it off)."""
+    ``min_p`` [r] float32 (0 turns it off), ``top_k`` [r] int64 (>= vocab turns it off), ``top_p`` [r]
+    float64 (1 turns it off)."""
+    probs = logits.softmax(dim=-1)
+    logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     ordered = logits.sort(dim=-1).values  # ascending, as in HF/vLLM
     # Top-k: the k-th largest logit is the threshold; ties with it survive.
@@ -51,12 +56,13 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def _uses_filter(params: SamplingParams) -> bool:
-    return params.top_k > 0 or params.top_p < 1.0
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Tensor:
-    """Probabilities [m, V] after each row's temperature, top-k and top-p; greedy rows are one-hot at
-    the argmax of the raw logits (first index among equal maxima)."""
+    """Probabilities [m, V] after each row's temperature, min_p, top-k and top-p; greedy rows are one-hot
+    at the argmax of the logits (first index among equal maxima). Penalties and biases are the caller's to
+    apply first (``penalties.apply_penalties``)."""
     logits = logits.float()
     device, rows = logits.device, len(params_list)
     if rows != logits.shape[0]:
@@ -69,7 +75,8 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
         vocab = logits.shape[-1]
         top_k = torch.tensor([params_list[i].top_k if params_list[i].top_k > 0 else vocab for i in filtered])
         top_p = torch.tensor([params_list[i].top_p for i in filtered], dtype=torch.float64)
-        scaled[index] = _filter_top_k_top_p(scaled[index], top_k.to(device), top_p.to(device))
+        min_p = torch.tensor([params_list[i].min_p for i in filtered])
+        scaled[index] = _filter(scaled[index], min_p.to(device), top_k.to(device), top_p.to(device))
     probs = scaled.softmax(dim=-1)
     greedy = [i for i, p in enumerate(params_list) if p.greedy]
     if greedy:
