@@ -306,7 +306,6 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
         ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
-        ("/v1/completions", {"bad_words": ["x"]}, "bad_words", "bad_words is not implemented"),
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
          "messages[0].tool_call_id", "tool calls"),

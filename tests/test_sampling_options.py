@@ -217,3 +217,22 @@ def _kv_bytes(target: str, blocks: int, block_size: int) -> int:
     config = ModelRunner(target, max_seq_len=8).config
     return blocks * bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                                     block_size, torch.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["ar", "minedraft"])
+def test_a_resumed_request_continues_exactly(pair, workload, mode: str) -> None:
+    """What the gateway sends when it moves a request to another group: the prompt plus the output so far,
+    with resumed_tokens saying how much of it is output. Every option (min_tokens, penalties, bad words)
+    counts those tokens as output, so the continuation is the rest of the original output."""
+    work, expected = workload
+    cut = 7
+    resumed = [(prompt + out[:cut], params.model_copy(update={"resumed_tokens": cut,
+                                                              "max_tokens": params.max_tokens - cut}))
+               for (prompt, params), out in zip(work, expected)]  # fmt: skip
+    got = _run(tiny_config(pair, MODES.get(mode), max_num_seqs=4), resumed, in_flight=2)
+    for (_, params), exp, out in zip(work, expected, got):
+        assert out == exp[cut:], params.model_dump(exclude_defaults=True)
+    engine = LLMEngine.local(tiny_config(pair))
+    with pytest.raises(ValueError, match="resumed_tokens: must be less than the prompt's 3 tokens"):
+        engine.add_request([1, 2, 3], SamplingParams(resumed_tokens=3))
+    engine.executor.close()

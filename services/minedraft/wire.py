@@ -19,7 +19,7 @@ from minedraft.engine.request import SpecDecodeStats
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens", "logprobs")  # fmt: skip
+           "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -64,6 +64,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         bad_words=params.bad_words,
+        resumed_tokens=params.resumed_tokens,
     )
 
 

@@ -142,6 +142,9 @@ class LLMEngine:
                 raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size})")
             if params.top_k > vocab_size:
                 raise ValueError(f"top_k: must be -1 (all) or in [1, {vocab_size}] (the vocabulary size)")
+        if params.resumed_tokens >= len(prompt_ids):
+            raise ValueError(f"resumed_tokens: must be less than the prompt's {len(prompt_ids)} tokens (at least one "
+                             f"is prompt); got {params.resumed_tokens}")  # fmt: skip
         if params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: must be in [1, {self.max_model_len}] (max_model_len); got {params.max_tokens}"
@@ -224,7 +227,7 @@ class LLMEngine:
             request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, len(r.prompt_ids), r.bad_words_ids)
+                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, r.num_prompt_tokens, r.bad_words_ids)
                  for r in admitted]  # fmt: skip
             )
         if draft is None and verify is None:

@@ -119,6 +119,16 @@ class Request:
         return self.max_new_tokens - len(self.output_ids)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens that are prompt: the prompt's last `resumed_tokens` are output of an earlier run."""
+        return len(self.prompt_ids) - self.params.resumed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output so far as min_tokens and the penalties count it: the resumed tokens included."""
+        return len(self.output_ids) + self.params.resumed_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -164,7 +174,7 @@ class Request:
         """Add text; cut it before the first stop string that the new text completes."""
         if not delta:
             return
-        if self.params.stop and len(self.output_ids) >= self.params.min_tokens:  # as vLLM: no stop before min_tokens
+        if self.params.stop and self.num_output_tokens >= self.params.min_tokens:  # as vLLM: none before min_tokens
             tail_start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
             tail = self.text[tail_start:] + delta
             hits = [i for i in (tail.find(s) for s in self.params.stop) if i >= 0]

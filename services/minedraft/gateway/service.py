@@ -81,10 +81,11 @@ class Migration:
         return self.params.max_tokens - len(self.mirror.output_ids)
 
     def submission(self) -> generate_pb2.GenerateRequest:
-        """Prompt + tokens so far, the remaining max_tokens, the pinned seed."""
+        """Prompt + tokens so far (resumed: they count as output for min_tokens and penalties), the remaining
+        max_tokens, the pinned seed."""
         produced = len(self.mirror.output_ids)
         params = self.params.model_copy(update={"max_tokens": self.remaining,
-                                                "min_tokens": max(0, self.params.min_tokens - produced)})  # fmt: skip
+                                                "resumed_tokens": self.params.resumed_tokens + produced})  # fmt: skip
         ids = self.prompt_ids + self.mirror.output_ids
         return generate_pb2.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=generate_pb2.TokenIds(ids=ids),

@@ -109,6 +109,10 @@ class SamplingParams(BaseModel):
                                   "the output ends with the ones before it.")  # fmt: skip
     min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX, description="Generate at least this many tokens before "
                                   "EOS, a stop token or a stop string may end the output.")  # fmt: skip
+    resumed_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX, description="The prompt's last resumed_tokens are "
+                                      "output an earlier run of this request already produced (the gateway sets it "
+                                      "when it moves a request to another group): min_tokens, the presence and "
+                                      "frequency penalties and bad words count them as output.")  # fmt: skip
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kwargs) -> None:
         # Positional order as in vLLM: SamplingParams(temperature, top_p, top_k, ...).
