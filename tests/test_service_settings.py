@@ -62,6 +62,15 @@ def _child(argv: list[str], model: type[ServiceSettings]) -> ServiceSettings:
     return _settings(build_parser().parse_args(argv), model)
 
 
+@pytest.fixture
+def tls_files(tmp_path, monkeypatch) -> None:
+    """The settings name cert.pem and key.pem: `up` reads them before it starts anything."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("not checked here")
+
+
+@pytest.mark.usefixtures("tls_files")
 def test_every_service_setting_reaches_every_process_of_up() -> None:
     scheduler, worker = _off_default(SCHEDULER), _off_default(WORKER)
     stack = _up(*_flags(scheduler), *_flags(worker), "--api-key", "secret-1")
@@ -74,6 +83,7 @@ def test_every_service_setting_reaches_every_process_of_up() -> None:
     assert stack.drain_timeout_s == scheduler.request_drain_timeout  # how long `up` waits for it on stop
 
 
+@pytest.mark.usefixtures("tls_files")
 def test_every_service_setting_reaches_every_process_of_up_with_engine_groups() -> None:
     scheduler, worker = _off_default(SCHEDULER), _off_default(WORKER)
     gateway = _off_default(GATEWAY, "backend_tls_ca", "backend_tls_server_name")  # up's groups serve plaintext
