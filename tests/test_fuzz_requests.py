@@ -68,7 +68,8 @@ PLAUSIBLE = {
     "n": st.just(1),
 }
 NUMERIC = ["seed", "max_tokens", "top_k", "stop_token_ids", "temperature", "top_p", "max_completion_tokens"]
-EXTRA = ["logprobs", "echo", "presence_penalty", "logit_bias", "best_of", "suffix"]
+EXTRA = ["logprobs", "echo", "presence_penalty", "logit_bias", "best_of", "suffix", "guided_json", "guided_regex",
+         "guided_choice", "structured_outputs", "response_format"]
 
 
 def _fields(names: list[str]):

@@ -102,6 +102,12 @@ class _SamplingBody(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
@@ -123,7 +129,22 @@ class _SamplingBody(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            structured_outputs=self.structured(),
         )
+
+    def structured(self) -> dict[str, Any] | None:
+        """The one grammar the request asks for, as SamplingParams' structured_outputs (None: free text)."""
+        given = {
+            "response_format": _response_format(self.response_format),
+            "structured_outputs": self.structured_outputs,
+            "guided_json": {"json": self.guided_json} if self.guided_json else None,
+            "guided_regex": {"regex": self.guided_regex} if self.guided_regex else None,
+            "guided_choice": {"choice": self.guided_choice} if self.guided_choice else None,
+        }
+        asked = [name for name, value in given.items() if value]
+        if len(asked) > 1:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"give one structured output, not {' and '.join(asked)}", asked[1])
+        return given[asked[0]] if asked else None
 
     @property
     def include_usage(self) -> bool:
@@ -202,14 +223,12 @@ class ChatCompletionBody(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for templates
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        text_format = not self.response_format or self.response_format.get("type") == "text"
-        extra = {"tools": bool(self.tools), "response_format": not text_format}
+        extra = {"tools": bool(self.tools)}
         messages = [r for i, m in enumerate(self.messages) for r in refusals(m.model_extra or {}, False,
                                                                               f"messages[{i}].")]  # fmt: skip
         return super().unsupported() + [(name, NOT_IMPLEMENTED[name]) for name, bad in extra.items() if bad] + messages
@@ -398,6 +417,22 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
     except ValueError:
         raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias: keys must be token ids (integers as strings)",
                        "logit_bias") from None  # fmt: skip
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured_outputs: text (None), json_object, or json_schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    described = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = described.get("schema") if isinstance(described, dict) else None
+    if not isinstance(schema, dict):
+        raise APIError(HTTPStatus.BAD_REQUEST, "response_format must be {'type': 'text'}, {'type': 'json_object'} "
+                       "or {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                       "response_format")  # fmt: skip
+    return {"json": schema}
 
 
 def _params(body: _SamplingBody, max_tokens: int | None) -> SamplingParams:
