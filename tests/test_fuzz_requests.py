@@ -101,7 +101,8 @@ chat_bodies = st.builds(
     mostly(messages),
     st.none() | st.dictionaries(st.sampled_from(["add_generation_prompt", "messages", "x"]) | texts, anything,
                                 max_size=2),
-    _fields([*PLAUSIBLE, "max_completion_tokens", "tools", "response_format", "add_generation_prompt"]),
+    _fields([*PLAUSIBLE, "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+             "add_generation_prompt"]),
 )  # fmt: skip
 
 

@@ -356,8 +356,10 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar", "grammars other than"),
         ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag", "grammars other than"),
         ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "the grammar backend"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+         "the chat template of 'minedraft-target' does not render tools"),
+        ("/v1/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are for chat completions"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "the legacy functions API"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
         ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
@@ -366,8 +368,8 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
         ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
-         "messages[0].tool_call_id", "tool calls"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]},
+         "messages[0].refusal", "not implemented"),
     ],
 )  # fmt: skip
 def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, named, why) -> None:
