@@ -16,9 +16,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from pydantic import ValidationError
 
 from minedraft.engine.engine import LLMEngine
+from minedraft.model.kv_cache import bytes_per_block
+from minedraft.model.runner import ModelRunner
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 
@@ -102,6 +105,30 @@ def test_greedy_under_a_grammar_with_parallel_drafting_equals_ar(pair, greedy, t
     assert [r.output_ids for r in _requests(config, work)] == expected
 
 
+def test_preempted_requests_keep_their_grammar_state(pair, greedy) -> None:
+    """A KV pool too small for the batch: requests are preempted and re-admitted with their output so far,
+    which their matchers must accept again as output (not skip as prompt)."""
+    work, expected = greedy
+    blocks = 24
+    config = tiny_config(pair, MODES["minedraft"], max_num_seqs=4, block_size=8, max_model_len=104,
+                         kv_cache_memory_bytes=_kv_bytes(pair[0], blocks, block_size=8))  # fmt: skip
+    engine = LLMEngine.local(config, max_in_flight=2)
+    try:
+        requests = [engine.add_request(prompt, params) for prompt, params in work]
+        while engine.has_unfinished() or engine.in_flight:
+            engine.advance()
+        assert engine.num_preemptions > 0, "the budget is meant to force preemption"
+    finally:
+        engine.executor.close()
+    assert [r.output_ids for r in requests] == expected
+
+
+def _kv_bytes(target: str, blocks: int, block_size: int) -> int:
+    config = ModelRunner(target, max_seq_len=8).config
+    return blocks * bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                    block_size, torch.float32)  # fmt: skip
+
+
 def test_sampled_json_always_validates_under_minedraft(pair) -> None:
     """50 prompts at temperature 1: the grammar leaves the model no way to break the schema."""
     params = [SamplingParams(temperature=1.0, max_tokens=100, seed=i, structured_outputs={"json": SCHEMA})
@@ -164,6 +191,8 @@ sys.modules["xgrammar"] = None  # as if it were not installed
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from conftest import tiny_config
 from minedraft.engine.engine import LLMEngine
+from minedraft.model.kv_cache import bytes_per_block
+from minedraft.model.runner import ModelRunner
 from minedraft.sampling.params import SamplingParams
 engine = LLMEngine.local(tiny_config({tuple(pair)!r}, {MODES["minedraft"]!r}))
 engine.add_request([5, 6], SamplingParams(temperature=0, max_tokens=4))
