@@ -150,6 +150,21 @@ def test_output_cut_by_max_tokens_finishes_with_length(pair) -> None:
     assert load_tokenizer(pair[0]).decode(request.output_ids) == '{"na'
 
 
+def test_the_gateway_moves_structured_output_only_before_it_begins(pair) -> None:
+    """Another group would restart the grammar at the seam: such a request is not migrated once it has output
+    (the gateway ends it with UNAVAILABLE, which clients retry)."""
+    from minedraft.api import generate_pb2
+    from minedraft.gateway.service import Migration
+
+    tokenizer = load_tokenizer(pair[0])
+    structured = Migration("r1", [5, 6], SamplingParams(structured_outputs={"choice": CHOICE}), tokenizer)
+    plain = Migration("r2", [5, 6], SamplingParams(), tokenizer)
+    assert structured.resumable and plain.resumable
+    for migration in (structured, plain):
+        migration.take(generate_pb2.GenerateResponse(token_ids=tokenizer.encode("ye", add_special_tokens=False)))
+    assert not structured.resumable and plain.resumable
+
+
 @pytest.mark.parametrize(
     ("grammar", "message"),
     [

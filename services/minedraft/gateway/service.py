@@ -60,6 +60,12 @@ class Migration:
         self.sent_tokens = 0  # output tokens already streamed to the client
 
     @property
+    def resumable(self) -> bool:
+        """Whether another group can continue it. A grammar's matcher would start again at the seam (the
+        output so far goes as prompt), so structured output that has begun cannot move."""
+        return self.params.structured_outputs is None or not self.mirror.output_ids
+
+    @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.mirror.output_ids)
 
@@ -120,6 +126,10 @@ class GatewayServicer:
         avoid: set[str] = set()
         full: set[str] = set()  # groups that refused it for a full queue
         while not migration.mirror.finished:
+            if not migration.resumable:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {migration.request_id}: its engine group "
+                                    "went away during structured output, which cannot continue on another group; "
+                                    "retry the request")  # fmt: skip
             try:
                 backend = await self.pool.acquire(self._placement_deadline(context), avoid | full, migration.remaining)
             except NoBackend as exc:
