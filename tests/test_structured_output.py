@@ -23,7 +23,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner
 from minedraft.model.tokenizer import load_tokenizer
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, StructuredOutputs
 
 from conftest import pard_draft, tiny_config
 
@@ -150,6 +150,29 @@ def test_output_cut_by_max_tokens_finishes_with_length(pair) -> None:
     assert load_tokenizer(pair[0]).decode(request.output_ids) == '{"na'
 
 
+def test_rows_are_masked_with_the_state_after_their_drafts(pair) -> None:
+    """The masking itself: each row allows what the grammar allows after the tokens before it; a row without
+    a grammar is untouched; a row the mask would leave empty is left as it was."""
+    from minedraft.sampling.grammar import GrammarBook, masked
+
+    tokenizer = load_tokenizer(pair[0])
+    a, b, c = (tokenizer.token_to_id(ch) for ch in "abc")
+    vocab = tokenizer.vocab_size
+    book = GrammarBook(tokenizer, vocab, [2])
+    state = book.state(StructuredOutputs(choice=["ab", "c"]), num_prompt=1)
+    state.sync([9])  # the prompt alone: nothing to match yet
+    logits = torch.randn(4, vocab)
+    logits[3, [a, c]] = float("-inf")  # as bad words might leave it
+    out = masked(logits, [(state, []), (None, ()), (state, [a]), (state, [])], vocab)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == sorted([a, c])
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [b]
+    narrow = masked(torch.randn(1, c), [(state, [])], vocab)  # a drafter's smaller vocabulary: only "a" fits
+    assert torch.isfinite(narrow[0]).nonzero().flatten().tolist() == [a]
+    state.sync([9, a, b])  # committed "ab": only EOS may follow
+    assert torch.isfinite(masked(torch.randn(1, vocab), [(state, [])], vocab)[0]).nonzero().flatten().tolist() == [2]
+
+
 def test_the_gateway_moves_structured_output_only_before_it_begins(pair) -> None:
     """Another group would restart the grammar at the seam: such a request is not migrated once it has output
     (the gateway ends it with UNAVAILABLE, which clients retry)."""
@@ -208,7 +231,7 @@ from conftest import tiny_config
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner
-from minedraft.sampling.params import SamplingParams
+from minedraft.sampling.params import SamplingParams, StructuredOutputs
 engine = LLMEngine.local(tiny_config({tuple(pair)!r}, {MODES["minedraft"]!r}))
 engine.add_request([5, 6], SamplingParams(temperature=0, max_tokens=4))
 while engine.has_unfinished():

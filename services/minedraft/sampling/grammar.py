@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -91,7 +91,7 @@ class GrammarState:
     matcher: xgr.GrammarMatcher
     num_prompt: int
     num_matched: int = 0  # output tokens the matcher has accepted
-    broken: bool = field(default=False)  # the output left the grammar (cannot happen when every row is masked)
+    broken: bool = False  # the output left the grammar (only where a row could not be masked: see `masked`)
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Accept the committed output the matcher has not seen yet."""
@@ -118,21 +118,32 @@ class GrammarState:
 
 
 def masked(logits: Tensor, rows: Sequence[tuple[GrammarState | None, Sequence[int]]], vocab_size: int) -> Tensor:
-    """Logits [m, W] with -inf where each row's grammar forbids the token. `rows`: per row, its request's state
-    (None: no grammar) and the tokens between the committed output and the row. Columns at or past
-    `vocab_size` are forbidden in constrained rows; a row that would forbid every column is left as it is."""
+    """Logits [m, W] (as float32) with -inf where each row's grammar forbids the token. `rows`: per row, its
+    request's state (None: no grammar) and the tokens between the committed output and the row. Columns at
+    or past `vocab_size` are forbidden in constrained rows. A row the mask would leave with no token at all
+    (a drafter whose vocabulary misses every allowed token, or options that ban the only ones) is left as
+    it was."""
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
     filled = [i for i, (state, after) in enumerate(rows) if state is not None and state.fill(bitmask, i, after)]
     if not filled:
         return logits
-    width = logits.shape[-1]
-    index = torch.tensor(filled)
-    bits = (bitmask[index][:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = torch.zeros(len(filled), width, dtype=torch.bool)
+    index = torch.tensor(filled, device=logits.device)
+    allowed = _unpacked(bitmask[filled].to(logits.device), logits.shape[-1], vocab_size)
+    before = logits[index].float()
+    after = before.masked_fill(~allowed, float("-inf"))
+    after = torch.where((after > float("-inf")).any(dim=-1, keepdim=True), after, before)
+    return logits.float().index_copy(0, index, after)
+
+
+# Bit j of byte value b, for every b: unpacks a bitmask one byte at a time (bit order: token order).
+_BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1 == 1
+
+
+def _unpacked(bitmask: Tensor, width: int, vocab_size: int) -> Tensor:
+    """[rows, ceil(V / 32)] int32 bitmasks as [rows, width] bool; columns at or past vocab_size are False."""
+    words = bitmask.contiguous().view(torch.uint8).long()  # little-endian: byte k of a word holds bits 8k..8k+7
+    bits = _BYTE_BITS.to(bitmask.device)[words].reshape(bitmask.shape[0], -1)
     usable = min(width, vocab_size)
-    allowed[:, :usable] = bits.reshape(len(filled), -1)[:, :usable].bool()
-    keep = allowed.any(dim=-1)
-    index, allowed = index[keep].to(logits.device), allowed[keep].to(logits.device)
-    logits = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    allowed = torch.zeros(bitmask.shape[0], width, dtype=torch.bool, device=bitmask.device)
+    allowed[:, :usable] = bits[:, :usable]
+    return allowed
