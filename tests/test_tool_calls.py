@@ -104,6 +104,18 @@ def test_streamed_tool_calls_equal_the_whole_response(client) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_named_functions_arguments_stream_as_they_come(client) -> None:
+    kwargs = {"model": "minedraft-target", "messages": CHAT, "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    pieces = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert len(pieces) > 3 and pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments for p in pieces) == whole.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_auto_parses_the_calls_the_model_writes(client) -> None:
     """The tiny model would not write a call of its own: a choice grammar makes it write one after text."""
     written = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'

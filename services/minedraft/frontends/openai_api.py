@@ -29,7 +29,7 @@ from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
-from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, resolve
+from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, new_call_id, resolve
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.version import __version__
@@ -594,9 +594,11 @@ class ChatStream(_Stream):
 
     def __init__(self, *args, tools: ToolUse | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # With tool calls to find, a streamed choice is held back and sent whole at its finish.
+        # With tool calls to find (auto, required), a streamed choice is held back and sent whole at its finish;
+        # a named function's arguments stream as they come.
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self._held: dict[int, tuple[list[str], list]] = {}
+        self._call_ids: dict[int, str] = {}
 
     def first_chunks(self, index: int = 0) -> list[dict]:
         return [self._delta({"role": "assistant", "content": ""}, None, None, index)]
@@ -604,6 +606,8 @@ class ChatStream(_Stream):
     def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict | None:
         if self.tools is None:
             return self._delta({"content": text} if text else {}, finish_reason, logprobs, index)
+        if self.tools.named is not None:
+            return self._named_call_chunk(text, finish_reason, logprobs, index)
         texts, held_logprobs = self._held.setdefault(index, ([], []))
         texts.append(text)
         held_logprobs.extend(logprobs or [])
@@ -614,6 +618,17 @@ class ChatStream(_Stream):
         if calls:
             delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
         return self._delta(delta, self._finish_reason(finish_reason, calls), held_logprobs or None, index)
+
+    def _named_call_chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict | None:
+        """The named function's arguments as they come: its id, type and name with the first piece."""
+        if not text:
+            return self._delta({}, finish_reason, logprobs, index) if finish_reason or logprobs else None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if index not in self._call_ids:
+            self._call_ids[index] = new_call_id()
+            call.update(id=self._call_ids[index], type="function")
+            call["function"] = {"name": self.tools.named.name, "arguments": text}
+        return self._delta({"tool_calls": [call]}, finish_reason, logprobs, index)
 
     def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict:
         return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),

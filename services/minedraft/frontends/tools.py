@@ -6,6 +6,9 @@
 - "required": structured output guarantees a JSON array of one call (or more, with parallel_tool_calls) of
   the given tools, each `{"name": ..., "arguments": ...}` with arguments valid against the tool's schema.
 - a named function: structured output guarantees that function's arguments (its parameters' schema).
+
+Streamed, a named function's arguments go out as they come; the calls of auto and required are parsed
+from the whole output, so those choices are sent whole at their finish.
 """
 
 from __future__ import annotations
@@ -106,9 +109,13 @@ def resolve(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool 
     return ToolUse(tools, "named" if named else choice, parallel is not False, named)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _name(call: dict[str, Any]) -> str:
