@@ -33,7 +33,11 @@ _COMPILE_THREADS = 2
 def check_grammar(spec: StructuredOutputs) -> None:
     """Raise ValueError naming what is wrong with a schema or a regex (no tokenizer needed: the engine
     checks every request before it reaches a worker)."""
-    kind, source = spec.key
+    _check_source(*spec.key)
+
+
+@lru_cache(maxsize=256)
+def _check_source(kind: str, source: object) -> None:
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(source, any_whitespace=False)

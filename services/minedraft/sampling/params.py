@@ -98,22 +98,20 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        given = [name for name in ("json", "regex", "choice", "json_object") if self.source_of(name) is not None]
+        given = [kind for kind, _ in self._given()]
         if len(given) != 1:
             raise ValueError(f"give exactly one of json, regex, choice, json_object (got {', '.join(given) or 'none'})")
         return self
 
-    def source_of(self, kind: str) -> str | tuple[str, ...] | bool | None:
-        value = {"json": self.json_schema, "regex": self.regex, "choice": self.choice}.get(kind, self.json_object)
-        return None if value is False else value
+    def _given(self) -> list[tuple[str, str | tuple[str, ...] | bool]]:
+        fields = (("json", self.json_schema), ("regex", self.regex), ("choice", self.choice),
+                  ("json_object", self.json_object or None))  # fmt: skip
+        return [(kind, value) for kind, value in fields if value is not None]
 
     @property
     def key(self) -> tuple[str, str | tuple[str, ...] | bool]:
         """(kind, source): what a compiled grammar is cached by."""
-        for kind in ("json", "regex", "choice", "json_object"):
-            if self.source_of(kind) is not None:
-                return kind, self.source_of(kind)
-        raise AssertionError("validated to hold exactly one")
+        return self._given()[0]
 
 
 def check_structured_outputs(spec: StructuredOutputs) -> None:
