@@ -105,6 +105,17 @@ def test_greedy_under_a_grammar_with_parallel_drafting_equals_ar(pair, greedy, t
     assert [r.output_ids for r in _requests(config, work)] == expected
 
 
+def test_tensor_parallel_verifier_ranks_give_the_same_output(pair, greedy) -> None:
+    """Rank 0 samples with the masks; the other ranks hold the grammar states and never need them."""
+    from minedraft import LLM
+
+    work, expected = greedy
+    with LLM(pair[0], {**MODES["minedraft"], "model": pair[1]}, tensor_parallel_size=2, max_num_seqs=4,
+             max_model_len=128, device="cpu", batch_invariant=True) as llm:  # fmt: skip
+        outputs = llm.generate([p for p, _ in work], [params for _, params in work], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_preempted_requests_keep_their_grammar_state(pair, greedy) -> None:
     """A KV pool too small for the batch: requests are preempted and re-admitted with their output so far,
     which their matchers must accept again as output (not skip as prompt)."""
