@@ -68,7 +68,8 @@ PLAUSIBLE = {
     "n": st.just(1),
 }
 NUMERIC = ["seed", "max_tokens", "top_k", "stop_token_ids", "temperature", "top_p", "max_completion_tokens"]
-EXTRA = ["logprobs", "echo", "presence_penalty", "logit_bias", "best_of", "suffix"]
+EXTRA = ["logprobs", "echo", "presence_penalty", "logit_bias", "best_of", "suffix", "guided_json", "guided_regex",
+         "guided_choice", "structured_outputs", "response_format"]
 
 
 def _fields(names: list[str]):
@@ -100,7 +101,8 @@ chat_bodies = st.builds(
     mostly(messages),
     st.none() | st.dictionaries(st.sampled_from(["add_generation_prompt", "messages", "x"]) | texts, anything,
                                 max_size=2),
-    _fields([*PLAUSIBLE, "max_completion_tokens", "tools", "response_format", "add_generation_prompt"]),
+    _fields([*PLAUSIBLE, "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+             "add_generation_prompt"]),
 )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ compared with the engine's empirical one by a chi-square test.
 
 The same with a presence penalty and a logit bias (which move mass into and out of the top six, and
 penalise the second token for repeating the first): the exact joint then processes the second token's
-logits with the first as output, and every mode must match it.
+logits with the first as output, and every mode must match it. And under a grammar (a regex whose second
+letter's range depends on the first): the exact joint masks each position with the letters allowed there.
 
 Threshold: p-value > 1e-3. Seeds are fixed, so the test is deterministic; with a correct sampler the
 chance of a fixed seed landing below 1e-3 is 0.1% per test, and a wrong rule (for example sampling from
@@ -28,6 +29,7 @@ from scipy.stats import chisquare
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.runner import ModelRunner, SeqInput
+from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
 
@@ -51,16 +53,38 @@ def _penalized_params(target) -> dict:
     return {**PARAMS, "presence_penalty": 1.5, "logit_bias": {order[0]: -1.5, order[6]: 2.5}}
 
 
+# After "a" the second letter is in a-m, after any other letter in n-z; a third letter follows, so EOS is never
+# allowed within the two sampled tokens (ignore_eos is not needed, nor allowed with a grammar).
+GRAMMAR = {"regex": "a[a-m]x|[b-z][n-z]x"}
+
+
+def _grammar_params() -> dict:
+    return {**{k: v for k, v in PARAMS.items() if k != "ignore_eos"}, "structured_outputs": GRAMMAR}
+
+
+def _letters_allowed(output: str) -> str:
+    """What GRAMMAR allows after `output` (each letter is one token in the tiny byte-level vocabulary)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz"
+    return alphabet if not output else alphabet[:13] if output == "a" else alphabet[13:]
+
+
 def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, int], float]:
     """P(t1, t2 | PROMPT) under the target with `params_kwargs`, computed by enumeration."""
     runner = ModelRunner(target, num_slots=1, max_seq_len=16)
     slot = runner.allocate_slot()
     params = SamplingParams(**params_kwargs)
     eos = runner.config.eos_token_ids
+    tokenizer = load_tokenizer(target)
+
+    def banned(tokens: list[int]) -> torch.Tensor:
+        mask = torch.full((runner.config.vocab_size,), params.structured_outputs is not None)
+        mask[[tokenizer.token_to_id(c) for c in _letters_allowed(tokenizer.decode(tokens[len(PROMPT) :]))]] = False
+        return mask
 
     def probs_after(tokens: list[int]) -> torch.Tensor:
         logits = runner.forward([SeqInput(slot, tokens, 0)])
-        return target_probs(apply_penalties(logits, [params], [History(tokens, len(PROMPT))], eos), params)[0]
+        logits = apply_penalties(logits, [params], [History(tokens, len(PROMPT))], eos)
+        return target_probs(logits.masked_fill(banned(tokens), -torch.inf), params)[0]
 
     p1 = probs_after(PROMPT)
     joint = {}
@@ -94,14 +118,14 @@ def _sample(config: EngineConfig, params_kwargs: dict) -> Counter:
     ],
     ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard"],
 )
-@pytest.mark.parametrize("options", ["plain", "penalty+bias"])
+@pytest.mark.parametrize("options", ["plain", "penalty+bias", "grammar"])
 def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:
     """With parallel drafting the second draft token comes from the mask position's q, drawn without
     seeing the first: the rejection rule must still give the target's distribution."""
     target, draft = pair
     if spec and spec.get("parallel_drafting"):
         draft = pard_draft(draft, tmp_path)
-    params_kwargs = PARAMS if options == "plain" else _penalized_params(target)
+    params_kwargs = {"plain": PARAMS, "grammar": _grammar_params()}.get(options) or _penalized_params(target)
     joint = _exact_joint(target, params_kwargs)
     config = EngineConfig(
         model=str(target),

@@ -227,6 +227,66 @@ def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}  # fmt: skip
+# (how an HTTP body asks for a grammar, the same as SamplingParams' structured_outputs)
+GRAMMARS = [
+    ({"guided_json": JSON_SCHEMA}, {"json": JSON_SCHEMA}),
+    ({"guided_regex": "(def|class) [a-z_]{1,10}"}, {"regex": "(def|class) [a-z_]{1,10}"}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"regex": "[0-9]{2,4}"}}, {"regex": "[0-9]{2,4}"}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": JSON_SCHEMA}}},
+     {"json": JSON_SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(GRAMMARS)))
+def test_structured_output_equals_offline_ar(client, stack, tls, offline_llm, index) -> None:
+    """Each way to ask for a grammar, on both endpoints and over gRPC: the served (MineDraft-mode) greedy text
+    is the offline ar text under the same grammar."""
+    body, grammar = GRAMMARS[index]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar)
+    text = offline_llm.generate(PROMPTS[1], params)[0].outputs[0].text
+    chat_text = offline_llm.chat(CHAT, params)[0].outputs[0].text
+    kwargs = {"model": MODEL, "max_tokens": 40, "temperature": 0}
+    assert client.completions.create(prompt=PROMPTS[1], **kwargs, extra_body=body).choices[0].text == text
+    chat = client.chat.completions.create(messages=CHAT, **kwargs, extra_body=body)
+    assert chat.choices[0].message.content == chat_text
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        assert grpc_client.generate(PROMPTS[1], max_tokens=40, temperature=0, structured_outputs=grammar).text == text
+    if "json" in grammar:
+        assert json.loads(text)["ok"] in (True, False) and json.loads(chat_text)["name"].isalpha()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"guided_regex": "[a-z"}, "structured_outputs.regex"),
+        ({"guided_json": {"type": "object", "properties": 3}}, "structured_outputs.json"),
+        ({"response_format": {"type": "json_schema"}}, "response_format must be"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "give one structured output, not guided_regex and"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+        ({"guided_choice": ["a"], "ignore_eos": True}, "cannot be combined with ignore_eos"),
+    ],
+)  # fmt: skip
+def test_bad_structured_output_is_a_400(client, body, message) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="def f():", max_tokens=4, extra_body=body)
+    assert message in info.value.body["message"], info.value.body
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [({"regex": "[a-z"}, "structured_outputs.regex"), ({"regex": "a", "choice": ["b"]}, "exactly one of")],
+)
+def test_bad_structured_output_over_grpc_is_invalid_argument(stack, tls, grammar, message) -> None:
+    client = Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120)
+    with client, pytest.raises(MineDraftError) as info:
+        client.generate("def f():", max_tokens=4, structured_outputs=grammar)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
 def test_several_prompts_and_samples_are_choices_in_order(client, expected) -> None:
     """A list of prompts and n samples of each: choice p * n + j is sample j of prompt p (greedy: all equal)."""
     prompts = PROMPTS[:2]
@@ -293,12 +353,13 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
 @pytest.mark.parametrize(
     ("path", "fields", "named", "why"),
     [
-        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured output"),
-        ("/v1/completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "structured output"),
-        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "structured output"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls"),
+        ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar", "grammars other than"),
+        ("/v1/chat/completions", {"structural_tag": "{}"}, "structural_tag", "grammars other than"),
+        ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "the grammar backend"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+         "the chat template of 'minedraft-target' does not render tools"),
+        ("/v1/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are for chat completions"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "the legacy functions API"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
         ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
@@ -307,8 +368,8 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
         ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop strings"),
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
-         "messages[0].tool_call_id", "tool calls"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]},
+         "messages[0].refusal", "not implemented"),
     ],
 )  # fmt: skip
 def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, named, why) -> None:

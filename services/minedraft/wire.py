@@ -16,7 +16,7 @@ from minedraft.engine.plans import (
     VerifyTask,
 )
 from minedraft.engine.request import SpecDecodeStats
-from minedraft.sampling.params import SamplingParams, TokenLogprob
+from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens")  # fmt: skip
@@ -40,10 +40,29 @@ def finish_reason_from_proto(value: int) -> str:
 def sampling_from_proto(msg: generate_pb2.SamplingParameters) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; raises pydantic.ValidationError on bad values."""
     kwargs = {name: getattr(msg, name) for name in _FIELDS if msg.HasField(name)}
+    structured = structured_from_proto(msg.structured_outputs) if msg.HasField("structured_outputs") else None
     return SamplingParams(
         **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias), bad_words=list(msg.bad_words),
+        structured_outputs=structured,
     )
+
+
+def structured_from_proto(msg: generate_pb2.StructuredOutputs) -> dict:
+    """The fields the message sets, for StructuredOutputs to validate (exactly one)."""
+    given = {name: getattr(msg, name) for name in ("json", "regex") if msg.HasField(name)}
+    if msg.choice:
+        given["choice"] = list(msg.choice)
+    if msg.json_object:
+        given["json_object"] = True
+    return given
+
+
+def structured_to_proto(spec: StructuredOutputs | None) -> generate_pb2.StructuredOutputs | None:
+    if spec is None:
+        return None
+    return generate_pb2.StructuredOutputs(json=spec.json_schema, regex=spec.regex, choice=spec.choice or (),
+                                          json_object=spec.json_object)  # fmt: skip
 
 
 def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters:
@@ -65,6 +84,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         logprobs=params.logprobs,
         bad_words=params.bad_words,
         resumed_tokens=params.resumed_tokens,
+        structured_outputs=structured_to_proto(params.structured_outputs),
     )
 
 

@@ -8,8 +8,8 @@
             print(delta.text, end="", flush=True)
 
 More sampling options go by their SamplingParameters names (`presence_penalty`, `frequency_penalty`,
-`repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`, `logprobs`, `bad_words`): `client.generate("Hi",
-logprobs=2)`.
+`repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`, `logprobs`, `bad_words`, `structured_outputs`):
+`client.generate("Hi", logprobs=2)`, `client.generate("Hi", structured_outputs={"choice": ["yes", "no"]})`.
 `AsyncClient` has the same methods as coroutines (`stream` is an async iterator). Failed calls raise
 `MineDraftError`, a `grpc.RpcError` with the server's `.code()` and `.details()`.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import operator
 import os
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,7 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-            "logprobs", "bad_words")  # fmt: skip
+            "logprobs", "bad_words", "structured_outputs")  # fmt: skip
 
 
 def build_generate_request(
@@ -50,7 +51,7 @@ def build_generate_request(
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-    min_p, min_tokens, logprobs, bad_words); an unknown name is a TypeError."""
+    min_p, min_tokens, logprobs, bad_words, structured_outputs); an unknown name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -78,8 +79,24 @@ def _set_options(sampling: pb.SamplingParameters, options: dict[str, Any]) -> No
             sampling.logit_bias.update({operator.index(t): float(b) for t, b in value.items()})
         elif name == "bad_words":
             sampling.bad_words.extend([value] if isinstance(value, str) else value)
+        elif name == "structured_outputs":
+            _set_structured(sampling.structured_outputs, value)
         else:
             setattr(sampling, name, value)
+
+
+def _set_structured(msg: pb.StructuredOutputs, value: dict[str, Any]) -> None:
+    """{"json": schema (a dict or its text)} or {"regex": ...}, {"choice": [...]}, {"json_object": True}."""
+    msg.SetInParent()
+    for kind, source in value.items():
+        if kind == "json":
+            msg.json = source if isinstance(source, str) else json.dumps(source)
+        elif kind == "choice":
+            msg.choice.extend(source)
+        elif kind in ("regex", "json_object"):
+            setattr(msg, kind, source)
+        else:
+            raise TypeError(f"unknown structured output {kind!r}; give json, regex, choice or json_object")
 
 
 def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:

@@ -14,7 +14,7 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.sampling.params import SamplingParams, TokenLogprob
+from minedraft.sampling.params import SamplingParams, TokenLogprob, check_structured_outputs
 
 
 @dataclass
@@ -149,6 +149,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens: must be in [1, {self.max_model_len}] (max_model_len); got {params.max_tokens}"
             )
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
 
     def enqueue(self, request: Request) -> None:
         if request.request_id in self.requests:

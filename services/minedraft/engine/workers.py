@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from minedraft.sampling.rejection import rejection_sample
 from minedraft.sampling.sampler import SparseProbs, draft_sample
 from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
 from minedraft.sampling.tetris import tetris_select
+
+if TYPE_CHECKING:  # xgrammar is optional: sampling.grammar is imported when a request asks for a grammar
+    from minedraft.sampling.grammar import GrammarBook, GrammarState
 
 _TAIL_SCAN = 64
 # A test hook: a request whose tokens start with these ids (comma-separated) makes the verifier's forward
@@ -41,6 +45,7 @@ class _Sequence:
     kv_tokens: list[int] = field(default_factory=list)  # what the KV cache holds, position by position
     num_prompt: int = 0  # tokens[:num_prompt] are the prompt: penalties count what follows
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured output: the matcher over the committed output
 
     def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
         """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
@@ -73,6 +78,7 @@ class _Worker:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.sequences: dict[str, _Sequence] = {}
+        self._grammars: GrammarBook | None = None
 
     @property
     def device(self) -> torch.device:
@@ -97,7 +103,17 @@ class _Worker:
                 bad_words_ids=admission.bad_words_ids,
             )
             seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
+            if admission.params.structured_outputs is not None:
+                seq.grammar = self._grammar_book().state(admission.params.structured_outputs, seq.num_prompt)
             self.sequences[admission.request_id] = seq
+
+    def _grammar_book(self) -> GrammarBook:
+        if self._grammars is None:
+            from minedraft.sampling.grammar import GrammarBook
+
+            config = self.runner.config
+            self._grammars = GrammarBook(self.runner.tokenizer, config.vocab_size, config.eos_token_ids)
+        return self._grammars
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -130,14 +146,32 @@ class _Worker:
     def _penalized(
         self, logits: torch.Tensor, seqs: list[_Sequence], rows: Iterable[tuple[_Sequence, History]]
     ) -> torch.Tensor:
-        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py).
-        `seqs`: the batch's requests; `rows`: each logits row's request and history, read only when one of
-        them asks for processing."""
-        if not any(seq.params.penalized for seq in seqs):
+        """Each row's logits after its request's min_tokens, logit_bias and penalties (sampling/penalties.py)
+        and its grammar (sampling/grammar.py). `seqs`: the batch's requests; `rows`: each logits row's request
+        and history, read only when one of them asks for processing."""
+        penalize = any(seq.params.penalized for seq in seqs)
+        constrain = any(seq.grammar is not None for seq in seqs)
+        if not (penalize or constrain):
             return logits
         row_seqs, histories = zip(*rows)
-        eos = self.runner.config.eos_token_ids
-        return apply_penalties(logits, [seq.params for seq in row_seqs], histories, eos)
+        if penalize:
+            eos = self.runner.config.eos_token_ids
+            logits = apply_penalties(logits, [seq.params for seq in row_seqs], histories, eos)
+        if constrain:
+            logits = self._grammar_masked(logits, row_seqs, histories)
+        return logits
+
+    def _grammar_masked(
+        self, logits: torch.Tensor, row_seqs: tuple[_Sequence, ...], histories: tuple[History, ...]
+    ) -> torch.Tensor:
+        from minedraft.sampling.grammar import masked
+
+        for seq in {id(seq): seq for seq in row_seqs if seq.grammar is not None}.values():
+            seq.grammar.sync(seq.tokens)
+        # A row's tokens after the committed output: a drafter's base may hold handed drafts, then its extra.
+        rows = [(seq.grammar, [*h.tokens[len(seq.tokens) :], *h.extra]) if seq.grammar is not None else (None, ())
+                for seq, h in zip(row_seqs, histories)]  # fmt: skip
+        return masked(logits, rows, self._grammar_book().vocab_size)
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""

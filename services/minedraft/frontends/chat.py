@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from minedraft.model.hub import local_folder
@@ -30,7 +31,10 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         self.source = source
         self.special_tokens = special_tokens or {}
-        self._template = _environment().from_string(source)
+        environment = _environment()
+        self._template = environment.from_string(source)
+        # Whether the template renders `tools` (tool calls in chat need one that does).
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source))
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ChatTemplate | None:

@@ -29,6 +29,7 @@ from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
+from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, new_call_id, resolve
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.version import __version__
@@ -102,6 +103,12 @@ class _SamplingBody(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something this server cannot do: refused rather than silently ignored."""
@@ -123,7 +130,22 @@ class _SamplingBody(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            structured_outputs=self.structured(),
         )
+
+    def structured(self) -> dict[str, Any] | None:
+        """The one grammar the request asks for, as SamplingParams' structured_outputs (None: free text)."""
+        given = {
+            "response_format": _response_format(self.response_format),
+            "structured_outputs": self.structured_outputs,
+            "guided_json": {"json": self.guided_json} if self.guided_json else None,
+            "guided_regex": {"regex": self.guided_regex} if self.guided_regex else None,
+            "guided_choice": {"choice": self.guided_choice} if self.guided_choice else None,
+        }
+        asked = [name for name, value in given.items() if value]
+        if len(asked) > 1:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"give one structured output, not {' and '.join(asked)}", asked[1])
+        return given[asked[0]] if asked else None
 
     @property
     def include_usage(self) -> bool:
@@ -174,6 +196,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as a response returned them
+    tool_call_id: Text | None = None  # a tool message's answer to that call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -192,7 +216,23 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_with_argument_dict(call) for call in self.tool_calls]
         return message
+
+
+def _with_argument_dict(call: dict[str, Any]) -> dict[str, Any]:
+    """Templates render a call's arguments as an object (as transformers expects them); OpenAI sends JSON text."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionBody(_SamplingBody):
@@ -201,18 +241,33 @@ class ChatCompletionBody(_SamplingBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: StrictBool | None = None  # default: true
     # vLLM's extras for templates
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        text_format = not self.response_format or self.response_format.get("type") == "text"
-        extra = {"tools": bool(self.tools), "response_format": not text_format}
         messages = [r for i, m in enumerate(self.messages) for r in refusals(m.model_extra or {}, False,
                                                                               f"messages[{i}].")]  # fmt: skip
-        return super().unsupported() + [(name, NOT_IMPLEMENTED[name]) for name, bad in extra.items() if bad] + messages
+        return super().unsupported() + messages
+
+    def tool_use(self) -> ToolUse | None:
+        try:
+            return resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as exc:
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), "tool_choice") from None
+
+    def structured(self) -> dict[str, Any] | None:
+        """A required or named tool choice guarantees its calls with a grammar of its own."""
+        asked, tool_use = super().structured(), self.tool_use()
+        calls = tool_use.grammar() if tool_use else None
+        if calls and asked:
+            raise APIError(HTTPStatus.BAD_REQUEST, "tool_choice required or a named function gives the output "
+                           "a grammar of its own: it cannot be combined with structured output",
+                           "tool_choice")  # fmt: skip
+        return calls or asked
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -231,6 +286,7 @@ class TokenizeBody(BaseModel):
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for rendered messages
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeBody(BaseModel):
@@ -311,7 +367,7 @@ class OpenAIFrontend:
         generations = await _start_all(self.generator, [prompt], _params(body, max_tokens), body.n,
                                        add_special_tokens=False, fit_context=asked is not None)  # fmt: skip
         stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
-                            self.generator.tokenizer)  # fmt: skip
+                            self.generator.tokenizer, tools=body.tool_use())  # fmt: skip
         return await _respond(generations, stream, body.stream, body.n)
 
     def _render(self, body: ChatCompletionBody | TokenizeBody) -> str:
@@ -324,6 +380,11 @@ class OpenAIFrontend:
             )
         messages = [m.as_template_input() for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            if not self.chat_template.takes_tools:
+                raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: tools (the chat template of "
+                               f"{self.model_name!r} does not render tools)", "tools")  # fmt: skip
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
         if "messages" in kwargs:
             raise APIError(HTTPStatus.BAD_REQUEST, "chat_template_kwargs cannot replace the messages: send them as "
                            "`messages`", "chat_template_kwargs.messages")  # fmt: skip
@@ -398,6 +459,22 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
     except ValueError:
         raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias: keys must be token ids (integers as strings)",
                        "logit_bias") from None  # fmt: skip
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured_outputs: text (None), json_object, or json_schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    described = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = described.get("schema") if isinstance(described, dict) else None
+    if not isinstance(schema, dict):
+        raise APIError(HTTPStatus.BAD_REQUEST, "response_format must be {'type': 'text'}, {'type': 'json_object'} "
+                       "or {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                       "response_format")  # fmt: skip
+    return {"json": schema}
 
 
 def _params(body: _SamplingBody, max_tokens: int | None) -> SamplingParams:
@@ -515,20 +592,62 @@ class CompletionStream(_Stream):
 class ChatStream(_Stream):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args, tools: ToolUse | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # With tool calls to find (auto, required), a streamed choice is held back and sent whole at its finish;
+        # a named function's arguments stream as they come.
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self._held: dict[int, tuple[list[str], list]] = {}
+        self._call_ids: dict[int, str] = {}
+
     def first_chunks(self, index: int = 0) -> list[dict]:
         return [self._delta({"role": "assistant", "content": ""}, None, None, index)]
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict:
-        return self._delta({"content": text} if text else {}, finish_reason, logprobs, index)
+    def chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs = None, index: int = 0) -> dict | None:
+        if self.tools is None:
+            return self._delta({"content": text} if text else {}, finish_reason, logprobs, index)
+        if self.tools.named is not None:
+            return self._named_call_chunk(text, finish_reason, logprobs, index)
+        texts, held_logprobs = self._held.setdefault(index, ([], []))
+        texts.append(text)
+        held_logprobs.extend(logprobs or [])
+        if finish_reason is None:
+            return None
+        content, calls = self.tools.parse("".join(texts))
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+        return self._delta(delta, self._finish_reason(finish_reason, calls), held_logprobs or None, index)
+
+    def _named_call_chunk(self, text: str, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict | None:
+        """The named function's arguments as they come: its id, type and name with the first piece."""
+        if not text:
+            return self._delta({}, finish_reason, logprobs, index) if finish_reason or logprobs else None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if index not in self._call_ids:
+            self._call_ids[index] = new_call_id()
+            call.update(id=self._call_ids[index], type="function")
+            call["function"] = {"name": self.tools.named.name, "arguments": text}
+        return self._delta({"tool_calls": [call]}, finish_reason, logprobs, index)
 
     def _delta(self, delta: dict, finish_reason: str | None, logprobs: Logprobs, index: int) -> dict:
         return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                                                    "finish_reason": finish_reason}])  # fmt: skip
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None) -> dict:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            message["content"], calls = self.tools.parse(text)
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self._finish_reason(finish_reason, calls)
         return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
                 "finish_reason": finish_reason}  # fmt: skip
+
+    def _finish_reason(self, finish_reason: str, calls: list) -> str:
+        """OpenAI's: tool_calls when the model chose to call (auto, required); a named call stops as text does."""
+        chose = calls and self.tools is not None and self.tools.named is None
+        return "tool_calls" if chose and finish_reason == "stop" else finish_reason
 
     def _logprobs(self, logprobs: Logprobs) -> dict | None:
         """Chat's shape: per token its text, logprob and UTF-8 bytes, and the same for the top ones."""
@@ -589,10 +708,14 @@ async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncI
                     yield _event(chunk)
             async for index, item in _merged(generations):
                 finished = item.finished
+                chunks = []
                 if item.text or finished is None:
-                    yield _event(stream.chunk(item.text, None, _item_logprobs([item]), index))
+                    chunks.append(stream.chunk(item.text, None, _item_logprobs([item]), index))
                 if finished is not None:
-                    yield _event(stream.chunk("", finished.finish_reason, None, index))
+                    chunks.append(stream.chunk("", finished.finish_reason, None, index))
+                for chunk in chunks:
+                    if chunk is not None:  # None: held back (a choice whose tool calls are parsed at its finish)
+                        yield _event(chunk)
             if stream.include_usage:
                 yield _event(stream.usage_chunk(_usage(generations, n)))
         except GenerateError as exc:

@@ -19,16 +19,17 @@ from typing import Any
 # monitoring and storage, and its service tiers. Clients and SDKs send them by default.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
-_STRUCTURED = "structured output is not implemented"
-_TOOLS = "tool calls are not implemented"
+_STRUCTURED = "grammars other than a JSON schema, a regex or a choice are not implemented"
+_TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
+_CHAT_TOOLS = "tool calls are for chat completions"
 _ONE_SAMPLE = "no beam search and no best-of ranking"
 # Known fields this server does not implement, with what is missing. Each is accepted only when set to the
 # value in `_AS_DONE` (what this server does anyway) or to null.
 NOT_IMPLEMENTED = {
-    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
-    "structural_tag": _STRUCTURED, "structured_outputs": _STRUCTURED,
-    "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
+    "guided_grammar": _STRUCTURED, "guided_decoding_backend": "the grammar backend is always xgrammar",
+    "guided_whitespace_pattern": "JSON is always generated compact", "structural_tag": _STRUCTURED,
+    "functions": _TOOLS, "function_call": _TOOLS, "tools": _CHAT_TOOLS, "tool_choice": _CHAT_TOOLS,
+    "parallel_tool_calls": _CHAT_TOOLS,
     "use_beam_search": _ONE_SAMPLE, "length_penalty": _ONE_SAMPLE,
     "prompt_logprobs": "prompt logprobs are not implemented",
     "allowed_token_ids": "allowed_token_ids is not implemented",
@@ -47,15 +48,15 @@ NOT_IMPLEMENTED = {
     "prompt_embeds": "prompt embeddings are not implemented", "priority": "request priorities are not implemented",
     "request_id": "not implemented (the server names each request)", "cache_salt": "not implemented",
     "kv_transfer_params": "not implemented", "vllm_xargs": "not implemented",
-    "echo": "echo is not implemented", "suffix": "suffix is not implemented", "response_format": _STRUCTURED,
-    "tools": _TOOLS, "tool_calls": _TOOLS, "tool_call_id": _TOOLS, "refusal": "not implemented",
+    "echo": "echo is not implemented", "suffix": "suffix is not implemented",
+    "refusal": "not implemented",
 }  # fmt: skip
 # The values of those fields that describe what this server does anyway (besides null).
 _AS_DONE: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "continue_final_message": (False,), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
-    "priority": (0,), "length_penalty": (1, 1.0), "echo": (False,), "response_format": ({"type": "text"},),
+    "priority": (0,), "length_penalty": (1, 1.0), "echo": (False,), "guided_decoding_backend": ("xgrammar", "auto"),
 }  # fmt: skip
 
 

@@ -30,6 +30,11 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The tokenizers library's object (the grammar library reads the vocabulary from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -10,10 +10,13 @@ engine's to check (`LLMEngine.check_request`).
 Penalties, biases, bad words, min_p, min_tokens and logprobs have vLLM's names and meanings (see
 `sampling/penalties.py` for how they change the logits, `sampling/logprobs.py` for what logprobs are);
 each changes the target distribution, and speculative decoding samples exactly from the changed one.
+Structured output (`StructuredOutputs`, as vLLM's `structured_outputs`) restricts every position to the
+tokens a grammar allows there (`sampling/grammar.py`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass
@@ -70,6 +73,59 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 Bias = Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
+class StructuredOutputs(BaseModel):
+    """What the output must match, as vLLM's `structured_outputs` (exactly one of the fields): a JSON schema,
+    any JSON object, a regular expression, or one of a list of strings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_schema: Text | None = Field(None, alias="json", description="A JSON schema (an object or its JSON text).")
+    regex: Text | None = Field(None, description="A regular expression the whole output matches.")
+    choice: tuple[Text, ...] | None = Field(None, description="The output is exactly one of these strings.")
+    json_object: StrictBool = Field(False, description="The output is a JSON object (any).")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_as_text(cls, value):
+        return json.dumps(value) if isinstance(value, dict) else value
+
+    @field_validator("choice")
+    @classmethod
+    def _check_choice(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and (not value or any(c == "" for c in value)):
+            raise ValueError("choice must hold at least one string, none of them empty")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [kind for kind, _ in self._given()]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, json_object (got {', '.join(given) or 'none'})")
+        return self
+
+    def _given(self) -> list[tuple[str, str | tuple[str, ...] | bool]]:
+        fields = (("json", self.json_schema), ("regex", self.regex), ("choice", self.choice),
+                  ("json_object", self.json_object or None))  # fmt: skip
+        return [(kind, value) for kind, value in fields if value is not None]
+
+    @property
+    def key(self) -> tuple[str, str | tuple[str, ...] | bool]:
+        """(kind, source): what a compiled grammar is cached by."""
+        return self._given()[0]
+
+
+def check_structured_outputs(spec: StructuredOutputs) -> None:
+    """ValueError when the grammar library is not installed or the schema or regex is malformed."""
+    try:
+        from minedraft.sampling.grammar import check_grammar
+    except ModuleNotFoundError as exc:
+        if exc.name != "xgrammar":
+            raise
+        raise ValueError("structured output needs the xgrammar package, which this server does not have "
+                         "(pip install 'minedraft[structured]')") from None  # fmt: skip
+    check_grammar(spec)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One output token's log-probability and the `SamplingParams.logprobs` most likely tokens' (best first)."""
@@ -113,6 +169,8 @@ class SamplingParams(BaseModel):
                                       "output an earlier run of this request already produced (the gateway sets it "
                                       "when it moves a request to another group): min_tokens, the presence and "
                                       "frequency penalties and bad words count them as output.")  # fmt: skip
+    structured_outputs: StructuredOutputs | None = Field(None, description="A grammar the output follows (a JSON "
+                                                         "schema, a regex, a choice); None = free text.")  # fmt: skip
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kwargs) -> None:
         # Positional order as in vLLM: SamplingParams(temperature, top_p, top_k, ...).
@@ -171,6 +229,13 @@ class SamplingParams(BaseModel):
     def _check_min_tokens(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_structured(self) -> SamplingParams:
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("structured_outputs cannot be combined with ignore_eos or min_tokens: the grammar ends "
+                             "the output with EOS once it is complete")  # fmt: skip
         return self
 
     @property
