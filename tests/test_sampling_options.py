@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
+from test_greedy_equivalence import MODES  # sd, pearl, minedraft, minedraft+tetris
 
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
@@ -30,13 +31,6 @@ from conftest import tiny_config
 
 EOS = 2
 G_ID = 41  # "G" in the tiny checkpoints' byte-level vocabulary
-MODES = {
-    "sd": {"num_speculative_tokens": 3},
-    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
-    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
-    "minedraft+tetris": {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True,
-                         "tetris_extra_proposals": 2, "tetris_turn_on_batch_size": 2, "tetris_capacity": 5},
-}  # fmt: skip
 
 
 def _reference(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:

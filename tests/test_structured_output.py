@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 import torch
 from pydantic import ValidationError
+from test_greedy_equivalence import MODES  # sd, pearl, minedraft, minedraft+tetris
 
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.kv_cache import bytes_per_block
@@ -41,13 +42,6 @@ REGEX = "[a-z]{2,5}-[0-9]{1,3}"
 CHOICE = ["yes", "no", "maybe"]
 GRAMMARS = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICE}, {"json_object": True}]
 PROMPTS = [[5, 17, 42, 9], [100, 3], [7]]
-MODES = {
-    "sd": {"num_speculative_tokens": 3},
-    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
-    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
-    "minedraft+tetris": {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True,
-                         "tetris_extra_proposals": 2, "tetris_turn_on_batch_size": 2, "tetris_capacity": 5},
-}  # fmt: skip
 
 
 def _requests(config, work: list[tuple[list[int], SamplingParams]], in_flight: int = 1) -> list:
