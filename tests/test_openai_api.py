@@ -227,6 +227,32 @@ def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_prompt_logprobs_equal_offline(client, stack, tls, offline_llm) -> None:
+    """The served (MineDraft-mode) prompt logprobs, in vLLM's shape through the SDK's extra_body, streamed or not,
+    and over gRPC, are the offline ones: the first prompt token has none, each other one its logprob and rank."""
+    out = offline_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))[0]
+    expected = [None] + [{str(t): d[t] for t in d} for d in out.prompt_logprobs[1:]]
+    kwargs = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    done = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2}).model_dump()["choices"][0]
+    served = done["prompt_logprobs"]
+    assert len(served) == len(out.prompt_token_ids) and served[0] is None
+    assert [None] + [{t: e["logprob"] for t, e in d.items()} for d in served[1:]] == expected
+    for token, entry in zip(out.prompt_token_ids[1:], served[1:]):
+        ranks = {t: e["rank"] for t, e in entry.items()}
+        assert sorted(ranks.values()) == [1, 2] + [ranks[str(token)]] * (ranks[str(token)] > 2)
+        assert entry[str(token)]["decoded_token"]
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"prompt_logprobs": 2}))
+    streamed = [c.model_dump()["choices"][0].get("prompt_logprobs") for c in chunks if c.choices]
+    assert [s for s in streamed if s is not None] == [served]
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[1], max_tokens=4, temperature=0, prompt_logprobs=2)
+    assert [{t: v for t, v in zip(lp.top_ids, lp.top_logprobs)} | {tok: lp.logprob}
+            for tok, lp in zip(out.prompt_token_ids[1:], got.prompt_logprobs)] == out.prompt_logprobs[1:]
+    assert [lp.rank for lp in got.prompt_logprobs] == [served[i + 1][str(t)]["rank"]
+                                                       for i, t in enumerate(out.prompt_token_ids[1:])]  # fmt: skip
+    assert got.text == out.outputs[0].text
+
+
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
                "ok": {"type": "boolean"}}, "required": ["name", "ok"]}  # fmt: skip
 # (how an HTTP body asks for a grammar, the same as SamplingParams' structured_outputs)
@@ -360,9 +386,9 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
          "the chat template of 'minedraft-target' does not render tools"),
         ("/v1/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are for chat completions"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "the legacy functions API"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs are returned"),
         ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not implemented"),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "no beam search"),
         ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),

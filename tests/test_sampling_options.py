@@ -238,20 +238,21 @@ def test_a_resumed_request_continues_exactly(pair, workload, mode: str) -> None:
     engine.executor.close()
 
 
-def _direct_prompt_logprobs(target: str, prompt: list[int], num_top: int) -> list[tuple[float, list[int]]]:
+def _direct_prompt_logprobs(target: str, prompt: list[int], num_top: int) -> list[tuple[float, list[int], int]]:
     """The reference: the target alone over the whole prompt, log_softmax of its raw logits at each position."""
     runner = ModelRunner(target, num_slots=1, max_seq_len=len(prompt) + 1, batch_invariant=True)
     logits = runner.forward([SeqInput(runner.allocate_slot(), prompt, 0, num_logits=len(prompt))])
     logprobs = logits.float().log_softmax(dim=-1)[:-1]
-    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).tolist()
-    return list(zip(chosen, logprobs.topk(num_top, dim=-1).indices.tolist()))
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    return list(zip(chosen.squeeze(1).tolist(), logprobs.topk(num_top, dim=-1).indices.tolist(), ranks))
 
 
 def _assert_prompt_logprobs(pair, request, num_top: int) -> None:
     expected = _direct_prompt_logprobs(pair[0], request.prompt_ids, num_top)
     assert len(request.prompt_logprobs) == len(request.prompt_ids) - 1
-    for lp, (value, top_ids) in zip(request.prompt_logprobs, expected):
-        assert lp.logprob == pytest.approx(value, abs=1e-4) and lp.top_ids[:1] == top_ids[:1]
+    for lp, (value, top_ids, rank) in zip(request.prompt_logprobs, expected):
+        assert lp.logprob == pytest.approx(value, abs=1e-4) and lp.top_ids[:1] == top_ids[:1] and lp.rank == rank
         assert len(lp.top_ids) == num_top and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
 
 
@@ -272,6 +273,7 @@ def test_prompt_logprobs_equal_the_target_over_the_whole_prompt(pair, mode: str)
         _assert_prompt_logprobs(pair, request, p.prompt_logprobs)
     assert requests[2].prompt_logprobs == [] and requests[3].prompt_logprobs is None
     assert requests[0].output_ids == _run(tiny_config(pair), [work[0]])[0]  # the extra rows change no output
+    assert any(lp.rank > 1 for lp in requests[0].prompt_logprobs)  # the target's view, not the prompt echoed
 
 
 @pytest.mark.parametrize("mode", ["ar", "minedraft"])

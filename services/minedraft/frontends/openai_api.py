@@ -122,6 +122,7 @@ class _SamplingBody(BaseModel):
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
@@ -155,6 +156,10 @@ class _SamplingBody(BaseModel):
         """Top tokens to return with each output token's logprob; None: no logprobs."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Top tokens to return with each prompt token's logprob; None: no prompt logprobs."""
+        return None
+
 
 class CompletionBody(_SamplingBody):
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
@@ -163,16 +168,20 @@ class CompletionBody(_SamplingBody):
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: Text | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob and this many top ones'
 
     def unsupported(self) -> list[tuple[str, str]]:
         refused = [("best_of", "best_of other than n is not implemented")] * (self.best_of not in (None, self.n))
         refused += [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
-        refused += [("echo", "echo with logprobs needs prompt logprobs, which are not implemented")] * (
+        refused += [("echo", "echo with logprobs is not implemented (prompt_logprobs returns the prompt's)")] * (
             self.echo and self.logprobs is not None)  # fmt: skip
         return super().unsupported() + refused
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a string or token ids, or a list of those (one choice per prompt and sample)."""
@@ -575,6 +584,20 @@ class CompletionStream(_Stream):
         return {"index": index, "text": echoed + text, "logprobs": self._logprobs(logprobs, index),
                 "finish_reason": finish_reason}  # fmt: skip
 
+    def prompt_logprobs(self, prompt_ids: list[int], logprobs: list[TokenLogprob]) -> list[dict | None]:
+        """vLLM's shape: per prompt token, None for the first, then {token id: {logprob, rank, decoded_token}} of
+        the token and the top ones (ranks 1.. in order; the prompt token's own rank when it is not among them)."""
+        rendered: list[dict | None] = [None]
+        for token, lp in zip(prompt_ids[1:], logprobs):
+            entry = {str(token): self._ranked(token, lp.logprob, lp.rank)}
+            entry.update({str(t): self._ranked(t, v, rank) for rank, (t, v) in enumerate(zip(lp.top_ids,
+                          lp.top_logprobs), start=1) if t != token})  # fmt: skip
+            rendered.append(entry)
+        return rendered
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._token(token_id)}
+
     def _logprobs(self, logprobs: Logprobs, index: int) -> dict | None:
         """The legacy completions shape: tokens, their logprobs, {token: logprob} of the top ones, offsets."""
         if logprobs is None:
@@ -682,11 +705,21 @@ async def _respond(generations: list[Generation], stream: _Stream, streaming: bo
         outputs = await asyncio.gather(*(_collect(g) for g in generations))
     choices = [stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, _item_logprobs(items))
                for i, (g, items) in enumerate(zip(generations, outputs))]  # fmt: skip
+    for choice, g, items in zip(choices, generations, outputs):
+        _add_prompt_logprobs(stream, choice, g, items)
     return JSONResponse(stream.full(choices, _usage(generations, n)))
 
 
 async def _collect(generation: Generation) -> list[StreamItem]:
     return [item async for item in generation]
+
+
+def _add_prompt_logprobs(stream: _Stream, choice: dict, generation: Generation, items: list[StreamItem]) -> None:
+    """A completion's choice gets its prompt's logprobs where the request asked for them (on the first chunk
+    that carries tokens, when streamed)."""
+    logprobs = next((item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None)
+    if logprobs is not None and isinstance(stream, CompletionStream):
+        choice["prompt_logprobs"] = stream.prompt_logprobs(generation.prompt_ids, logprobs)
 
 
 def _item_logprobs(items: list[StreamItem]) -> Logprobs:
@@ -711,6 +744,8 @@ async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncI
                 chunks = []
                 if item.text or finished is None:
                     chunks.append(stream.chunk(item.text, None, _item_logprobs([item]), index))
+                if chunks and chunks[0] is not None:
+                    _add_prompt_logprobs(stream, chunks[0]["choices"][0], generations[index], [item])
                 if finished is not None:
                     chunks.append(stream.chunk("", finished.finish_reason, None, index))
                 for chunk in chunks:

@@ -31,7 +31,7 @@ NOT_IMPLEMENTED = {
     "functions": _TOOLS, "function_call": _TOOLS, "tools": _CHAT_TOOLS, "tool_choice": _CHAT_TOOLS,
     "parallel_tool_calls": _CHAT_TOOLS,
     "use_beam_search": _ONE_SAMPLE, "length_penalty": _ONE_SAMPLE,
-    "prompt_logprobs": "prompt logprobs are not implemented",
+    "prompt_logprobs": "prompt logprobs are returned by the completions endpoint only",
     "allowed_token_ids": "allowed_token_ids is not implemented",
     "logits_processors": "custom logits processors are not implemented",
     "include_stop_str_in_output": "stop strings are always left out of the output",

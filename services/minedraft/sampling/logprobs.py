@@ -55,9 +55,11 @@ def prompt_token_logprobs(logits: Tensor, tokens: Sequence[int], num_top: int) -
     if not tokens:
         return []
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     if not num_top:
-        return [TokenLogprob(value, [], []) for value in chosen]
+        return [TokenLogprob(value, [], [], rank) for value, rank in zip(chosen, ranks)]
     top = logprobs.topk(min(num_top, logits.shape[-1]), dim=-1)
-    return [TokenLogprob(value, ids, values)
-            for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]  # fmt: skip
+    return [TokenLogprob(value, ids, values, rank)
+            for value, ids, values, rank in zip(chosen, top.indices.tolist(), top.values.tolist(), ranks)]  # fmt: skip

@@ -133,6 +133,7 @@ class TokenLogprob:
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # the token's rank in its distribution (1: the most likely); prompt logprobs only
 
 
 class SamplingParams(BaseModel):
