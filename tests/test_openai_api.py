@@ -387,7 +387,6 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
         ("/v1/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are for chat completions"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "the legacy functions API"),
         ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs are returned"),
-        ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not implemented"),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "no beam search"),
         ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
@@ -403,6 +402,34 @@ def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, na
     status, raw = _https(stack, tls, path, json.dumps({"model": MODEL, "max_tokens": 4, **prompt, **fields}).encode())
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == named and f"{named} ({why}" in error["message"], error
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client) -> None:
+    """best_of 3, n 2: the two of the three samples (those n=3 gives, seeded alike) whose output tokens have the
+    highest summed logprob, best first; the usage counts all three; logprobs only when asked."""
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    every = client.completions.create(n=3, logprobs=0, **kwargs)
+    sums = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    assert len(set(c.text for c in every.choices)) > 1  # the samples differ, or the ranking proves nothing
+    best = sorted(range(3), key=lambda i: sums[i], reverse=True)[:2]
+    done = client.completions.create(n=2, best_of=3, **kwargs)
+    assert [c.text for c in done.choices] == [every.choices[i].text for i in best] and done.choices[0].logprobs is None
+    assert [c.index for c in done.choices] == [0, 1]
+    assert done.usage.completion_tokens == every.usage.completion_tokens
+    with_lps = client.completions.create(n=1, best_of=3, logprobs=1, **kwargs).choices[0]
+    assert with_lps.text == every.choices[best[0]].text and sum(with_lps.logprobs.token_logprobs) == max(sums)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [({"best_of": 1, "n": 2}, "must be at least n"), ({"best_of": 2, "temperature": 0}, "needs random sampling"),
+     ({"best_of": 2, "stream": True}, "cannot be streamed"), ({"best_of": 65}, "at most 64")],
+)  # fmt: skip
+def test_bad_best_of_is_a_400(stack, tls, fields, why) -> None:
+    body = {"model": MODEL, "prompt": "def f():", "max_tokens": 4, **fields}
+    status, raw = _https(stack, tls, "/v1/completions", json.dumps(body).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "best_of" and why in error["message"], error
 
 
 def test_fields_set_to_what_the_server_does_or_ignored_on_purpose_are_accepted(client) -> None:

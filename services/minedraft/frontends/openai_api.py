@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, G
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
 from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, new_call_id, resolve
 from minedraft.model.tokenizer import Tokenizer
-from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
+from minedraft.sampling.params import GREEDY_EPSILON, MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.version import __version__
 from minedraft.wire import describe_validation_error
 
@@ -171,8 +172,7 @@ class CompletionBody(_SamplingBody):
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob and this many top ones'
 
     def unsupported(self) -> list[tuple[str, str]]:
-        refused = [("best_of", "best_of other than n is not implemented")] * (self.best_of not in (None, self.n))
-        refused += [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
+        refused = [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
         refused += [("echo", "echo with logprobs is not implemented (prompt_logprobs returns the prompt's)")] * (
             self.echo and self.logprobs is not None)  # fmt: skip
         return super().unsupported() + refused
@@ -183,13 +183,30 @@ class CompletionBody(_SamplingBody):
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
+    @property
+    def samples(self) -> int:
+        """Samples generated per prompt: best_of (vLLM's, checked here), else n."""
+        if self.best_of is None or self.best_of == self.n:
+            return self.n
+        if self.best_of < self.n:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.best_of > MAX_CHOICES:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"best_of must be at most {MAX_CHOICES}", "best_of")
+        if self.stream:
+            raise APIError(HTTPStatus.BAD_REQUEST, "best_of greater than n cannot be streamed (the best are known "
+                           "only once all are done)", "best_of")  # fmt: skip
+        if self.temperature is not None and self.temperature < GREEDY_EPSILON:
+            raise APIError(HTTPStatus.BAD_REQUEST, "best_of greater than n needs random sampling: with temperature 0 "
+                           "every sample is the same", "best_of")  # fmt: skip
+        return self.best_of
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a string or token ids, or a list of those (one choice per prompt and sample)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) * self.n > MAX_CHOICES:
-                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x n = {self.n} is more than the "
-                               f"{MAX_CHOICES} choices one request may have", "prompt")  # fmt: skip
+            if len(prompt) * self.samples > MAX_CHOICES:
+                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x {self.samples} samples is more "
+                               f"than the {MAX_CHOICES} one request may have", "prompt")  # fmt: skip
             return list(prompt)
         return [prompt]
 
@@ -357,11 +374,15 @@ class OpenAIFrontend:
 
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
-        params, prompts = _params(body, body.max_tokens), body.prompts()
-        generations = await _start_all(self.generator, prompts, params, body.n, fit_context=True)
+        params, prompts, samples = _params(body, body.max_tokens), body.prompts(), body.samples
+        if samples > body.n and params.logprobs is None:  # ranking needs each token's logprob; not returned
+            params = params.model_copy(update={"logprobs": 0})
+        generations = await _start_all(self.generator, prompts, params, samples, fit_context=True)
         echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
         stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                                   self.generator.tokenizer, echo=echo)  # fmt: skip
+        if samples > body.n:
+            return await _respond_best(generations, stream, body.n, samples, body.logprobs is not None)
         return await _respond(generations, stream, body.stream, body.n)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -708,6 +729,32 @@ async def _respond(generations: list[Generation], stream: _Stream, streaming: bo
     for choice, g, items in zip(choices, generations, outputs):
         _add_prompt_logprobs(stream, choice, g, items)
     return JSONResponse(stream.full(choices, _usage(generations, n)))
+
+
+async def _respond_best(generations: list[Generation], stream: _Stream, n: int, samples: int,
+                        with_logprobs: bool) -> Response:  # fmt: skip
+    """best_of: of each prompt's `samples` generations, the `n` with the highest cumulative logprob of their
+    output tokens (best first), as vLLM's; the usage counts every generated token."""
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
+        outputs = await asyncio.gather(*(_collect(g) for g in generations))
+    ranked = []
+    for start in range(0, len(generations), samples):
+        group = list(zip(generations[start : start + samples], outputs[start : start + samples]))
+        group.sort(key=lambda pair: _cumulative_logprob(pair[1]), reverse=True)
+        ranked.extend(group[:n])
+    choices = []
+    for i, (g, items) in enumerate(ranked):
+        logprobs = _item_logprobs(items) if with_logprobs else None
+        choices.append(stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, logprobs))
+        _add_prompt_logprobs(stream, choices[-1], g, items)
+    return JSONResponse(stream.full(choices, _usage(generations, samples)))
+
+
+def _cumulative_logprob(items: list[StreamItem]) -> float:
+    """The sum of the output tokens' logprobs under the target's processed distribution (`logprobs`)."""
+    return math.fsum(lp.logprob for item in items for lp in item.logprobs or [])
 
 
 async def _collect(generation: Generation) -> list[StreamItem]:

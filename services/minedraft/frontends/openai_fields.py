@@ -22,7 +22,7 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_
 _STRUCTURED = "grammars other than a JSON schema, a regex or a choice are not implemented"
 _TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
 _CHAT_TOOLS = "tool calls are for chat completions"
-_ONE_SAMPLE = "no beam search and no best-of ranking"
+_ONE_SAMPLE = "no beam search"
 # Known fields this server does not implement, with what is missing. Each is accepted only when set to the
 # value in `_AS_DONE` (what this server does anyway) or to null.
 NOT_IMPLEMENTED = {
