@@ -298,3 +298,22 @@ def test_prompt_logprobs_of_a_chunked_prompt_and_a_cached_prefix(pair, mode: str
         engine.executor.close()
     assert warm.finished and requests[0].output_ids == _run(tiny_config(pair), [later[0]])[0]
     _assert_prompt_logprobs(pair, requests[0], 1)
+
+
+def test_prompt_logprobs_under_tensor_parallelism(pair) -> None:
+    """Every verifier rank produces the same prompt rows (a chunked prompt among them); rank 0's values come
+    back, equal to the target alone on the whole prompt."""
+    from minedraft import LLM
+
+    prompts = [PROMPT_LP_PROMPTS[0], [(i * 5 + 1) % 200 + 4 for i in range(80)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2), SamplingParams(max_tokens=4)]
+    with LLM(pair[0], {**MODES["minedraft"], "model": pair[1]}, tensor_parallel_size=2, max_num_seqs=4,
+             max_model_len=128, max_num_batched_tokens=64, device="cpu", batch_invariant=True) as llm:  # fmt: skip
+        outputs = llm.generate(prompts * 2, params + params[::-1], use_tqdm=False)
+    asked = [outputs[0], outputs[3]]
+    assert outputs[1].prompt_logprobs is None and outputs[2].prompt_logprobs is None
+    for out in asked:
+        expected = _direct_prompt_logprobs(pair[0], out.prompt_token_ids, 2)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        for token, got, (value, top_ids, _) in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], expected):
+            assert got[token] == pytest.approx(value, abs=1e-4) and top_ids[0] in got
