@@ -205,8 +205,9 @@ class CompletionBody(_SamplingBody):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) * self.samples > MAX_CHOICES:
-                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x {self.samples} samples is more "
-                               f"than the {MAX_CHOICES} one request may have", "prompt")  # fmt: skip
+                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x {self.samples} samples (n or "
+                               f"best_of) is more than the {MAX_CHOICES} choices one request may have",
+                               "prompt")  # fmt: skip
             return list(prompt)
         return [prompt]
 
