@@ -159,6 +159,22 @@ def test_bad_input_is_refused_at_the_gateway(stack) -> None:
         assert client.server_info().max_model_len == 128  # forwarded from a group
 
 
+def test_logprobs_and_prompt_logprobs_pass_through_the_gateway(pair, stack) -> None:
+    prompt = _prompts()[4]  # 5 tokens
+    engine = LLMEngine.local(_config(pair, speculative=False))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    expected = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    with Client(stack.address, timeout=120, retries=0) as client:
+        got = client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    assert got.token_ids == expected.output_ids
+    assert [(t.logprob, list(t.top_ids)) for t in got.logprobs] == [(t.logprob, t.top_ids) for t in expected.logprobs]
+    assert [(t.logprob, list(t.top_ids), t.rank) for t in got.prompt_logprobs] == [
+        (t.logprob, t.top_ids, t.rank) for t in expected.prompt_logprobs]  # fmt: skip
+    assert len(got.prompt_logprobs) == len(prompt) - 1
+
+
 def test_sdk_retry_carries_requests_over_a_gateway_restart(stack, cases) -> None:
     stack.gateway.kill()
     stack.gateway.wait()

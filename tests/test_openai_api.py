@@ -227,6 +227,32 @@ def test_logprobs_equal_offline_ar(client, stack, tls, offline_llm) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_prompt_logprobs_equal_offline(client, stack, tls, offline_llm) -> None:
+    """The served (MineDraft-mode) prompt logprobs, in vLLM's shape through the SDK's extra_body, streamed or not,
+    and over gRPC, are the offline ones: the first prompt token has none, each other one its logprob and rank."""
+    out = offline_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))[0]
+    expected = [None] + [{str(t): d[t] for t in d} for d in out.prompt_logprobs[1:]]
+    kwargs = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    done = client.completions.create(**kwargs, extra_body={"prompt_logprobs": 2}).model_dump()["choices"][0]
+    served = done["prompt_logprobs"]
+    assert len(served) == len(out.prompt_token_ids) and served[0] is None
+    assert [None] + [{t: e["logprob"] for t, e in d.items()} for d in served[1:]] == expected
+    for token, entry in zip(out.prompt_token_ids[1:], served[1:]):
+        ranks = {t: e["rank"] for t, e in entry.items()}
+        assert sorted(ranks.values()) == [1, 2] + [ranks[str(token)]] * (ranks[str(token)] > 2)
+        assert entry[str(token)]["decoded_token"]
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"prompt_logprobs": 2}))
+    streamed = [c.model_dump()["choices"][0].get("prompt_logprobs") for c in chunks if c.choices]
+    assert [s for s in streamed if s is not None] == [served]
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        got = grpc_client.generate(PROMPTS[1], max_tokens=4, temperature=0, prompt_logprobs=2)
+    assert [{t: v for t, v in zip(lp.top_ids, lp.top_logprobs)} | {tok: lp.logprob}
+            for tok, lp in zip(out.prompt_token_ids[1:], got.prompt_logprobs)] == out.prompt_logprobs[1:]
+    assert [lp.rank for lp in got.prompt_logprobs] == [served[i + 1][str(t)]["rank"]
+                                                       for i, t in enumerate(out.prompt_token_ids[1:])]  # fmt: skip
+    assert got.text == out.outputs[0].text
+
+
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
                "ok": {"type": "boolean"}}, "required": ["name", "ok"]}  # fmt: skip
 # (how an HTTP body asks for a grammar, the same as SamplingParams' structured_outputs)
@@ -360,9 +386,8 @@ def test_bad_input_is_a_400_in_openai_shape(client, kwargs, message) -> None:
          "the chat template of 'minedraft-target' does not render tools"),
         ("/v1/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are for chat completions"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "the legacy functions API"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
-        ("/v1/completions", {"best_of": 3}, "best_of", "best_of other than n"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs prompt logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs are returned"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not implemented"),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "no beam search"),
         ("/v1/completions", {"suffix": "}"}, "suffix", "suffix"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
@@ -377,6 +402,34 @@ def test_fields_not_implemented_are_refused_by_name(stack, tls, path, fields, na
     status, raw = _https(stack, tls, path, json.dumps({"model": MODEL, "max_tokens": 4, **prompt, **fields}).encode())
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == named and f"{named} ({why}" in error["message"], error
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client) -> None:
+    """best_of 3, n 2: the two of the three samples (those n=3 gives, seeded alike) whose output tokens have the
+    highest summed logprob, best first; the usage counts all three; logprobs only when asked."""
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    every = client.completions.create(n=3, logprobs=0, **kwargs)
+    sums = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    assert len(set(c.text for c in every.choices)) > 1  # the samples differ, or the ranking proves nothing
+    best = sorted(range(3), key=lambda i: sums[i], reverse=True)[:2]
+    done = client.completions.create(n=2, best_of=3, **kwargs)
+    assert [c.text for c in done.choices] == [every.choices[i].text for i in best] and done.choices[0].logprobs is None
+    assert [c.index for c in done.choices] == [0, 1]
+    assert done.usage.completion_tokens == every.usage.completion_tokens
+    with_lps = client.completions.create(n=1, best_of=3, logprobs=1, **kwargs).choices[0]
+    assert with_lps.text == every.choices[best[0]].text and sum(with_lps.logprobs.token_logprobs) == max(sums)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [({"best_of": 1, "n": 2}, "must be at least n"), ({"best_of": 2, "temperature": 0}, "needs random sampling"),
+     ({"best_of": 2, "stream": True}, "cannot be streamed"), ({"best_of": 65}, "at most 64")],
+)  # fmt: skip
+def test_bad_best_of_is_a_400(stack, tls, fields, why) -> None:
+    body = {"model": MODEL, "prompt": "def f():", "max_tokens": 4, **fields}
+    status, raw = _https(stack, tls, "/v1/completions", json.dumps(body).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "best_of" and why in error["message"], error
 
 
 def test_fields_set_to_what_the_server_does_or_ignored_on_purpose_are_accepted(client) -> None:

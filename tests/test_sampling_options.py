@@ -21,7 +21,7 @@ from test_greedy_equivalence import MODES  # sd, pearl, minedraft, minedraft+tet
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.model.kv_cache import bytes_per_block
-from minedraft.model.runner import ModelRunner
+from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
@@ -230,3 +230,84 @@ def test_a_resumed_request_continues_exactly(pair, workload, mode: str) -> None:
     with pytest.raises(ValueError, match="resumed_tokens: must be less than the prompt's 3 tokens"):
         engine.add_request([1, 2, 3], SamplingParams(resumed_tokens=3))
     engine.executor.close()
+
+
+def _direct_prompt_logprobs(target: str, prompt: list[int], num_top: int) -> list[tuple[float, list[int], int]]:
+    """The reference: the target alone over the whole prompt, log_softmax of its raw logits at each position."""
+    runner = ModelRunner(target, num_slots=1, max_seq_len=len(prompt) + 1, batch_invariant=True)
+    logits = runner.forward([SeqInput(runner.allocate_slot(), prompt, 0, num_logits=len(prompt))])
+    logprobs = logits.float().log_softmax(dim=-1)[:-1]
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    return list(zip(chosen.squeeze(1).tolist(), logprobs.topk(num_top, dim=-1).indices.tolist(), ranks))
+
+
+def _assert_prompt_logprobs(pair, request, num_top: int) -> None:
+    expected = _direct_prompt_logprobs(pair[0], request.prompt_ids, num_top)
+    assert len(request.prompt_logprobs) == len(request.prompt_ids) - 1
+    for lp, (value, top_ids, rank) in zip(request.prompt_logprobs, expected):
+        assert lp.logprob == pytest.approx(value, abs=1e-4) and lp.top_ids[:1] == top_ids[:1] and lp.rank == rank
+        assert len(lp.top_ids) == num_top and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+
+
+PROMPT_LP_PROMPTS = [[5, 17, 42, 9, 77, 13, 21, 8, 90, 4, 33], [100, 3], [7]]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "minedraft"])
+def test_prompt_logprobs_equal_the_target_over_the_whole_prompt(pair, mode: str) -> None:
+    """Every mode returns the target's raw log_softmax at each prompt position, with a penalty and a temperature
+    on the output (neither applies to the prompt); the drafter's never show."""
+    params = [SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=3, repetition_penalty=1.5),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=6, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0),
+              SamplingParams(max_tokens=4)]  # fmt: skip
+    work = list(zip(PROMPT_LP_PROMPTS + [PROMPT_LP_PROMPTS[0]], params))
+    requests = _requests(tiny_config(pair, MODES.get(mode), max_num_seqs=4), work, in_flight=2)
+    for request, p in zip(requests[:3], params):
+        _assert_prompt_logprobs(pair, request, p.prompt_logprobs)
+    assert requests[2].prompt_logprobs == [] and requests[3].prompt_logprobs is None
+    assert requests[0].output_ids == _run(tiny_config(pair), [work[0]])[0]  # the extra rows change no output
+    assert any(lp.rank > 1 for lp in requests[0].prompt_logprobs)  # the target's view, not the prompt echoed
+
+
+@pytest.mark.parametrize("mode", ["ar", "minedraft"])
+def test_prompt_logprobs_of_a_chunked_prompt_and_a_cached_prefix(pair, mode: str) -> None:
+    """A prompt longer than max_num_batched_tokens is written over several steps, and a request whose prefix
+    the cache holds (a first request left it there) still gets every prompt position's logprob."""
+    prefix = [(i * 7 + 3) % 200 + 4 for i in range(90)]
+    first = (prefix + [11, 12], SamplingParams(temperature=0.0, max_tokens=3))
+    later = [(prefix + [13, 14, 15], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)),
+             (prefix + [16], SamplingParams(temperature=0.0, max_tokens=3))]
+    config = tiny_config(pair, MODES.get(mode), max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+                         enable_prefix_caching=True)  # fmt: skip
+    engine = LLMEngine.local(config)
+    try:
+        warm = engine.add_request(*first)
+        while engine.has_unfinished():
+            engine.advance()
+        requests = [engine.add_request(*w) for w in later]
+        while engine.has_unfinished() or engine.in_flight:
+            engine.advance()
+    finally:
+        engine.executor.close()
+    assert warm.finished and requests[0].output_ids == _run(tiny_config(pair), [later[0]])[0]
+    _assert_prompt_logprobs(pair, requests[0], 1)
+
+
+def test_prompt_logprobs_under_tensor_parallelism(pair) -> None:
+    """Every verifier rank produces the same prompt rows (a chunked prompt among them); rank 0's values come
+    back, equal to the target alone on the whole prompt."""
+    from minedraft import LLM
+
+    prompts = [PROMPT_LP_PROMPTS[0], [(i * 5 + 1) % 200 + 4 for i in range(80)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2), SamplingParams(max_tokens=4)]
+    with LLM(pair[0], {**MODES["minedraft"], "model": pair[1]}, tensor_parallel_size=2, max_num_seqs=4,
+             max_model_len=128, max_num_batched_tokens=64, device="cpu", batch_invariant=True) as llm:  # fmt: skip
+        outputs = llm.generate(prompts * 2, params + params[::-1], use_tqdm=False)
+    asked = [outputs[0], outputs[3]]
+    assert outputs[1].prompt_logprobs is None and outputs[2].prompt_logprobs is None
+    for out in asked:
+        expected = _direct_prompt_logprobs(pair[0], out.prompt_token_ids, 2)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        for token, got, (value, top_ids, _) in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], expected):
+            assert got[token] == pytest.approx(value, abs=1e-4) and top_ids[0] in got

@@ -25,6 +25,7 @@ class StreamItem:
     token_ids: list[int]
     finished: Request | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first item with tokens, when the request asked
 
 
 @dataclass

@@ -19,7 +19,7 @@ from minedraft.engine.request import SpecDecodeStats
 from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens")  # fmt: skip
+           "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens", "prompt_logprobs")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -82,6 +82,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         min_p=params.min_p,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         bad_words=params.bad_words,
         resumed_tokens=params.resumed_tokens,
         structured_outputs=structured_to_proto(params.structured_outputs),
@@ -89,13 +90,14 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[generate_pb2.TokenLogprob]:
-    return [generate_pb2.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
+    return [generate_pb2.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs, rank=t.rank)
             for t in logprobs or []]  # fmt: skip
 
 
 def logprobs_from_proto(msgs) -> list[TokenLogprob] | None:
     """None for an empty list: a request that asked for logprobs gets one per token."""
-    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs] or None
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs), m.rank if m.HasField("rank") else None)
+            for m in msgs] or None  # fmt: skip
 
 
 def stats_from_proto(msg: generate_pb2.SpecDecodeStats) -> SpecDecodeStats:
@@ -180,6 +182,7 @@ def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
             num_draft_tokens=v.num_draft_tokens,
             num_accepted=v.num_accepted,
             logprobs=logprobs_to_proto(v.logprobs),
+            prompt_logprobs=logprobs_to_proto(v.prompt_logprobs),
         )
         for v in results
     ]
@@ -193,7 +196,7 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.idle_seconds[role] = reply.idle_seconds
         result.verified.extend(
             Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted,
-                     logprobs_from_proto(v.logprobs))
+                     logprobs_from_proto(v.logprobs), logprobs_from_proto(v.prompt_logprobs))
             for v in reply.verified  # fmt: skip
         )
         result.drafted.update(reply.drafted)

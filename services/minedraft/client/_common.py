@@ -32,7 +32,7 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-            "logprobs", "bad_words", "structured_outputs")  # fmt: skip
+            "logprobs", "prompt_logprobs", "bad_words", "structured_outputs")  # fmt: skip
 
 
 def build_generate_request(
@@ -51,7 +51,7 @@ def build_generate_request(
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-    min_p, min_tokens, logprobs, bad_words, structured_outputs); an unknown name is a TypeError."""
+    min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs); an unknown name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -119,20 +119,23 @@ def _finish_reason(value: int) -> str | None:
         return "unknown"
 
 
-def _logprobs(msg: pb.GenerateResponse) -> list[TokenLogprob] | None:
-    return [TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs)) for t in msg.logprobs] or None
+def _logprobs(msgs) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs), t.rank if t.HasField("rank") else None)
+            for t in msgs] or None  # fmt: skip
 
 
 def to_delta(msg: pb.GenerateResponse) -> Delta:
     finish_reason = _finish_reason(msg.finish_reason)
     if finish_reason is None:
-        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id, logprobs=_logprobs(msg))
+        return Delta(text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id,
+                     logprobs=_logprobs(msg.logprobs), prompt_logprobs=_logprobs(msg.prompt_logprobs))  # fmt: skip
     stats = msg.spec_decode_stats
     return Delta(
         text=msg.text,
         token_ids=list(msg.token_ids),
         request_id=msg.request_id,
-        logprobs=_logprobs(msg),
+        logprobs=_logprobs(msg.logprobs),
+        prompt_logprobs=_logprobs(msg.prompt_logprobs),
         finish_reason=finish_reason,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
         spec_decode_stats=SpecDecodeStats(
@@ -163,6 +166,7 @@ def completion_from_deltas(deltas: Iterable[Delta]) -> Completion:
         spec_decode_stats=last.spec_decode_stats,
         request_id=last.request_id,
         logprobs=[t for d in deltas for t in d.logprobs or []] if any(d.logprobs for d in deltas) else None,
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None),
     )
 
 

@@ -75,6 +75,7 @@ class TokenLogprob:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int | None = None  # the token's rank under the target (1: most likely); prompt logprobs only
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class Delta:
     usage: Usage | None = None
     spec_decode_stats: SpecDecodeStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for `logprobs`
+    # When the call asked for `prompt_logprobs`: one per prompt token after the first, on the first delta with tokens.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class Completion:
     spec_decode_stats: SpecDecodeStats
     request_id: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for `logprobs`
+    # When the call asked for `prompt_logprobs`: one per prompt token after the first (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

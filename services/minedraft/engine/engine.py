@@ -255,6 +255,8 @@ class LLMEngine:
             request.stats.record(verified.num_draft_tokens, verified.num_accepted)
             request.num_rejections += verified.num_accepted < verified.num_draft_tokens
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
+            if verified.prompt_logprobs is not None and request.prompt_logprobs == []:
+                request.prompt_logprobs = verified.prompt_logprobs
             if not request.finished:  # finished or aborted meanwhile: its tokens are dropped
                 self._append(request, verified.token_ids, verified.logprobs)
             touched.append(request)

@@ -101,6 +101,8 @@ class Verified:
     num_draft_tokens: int
     num_accepted: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+    # Once, in a request's first verification when it asked for prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -66,6 +66,8 @@ class Request:
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs asks for them
+    # One per prompt token after the first, when params.prompt_logprobs asks (empty until the first verification).
+    prompt_logprobs: list[TokenLogprob] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the target tokenizes them
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
@@ -112,6 +114,7 @@ class Request:
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prompt=prompt,
             logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [],
         )
 
     @property

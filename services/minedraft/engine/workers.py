@@ -18,7 +18,7 @@ import torch
 
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, PrefillTask, Verified, VerifyPlan
 from minedraft.model.runner import ModelRunner, SeqInput
-from minedraft.sampling.logprobs import token_logprobs
+from minedraft.sampling.logprobs import prompt_token_logprobs, token_logprobs
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.rejection import rejection_sample
@@ -46,6 +46,18 @@ class _Sequence:
     num_prompt: int = 0  # tokens[:num_prompt] are the prompt: penalties count what follows
     bad_words_ids: list[list[int]] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured output: the matcher over the committed output
+    # prompt_logprobs: those of prompt tokens 1.. computed so far (rank 0's); None once sent or never asked
+    prompt_lps: list[TokenLogprob] | None = None
+    prompt_rows_done: int = 0  # prompt tokens 1.. whose rows a forward has produced (every rank counts them)
+
+    def owed_prompt_rows(self, start: int, num_rows: int) -> int:
+        """How many of `num_rows` rows at positions start.. predict a prompt token whose logprob is still owed
+        (position q predicts token q + 1); counts them as produced."""
+        if self.params.prompt_logprobs is None or start != self.prompt_rows_done:
+            return 0
+        owed = max(0, min(start + num_rows, self.num_prompt - 1) - start)
+        self.prompt_rows_done += owed
+        return owed
 
     def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
         """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
@@ -102,7 +114,11 @@ class _Worker:
                 else admission.num_prompt_tokens,
                 bad_words_ids=admission.bad_words_ids,
             )
-            seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
+            # A request asking for prompt logprobs needs logits at every prompt position: it reuses no cached block.
+            if admission.params.prompt_logprobs is None:
+                seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
+            else:
+                seq.prompt_lps = []
             if admission.params.structured_outputs is not None:
                 seq.grammar = self._grammar_book().state(admission.params.structured_outputs, seq.num_prompt)
             self.sequences[admission.request_id] = seq
@@ -175,13 +191,20 @@ class _Worker:
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
-        inputs = []
+        return [chunk for _, chunk, _ in self._prefill_chunks(tasks, prompt_logits=False)]
+
+    def _prefill_chunks(self, tasks: list[PrefillTask], prompt_logits: bool) -> list[tuple[_Sequence, SeqInput, int]]:
+        """Each chunk's request, input and owed prompt rows. With `prompt_logits` (the verifier), a chunk of a
+        request owed prompt logprobs gets a logits row per token (its first rows are the owed ones)."""
+        chunks = []
         for task in tasks:
             seq = self.sequences[task.request_id]
             start = len(seq.kv_tokens)
             if task.num_tokens > start:
-                inputs.append(SeqInput(seq.slot, seq.tokens[start : task.num_tokens], start, num_logits=0))
-        return inputs
+                tokens = seq.tokens[start : task.num_tokens]
+                owed = seq.owed_prompt_rows(start, len(tokens)) if prompt_logits else 0
+                chunks.append((seq, SeqInput(seq.slot, tokens, start, num_logits=len(tokens) if owed else 0), owed))
+        return chunks
 
     def _prefilled(self, tasks: list[PrefillTask]) -> None:
         for task in tasks:
@@ -359,23 +382,28 @@ class VerifyWorker(_Worker):
         for seq, window in zip(seqs, windows):  # a plan made ahead may run a request once past its end
             window.truncate(max(0, self.runner.max_seq_len - len(seq.tokens)))
         inputs = [seq.pending(seq.tokens) for seq in seqs]
-        logits = self.runner.forward(
-            [
-                SeqInput(seq.slot, written + w.tokens, start, num_logits=len(w.tokens) + 1)
-                for seq, (start, written), w in zip(seqs, inputs, windows)
-            ]
-            + self._prefill_inputs(plan.prefill)  # chunks sample nothing: no logits rows
-        )
+        # Prompt tokens owed prompt logprobs; their rows are the first of the written ones (the last is sampled).
+        owed = [seq.owed_prompt_rows(start, len(written) - 1) for seq, (start, written) in zip(seqs, inputs)]
+        ahead = [len(written) - 1 if n else 0 for (_, written), n in zip(inputs, owed)]
+        verify_inputs = [
+            SeqInput(seq.slot, written + w.tokens, start, num_logits=n + len(w.tokens) + 1)
+            for seq, (start, written), w, n in zip(seqs, inputs, windows, ahead)
+        ]
+        chunks = self._prefill_chunks(plan.prefill, prompt_logits=True)  # rows only for prompt logprobs
+        logits = self.runner.forward(verify_inputs + [chunk for _, chunk, _ in chunks])
+        prompt_rows = [(seq, start, n, a) for seq, (start, _), n, a in zip(seqs, inputs, owed, ahead)]
+        prompt_rows += [(seq, chunk.start_pos, n, chunk.num_logits) for seq, chunk, n in chunks]
         self._prefilled(plan.prefill)
-        return VerifyBatch(plan, seqs, windows, logits)
+        return VerifyBatch(plan, seqs, windows, logits, prompt_rows)
 
     def sample(self, batch: VerifyBatch) -> list[Verified]:
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
+        logits = self._take_prompt_logprobs(batch)
         if not batch.seqs:  # a step of prefill chunks only
             return []
         rows = ((seq, seq.history(extra=w.tokens[:i])) for seq, w in zip(batch.seqs, batch.windows)
                 for i in range(len(w.tokens) + 1))  # fmt: skip
-        logits = self._penalized(batch.logits, batch.seqs, rows)
+        logits = self._penalized(logits, batch.seqs, rows)
         new_tokens = rejection_sample(
             logits,
             [w.tokens for w in batch.windows],
@@ -385,13 +413,39 @@ class VerifyWorker(_Worker):
         )
         logprobs = self._logprobs(logits, batch, new_tokens)
         results = []
-        for task, w, tokens, lps in zip(batch.plan.tasks, batch.windows, new_tokens, logprobs):
+        for task, seq, w, tokens, lps in zip(batch.plan.tasks, batch.seqs, batch.windows, new_tokens, logprobs):
             accepted = len(tokens) - 1
             if w.tokens and accepted == len(w.tokens) and not task.keep_bonus:
                 tokens = tokens[:-1]
-            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted,
-                                    None if lps is None else lps[: len(tokens)]))  # fmt: skip
+            lps = None if lps is None else lps[: len(tokens)]
+            prompt_lps = self._owed_prompt_logprobs(seq)
+            results.append(Verified(task.request_id, tokens, len(w.tokens), accepted, lps, prompt_lps))
         return results
+
+    @staticmethod
+    def _owed_prompt_logprobs(seq: _Sequence) -> list[TokenLogprob] | None:
+        """The request's prompt logprobs, once all are computed (they go with its first verification)."""
+        if seq.prompt_lps is None or len(seq.prompt_lps) < seq.num_prompt - 1:
+            return None
+        lps, seq.prompt_lps = seq.prompt_lps, None
+        return lps
+
+    @staticmethod
+    def _take_prompt_logprobs(batch: VerifyBatch) -> torch.Tensor:
+        """Compute the prompt logprobs of the batch's prompt rows (raw logits) into each request's list; return
+        the logits without those rows, as `sample` expects them: each window's len(drafts) + 1 rows, in order."""
+        if not any(n for _, _, n, _ in batch.prompt_rows):
+            return batch.logits
+        keep, offset = [], 0
+        windows = [len(w.tokens) + 1 for w in batch.windows] + [0] * (len(batch.prompt_rows) - len(batch.seqs))
+        for (seq, start, owed, ahead), own in zip(batch.prompt_rows, windows):
+            if owed and seq.prompt_lps is not None:
+                tokens = seq.tokens[start + 1 : start + 1 + owed]
+                seq.prompt_lps.extend(prompt_token_logprobs(batch.logits[offset : offset + owed], tokens,
+                                                            seq.params.prompt_logprobs))  # fmt: skip
+            keep.extend(range(offset + ahead, offset + ahead + own))
+            offset += ahead + own
+        return batch.logits[torch.tensor(keep, dtype=torch.long, device=batch.logits.device)]
 
     @staticmethod
     def _logprobs(
@@ -426,3 +480,6 @@ class VerifyBatch:
     seqs: list[_Sequence]
     windows: list[Drafts]
     logits: torch.Tensor
+    # Per input of the forward (windows, then prefill chunks): its request, start position, how many of its first
+    # rows are owed prompt rows, and its rows ahead of its window's (a chunk has no window rows).
+    prompt_rows: list[tuple[_Sequence, int, int, int]] = field(default_factory=list)

@@ -208,7 +208,8 @@ class Generation:
                 self._pending = later
                 break
             logprobs = None if item.logprobs is None else item.logprobs + (later.logprobs or [])
-            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished, logprobs)
+            item = StreamItem(item.text + later.text, item.token_ids + later.token_ids, later.finished, logprobs,
+                              later.prompt_logprobs if item.prompt_logprobs is None else item.prompt_logprobs)
         return item
 
     async def __aenter__(self) -> Generation:

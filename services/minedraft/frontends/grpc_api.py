@@ -80,7 +80,8 @@ def checkpoint_quantization(path: Path) -> str:
 
 def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.token_ids,
-                                              logprobs=logprobs_to_proto(item.logprobs))  # fmt: skip
+                                              logprobs=logprobs_to_proto(item.logprobs),
+                                              prompt_logprobs=logprobs_to_proto(item.prompt_logprobs))  # fmt: skip
     done = item.finished
     if done is not None:
         response.finish_reason = finish_reason_to_proto(done.finish_reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, G
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
 from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, new_call_id, resolve
 from minedraft.model.tokenizer import Tokenizer
-from minedraft.sampling.params import MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
+from minedraft.sampling.params import GREEDY_EPSILON, MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
 from minedraft.version import __version__
 from minedraft.wire import describe_validation_error
 
@@ -122,6 +123,7 @@ class _SamplingBody(BaseModel):
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean "all"
@@ -155,6 +157,10 @@ class _SamplingBody(BaseModel):
         """Top tokens to return with each output token's logprob; None: no logprobs."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Top tokens to return with each prompt token's logprob; None: no prompt logprobs."""
+        return None
+
 
 class CompletionBody(_SamplingBody):
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
@@ -163,24 +169,45 @@ class CompletionBody(_SamplingBody):
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: Text | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob and this many top ones'
 
     def unsupported(self) -> list[tuple[str, str]]:
-        refused = [("best_of", "best_of other than n is not implemented")] * (self.best_of not in (None, self.n))
-        refused += [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
-        refused += [("echo", "echo with logprobs needs prompt logprobs, which are not implemented")] * (
+        refused = [("suffix", NOT_IMPLEMENTED["suffix"])] * bool(self.suffix)
+        refused += [("echo", "echo with logprobs is not implemented (prompt_logprobs returns the prompt's)")] * (
             self.echo and self.logprobs is not None)  # fmt: skip
         return super().unsupported() + refused
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    @property
+    def samples(self) -> int:
+        """Samples generated per prompt: best_of (vLLM's, checked here), else n."""
+        if self.best_of is None or self.best_of == self.n:
+            return self.n
+        if self.best_of < self.n:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.best_of > MAX_CHOICES:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"best_of must be at most {MAX_CHOICES}", "best_of")
+        if self.stream:
+            raise APIError(HTTPStatus.BAD_REQUEST, "best_of greater than n cannot be streamed (the best are known "
+                           "only once all are done)", "best_of")  # fmt: skip
+        if self.temperature is not None and self.temperature < GREEDY_EPSILON:
+            raise APIError(HTTPStatus.BAD_REQUEST, "best_of greater than n needs random sampling: with temperature 0 "
+                           "every sample is the same", "best_of")  # fmt: skip
+        return self.best_of
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a string or token ids, or a list of those (one choice per prompt and sample)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) * self.n > MAX_CHOICES:
-                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x n = {self.n} is more than the "
-                               f"{MAX_CHOICES} choices one request may have", "prompt")  # fmt: skip
+            if len(prompt) * self.samples > MAX_CHOICES:
+                raise APIError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts x {self.samples} samples (n or "
+                               f"best_of) is more than the {MAX_CHOICES} choices one request may have",
+                               "prompt")  # fmt: skip
             return list(prompt)
         return [prompt]
 
@@ -348,11 +375,15 @@ class OpenAIFrontend:
 
     async def completions(self, body: CompletionBody) -> Response:
         self.check_model(body)
-        params, prompts = _params(body, body.max_tokens), body.prompts()
-        generations = await _start_all(self.generator, prompts, params, body.n, fit_context=True)
+        params, prompts, samples = _params(body, body.max_tokens), body.prompts(), body.samples
+        if samples > body.n and params.logprobs is None:  # ranking needs each token's logprob; not returned
+            params = params.model_copy(update={"logprobs": 0})
+        generations = await _start_all(self.generator, prompts, params, samples, fit_context=True)
         echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
         stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                                   self.generator.tokenizer, echo=echo)  # fmt: skip
+        if samples > body.n:
+            return await _respond_best(generations, stream, body.n, samples, body.logprobs is not None)
         return await _respond(generations, stream, body.stream, body.n)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -575,6 +606,20 @@ class CompletionStream(_Stream):
         return {"index": index, "text": echoed + text, "logprobs": self._logprobs(logprobs, index),
                 "finish_reason": finish_reason}  # fmt: skip
 
+    def prompt_logprobs(self, prompt_ids: list[int], logprobs: list[TokenLogprob]) -> list[dict | None]:
+        """vLLM's shape: per prompt token, None for the first, then {token id: {logprob, rank, decoded_token}} of
+        the token and the top ones (ranks 1.. in order; the prompt token's own rank when it is not among them)."""
+        rendered: list[dict | None] = [None]
+        for token, lp in zip(prompt_ids[1:], logprobs):
+            entry = {str(token): self._ranked(token, lp.logprob, lp.rank)}
+            entry.update({str(t): self._ranked(t, v, rank) for rank, (t, v) in enumerate(zip(lp.top_ids,
+                          lp.top_logprobs), start=1) if t != token})  # fmt: skip
+            rendered.append(entry)
+        return rendered
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._token(token_id)}
+
     def _logprobs(self, logprobs: Logprobs, index: int) -> dict | None:
         """The legacy completions shape: tokens, their logprobs, {token: logprob} of the top ones, offsets."""
         if logprobs is None:
@@ -682,11 +727,47 @@ async def _respond(generations: list[Generation], stream: _Stream, streaming: bo
         outputs = await asyncio.gather(*(_collect(g) for g in generations))
     choices = [stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, _item_logprobs(items))
                for i, (g, items) in enumerate(zip(generations, outputs))]  # fmt: skip
+    for choice, g, items in zip(choices, generations, outputs):
+        _add_prompt_logprobs(stream, choice, g, items)
     return JSONResponse(stream.full(choices, _usage(generations, n)))
+
+
+async def _respond_best(generations: list[Generation], stream: _Stream, n: int, samples: int,
+                        with_logprobs: bool) -> Response:  # fmt: skip
+    """best_of: of each prompt's `samples` generations, the `n` with the highest cumulative logprob of their
+    output tokens (best first), as vLLM's; the usage counts every generated token."""
+    async with contextlib.AsyncExitStack() as closing:
+        for generation in generations:
+            await closing.enter_async_context(generation)
+        outputs = await asyncio.gather(*(_collect(g) for g in generations))
+    ranked = []
+    for start in range(0, len(generations), samples):
+        group = list(zip(generations[start : start + samples], outputs[start : start + samples]))
+        group.sort(key=lambda pair: _cumulative_logprob(pair[1]), reverse=True)
+        ranked.extend(group[:n])
+    choices = []
+    for i, (g, items) in enumerate(ranked):
+        logprobs = _item_logprobs(items) if with_logprobs else None
+        choices.append(stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, logprobs))
+        _add_prompt_logprobs(stream, choices[-1], g, items)
+    return JSONResponse(stream.full(choices, _usage(generations, samples)))
+
+
+def _cumulative_logprob(items: list[StreamItem]) -> float:
+    """The sum of the output tokens' logprobs under the target's processed distribution (`logprobs`)."""
+    return math.fsum(lp.logprob for item in items for lp in item.logprobs or [])
 
 
 async def _collect(generation: Generation) -> list[StreamItem]:
     return [item async for item in generation]
+
+
+def _add_prompt_logprobs(stream: _Stream, choice: dict, generation: Generation, items: list[StreamItem]) -> None:
+    """A completion's choice gets its prompt's logprobs where the request asked for them (on the first chunk
+    that carries tokens, when streamed)."""
+    logprobs = next((item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None)
+    if logprobs is not None and isinstance(stream, CompletionStream):
+        choice["prompt_logprobs"] = stream.prompt_logprobs(generation.prompt_ids, logprobs)
 
 
 def _item_logprobs(items: list[StreamItem]) -> Logprobs:
@@ -711,6 +792,8 @@ async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncI
                 chunks = []
                 if item.text or finished is None:
                     chunks.append(stream.chunk(item.text, None, _item_logprobs([item]), index))
+                if chunks and chunks[0] is not None:
+                    _add_prompt_logprobs(stream, chunks[0]["choices"][0], generations[index], [item])
                 if finished is not None:
                     chunks.append(stream.chunk("", finished.finish_reason, None, index))
                 for chunk in chunks:

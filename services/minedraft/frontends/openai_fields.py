@@ -22,7 +22,7 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_
 _STRUCTURED = "grammars other than a JSON schema, a regex or a choice are not implemented"
 _TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
 _CHAT_TOOLS = "tool calls are for chat completions"
-_ONE_SAMPLE = "no beam search and no best-of ranking"
+_ONE_SAMPLE = "no beam search"
 # Known fields this server does not implement, with what is missing. Each is accepted only when set to the
 # value in `_AS_DONE` (what this server does anyway) or to null.
 NOT_IMPLEMENTED = {
@@ -31,7 +31,7 @@ NOT_IMPLEMENTED = {
     "functions": _TOOLS, "function_call": _TOOLS, "tools": _CHAT_TOOLS, "tool_choice": _CHAT_TOOLS,
     "parallel_tool_calls": _CHAT_TOOLS,
     "use_beam_search": _ONE_SAMPLE, "length_penalty": _ONE_SAMPLE,
-    "prompt_logprobs": "prompt logprobs are not implemented",
+    "prompt_logprobs": "prompt logprobs are returned by the completions endpoint only",
     "allowed_token_ids": "allowed_token_ids is not implemented",
     "logits_processors": "custom logits processors are not implemented",
     "include_stop_str_in_output": "stop strings are always left out of the output",

@@ -18,6 +18,7 @@ from minedraft.frontends.generate import ErrorKind, GenerateError
 from minedraft.gateway.service import Migration, Refused, Router
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams
+from minedraft.wire import logprobs_from_proto
 
 KINDS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID,
@@ -67,7 +68,8 @@ class RoutedEngine:
         try:
             async for reply in self.router.run(migration, _no_deadline, on_placed=sink.started):
                 finished = migration.mirror if migration.mirror.finished else None
-                sink.put(StreamItem(reply.text, list(reply.token_ids), finished))
+                sink.put(StreamItem(reply.text, list(reply.token_ids), finished, logprobs_from_proto(reply.logprobs),
+                                    logprobs_from_proto(reply.prompt_logprobs)))  # fmt: skip
         except Refused as exc:
             sink.put(GenerateError(KINDS.get(exc.code, ErrorKind.INTERNAL), exc.details))
 

@@ -86,6 +86,8 @@ class Migration:
         produced = len(self.mirror.output_ids)
         params = self.params.model_copy(update={"max_tokens": self.remaining,
                                                 "resumed_tokens": self.params.resumed_tokens + produced})  # fmt: skip
+        if produced:  # the client has the prompt's logprobs already (they came with the first tokens)
+            params = params.model_copy(update={"prompt_logprobs": None})
         ids = self.prompt_ids + self.mirror.output_ids
         return generate_pb2.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=generate_pb2.TokenIds(ids=ids),
@@ -101,12 +103,14 @@ class Migration:
             self.mirror.stats.merge(stats_from_proto(reply.spec_decode_stats))
             self.mirror.finish_as(finish_reason_from_proto(reply.finish_reason))
         new_ids = self.mirror.output_ids[self.sent_tokens :]  # the mirror drops tokens after a stop
+        prompt_logprobs = list(reply.prompt_logprobs) if self.sent_tokens == 0 else []
         self.sent_tokens = len(self.mirror.output_ids)
         text = self.mirror.take_stream_delta()
         if not (new_ids or text or self.mirror.finished):
             return None
         response = generate_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=new_ids,
-                                                 logprobs=list(reply.logprobs)[: len(new_ids)])  # fmt: skip
+                                                 logprobs=list(reply.logprobs)[: len(new_ids)],
+                                                 prompt_logprobs=prompt_logprobs)  # fmt: skip
         if self.mirror.finished:
             response.finish_reason = FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
             response.usage.prompt_tokens = len(self.prompt_ids)

@@ -5,6 +5,10 @@ biases, then temperature, min_p, top-k and top-p (a token those drop has -inf). 
 the softmax of its logits after penalties and biases, at temperature 1 (its sampling distribution is
 one-hot, which says nothing), as in vLLM. The verifier computes them on the same rows it verifies with, so
 speculative decoding returns what plain decoding returns.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) are, as in vLLM, the log_softmax of the target's raw
+logits at the position before each prompt token: no penalty, bias, grammar or temperature applies to the
+prompt. The verifier computes them on the rows where it writes the prompt (prefill chunks included).
 """
 
 from __future__ import annotations
@@ -42,3 +46,20 @@ def token_logprobs(logits: Tensor, params_list: Sequence[SamplingParams], tokens
         TokenLogprob(value, ids[: p.logprobs or 0], values[: p.logprobs or 0])
         for value, ids, values, p in zip(chosen, top_ids, top_values, params_list)
     ]
+
+
+def prompt_token_logprobs(logits: Tensor, tokens: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """One TokenLogprob per row of raw ``logits`` [n, V]: log_softmax at ``tokens[i]``, and its top ``num_top``."""
+    if logits.shape[0] != len(tokens):
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(tokens)} tokens")
+    if not tokens:
+        return []
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    if not num_top:
+        return [TokenLogprob(value, [], [], rank) for value, rank in zip(chosen, ranks)]
+    top = logprobs.topk(min(num_top, logits.shape[-1]), dim=-1)
+    return [TokenLogprob(value, ids, values, rank)
+            for value, ids, values, rank in zip(chosen, top.indices.tolist(), top.values.tolist(), ranks)]  # fmt: skip

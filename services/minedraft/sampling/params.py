@@ -133,6 +133,7 @@ class TokenLogprob:
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # the token's rank in its distribution (1: the most likely); prompt logprobs only
 
 
 class SamplingParams(BaseModel):
@@ -160,6 +161,9 @@ class SamplingParams(BaseModel):
                            "likely one's probability; 0 = off.")  # fmt: skip
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's "
                                        "log-probability and this many most likely tokens'; None = none.")  # fmt: skip
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each prompt "
+                                              "token's log-probability given the tokens before it (None for the "
+                                              "first) and this many most likely tokens'; None = none.")  # fmt: skip
     bad_words: list[Text] = Field(default_factory=list, description="Words the output must not contain: the last "
                                   "token of each (as it tokenizes with and without a leading space) is banned where "
                                   "the output ends with the ones before it.")  # fmt: skip

@@ -257,13 +257,14 @@ class EngineLoop:
         """A request's new tokens and text, for its stream; a failure here is this request's alone."""
         try:
             new_ids = request.output_ids[sink.sent_tokens :]
+            prompt_logprobs = request.prompt_logprobs if sink.sent_tokens == 0 and new_ids else None
             logprobs = None if request.logprobs is None else request.logprobs[sink.sent_tokens :]
             sink.sent_tokens = len(request.output_ids)
             text = request.take_stream_delta()
         except Exception as exc:
             request.fail(f"streaming its output failed: {type(exc).__name__}: {exc}")
             self.engine.abort_request(request.request_id)
-            new_ids, text, logprobs = [], "", None
+            new_ids, text, logprobs, prompt_logprobs = [], "", None, None
         if self.metrics and new_ids:
             self.metrics.generation_tokens.inc(len(new_ids))
             now = time.monotonic()
@@ -277,7 +278,7 @@ class EngineLoop:
         if request.error is not None:
             return RequestFailed(f"request {request.request_id} failed: {request.error}")
         if text or new_ids or request.finished:
-            return StreamItem(text, new_ids, request if request.finished else None, logprobs)
+            return StreamItem(text, new_ids, request if request.finished else None, logprobs, prompt_logprobs)
         return None
 
     def _record_load(self) -> None:
