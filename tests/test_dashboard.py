@@ -3,16 +3,15 @@ chart's ConfigMap for Grafana's sidecar (off by default)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_chart import renderer
 
 from minedraft.bench.online import run_online_bench
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
@@ -75,16 +74,7 @@ def test_every_queried_series_is_exported(exported: set[str]) -> None:
     assert wanted - exported == PROMETHEUS_SERIES
 
 
-def _renderer():
-    spec = importlib.util.spec_from_file_location("render_manifests", ROOT / "scripts" / "render_manifests.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["render_manifests"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_chart_renders_the_dashboard_for_grafanas_sidecar_when_asked() -> None:
-    renderer = _renderer()
     smoke = {"models": {"allowBundledOnGpus": True}}  # the GPU defaults refuse the bundled pair otherwise
     default = [m.obj for m in renderer.render(smoke)]
     assert not [o for o in default if o["metadata"]["name"].endswith("-dashboard")]

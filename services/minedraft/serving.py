@@ -59,6 +59,11 @@ async def parse_request(message_type, data: bytes, context: grpc.aio.ServicerCon
         )
 
 
+def request_prompt(request: generate_pb2.GenerateRequest) -> str | list[int]:
+    """The prompt a Generate request carries: its token ids, or its text."""
+    return list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
+
+
 async def parse_generate(data: bytes, context: grpc.aio.ServicerContext):
     """A Generate request and its sampling parameters, or INVALID_ARGUMENT naming what is wrong."""
     request = await parse_request(generate_pb2.GenerateRequest, data, context)

@@ -13,7 +13,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
 from minedraft.model.config import load_model_config
-from minedraft.serving import parse_generate, parse_request
+from minedraft.serving import parse_generate, parse_request, request_prompt
 from minedraft.version import __version__
 from minedraft.wire import finish_reason_to_proto, logprobs_to_proto, stats_to_proto
 
@@ -33,7 +33,7 @@ class MineDraftServicer:
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
         request, params = await parse_generate(request_bytes, context)
-        prompt = list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
+        prompt = request_prompt(request)
         try:
             generation = await self.generator.start(prompt, params, request.request_id or None)
             async with generation:

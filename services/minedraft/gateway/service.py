@@ -41,7 +41,14 @@ from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.gateway.pool import Backend, BackendAccess, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.sampling.params import SamplingParams
-from minedraft.serving import PUBLIC_SERVICE, parse_generate, parse_request, set_public_status, start_public_server
+from minedraft.serving import (
+    PUBLIC_SERVICE,
+    parse_generate,
+    parse_request,
+    request_prompt,
+    set_public_status,
+    start_public_server,
+)
 from minedraft.settings import GatewaySettings
 from minedraft.wire import (
     FINISH_REASONS,
@@ -249,7 +256,7 @@ class GatewayServicer:
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
         request, params = await parse_generate(request_bytes, context)
-        prompt = list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
+        prompt = request_prompt(request)
         try:
             self.generator.check_prompt_size(prompt)
             prompt_ids = await self.generator.prompt_ids(prompt)
