@@ -255,6 +255,7 @@ def step_floor(args: argparse.Namespace) -> dict:
         runner.forward([SeqInput(slot, [2], context, num_logits=1)])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    kernels = _top_kernels(torch, lambda: runner.forward([SeqInput(slot, [2], context, num_logits=1)]))
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * context * 2
     bandwidth = _copy_bandwidth(torch, device)
@@ -262,7 +263,21 @@ def step_floor(args: argparse.Namespace) -> dict:
     step = statistics.median(times[5:])
     return {"passed": True, "decode_step_ms": round(step * 1e3, 3), "hbm_floor_ms": round(floor * 1e3, 3),
             "step_over_floor": round(step / floor, 2), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-            "weight_bytes": weights, "kv_bytes": kv, "attention_kernel": "triton" if runner.paged_kernel else "torch"}
+            "weight_bytes": weights, "kv_bytes": kv, "attention_kernel": "triton" if runner.paged_kernel else "torch",
+            "cuda_graphs": runner.graphs is not None, "top_kernels_ms_per_step": kernels}
+
+
+def _top_kernels(torch, step: Callable[[], object], steps: int = 5, top: int = 10) -> dict[str, float]:
+    """GPU time per step of the kernels that take most of it (torch's profiler over a few steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {e.key[:80]: round(e.self_device_time_total / steps / 1e3, 3) for e in events[:top]}
 
 
 def _copy_bandwidth(torch, device) -> float:

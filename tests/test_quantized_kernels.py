@@ -26,7 +26,7 @@ from minedraft.model.quantization import (  # noqa: E402
     dequantize_fp8,
 )
 from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
-from minedraft.model.triton_quant import awq_matmul, fp8_block_matmul, k_tile  # noqa: E402
+from minedraft.model.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul, k_tile  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -60,6 +60,29 @@ def test_awq_gemm_matches_the_dequantized_weight(dtype, rows: int, out: int, inp
     x = torch.randn(rows, inp, generator=GEN).to(dtype)
     expected = x.float() @ dequantize_awq(qweight, qzeros, scales, group, "w").to(dtype).float().T
     _assert_close(awq_matmul(x, qweight, qzeros, scales, group), expected)
+
+
+@pytest.mark.parametrize("tiles", [GemmTiles(16, 32, 16, split_k=3), GemmTiles(32, 16, 32, split_k=4)])
+def test_split_k_adds_up_every_slice(tiles: GemmTiles) -> None:
+    """K cut into slices whose partial sums are added afterwards (skinny decode GEMMs on a GPU), with a last
+    slice that runs past K: both kernels still give the dequantized product."""
+    rows, out, inp = 3, 48, 224  # 224 / 16 = 14 K steps: slices of 5, 5, 4 (or 4, 4, 4, 2)
+    codes = (torch.randn(out, inp, generator=GEN) * 40).to(torch.float8_e4m3fn)
+    scales = torch.rand(out // 16, inp // 32, generator=GEN) * 0.01 + 0.001
+    x = torch.randn(rows, inp, generator=GEN).to(torch.bfloat16)
+    expected = x.float() @ dequantize_fp8(codes, scales, (16, 32)).to(torch.bfloat16).float().T
+    _assert_close(fp8_block_matmul(x, codes, scales, (16, 32), tiles), expected)
+    qweight = _pack_awq(torch.randint(0, 16, (inp, out), generator=GEN))
+    qzeros = _pack_awq(torch.randint(0, 16, (inp // 32, out), generator=GEN))
+    awq_scales = (torch.rand(inp // 32, out, generator=GEN) * 0.02).to(torch.bfloat16)
+    expected = x.float() @ dequantize_awq(qweight, qzeros, awq_scales, 32, "w").to(torch.bfloat16).float().T
+    _assert_close(awq_matmul(x, qweight, qzeros, awq_scales, 32, tiles), expected)
+
+
+def test_a_k_tile_across_two_scales_is_refused() -> None:
+    codes = torch.zeros(16, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block_k 64 must divide the scale granularity 32"):
+        fp8_block_matmul(torch.zeros(1, 64), codes, torch.ones(1, 2), (16, 32), GemmTiles(block_k=64))
 
 
 def test_k_tiles_lie_within_one_scale() -> None:

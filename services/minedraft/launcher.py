@@ -217,11 +217,19 @@ class LocalStack:
                 while not is_serving(channel, timeout_s=1):
                     for name, process in self._processes:
                         if process.poll() is not None:
-                            raise StartupError(f"the {name} exited with code {process.returncode} during start-up "
-                                               "(its error is above)")  # fmt: skip
+                            raise StartupError(self._exit_message(name, process.returncode))
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
                     time.sleep(0.25)
+
+    def _exit_message(self, name: str, code: int) -> str:
+        """Why a service died at start-up: its log's last lines, or (logging to our stderr) a pointer there."""
+        message = f"the {name} exited with code {code} during start-up"
+        if not self._log_dir:
+            return f"{message} (its error is above)"
+        log = self._log_dir / f"{name}.log"
+        tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
+        return f"{message}; the end of {log}:\n" + "\n".join(tail)
 
     def _channel(self, address: str) -> grpc.Channel:
         cert = self.scheduler.tls_cert

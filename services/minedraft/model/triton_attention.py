@@ -1,10 +1,11 @@
 """Paged attention in Triton: keys and values read in place through the block table, no gather.
 
 The GPU path's attention for every pass (decode, k + 1 verification tokens, draft steps, prefill): one
-program per (sequence, head, block of BLOCK_M query rows) walks the sequence's cache blocks in order with
+program per (sequence, kv head, block of BLOCK_M query rows) walks the sequence's cache blocks in order with
 an online softmax, so the context is read once and never copied. Queries sit bottom-right as everywhere
 in the engine: query i of a sequence is at position start + i and sees keys 0 .. start + i. GQA: query
-head h reads kv head h // (heads / kv_heads).
+head h reads kv head h // (heads / kv_heads), and one program serves all the heads of one kv head (its
+rows are (query, head) pairs), so a decode step reads each kv head's cache once, not once per query head.
 
 Importing this module imports triton; nothing on the CPU path does. With `TRITON_INTERPRET=1` set before
 triton is imported, the same kernel runs on CPU tensors, which is how CI tests it.
@@ -19,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # query rows per program (tl.dot needs at least 16 on a GPU)
+BLOCK_M = 16  # (query row, head) pairs per program (tl.dot needs at least 16 on a GPU)
+KEYS_PER_STEP = 64  # keys a program reads per loop step: several small cache blocks at once
 MIN_BLOCK_SIZE = 16  # cache blocks of fewer tokens are below tl.dot's minimum tile
 # Triton's interpreter multiplies 16-bit floats wrongly in tl.dot (3.9): interpreted, the kernel upcasts its
 # dot operands to fp32. Compiled for a GPU it multiplies bf16/fp16 on the tensor cores.
@@ -58,15 +60,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [tokens, heads, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] -> [tokens, heads, head_dim]."""
     tokens, heads, head_dim = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
+    group = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
     seqs = meta.starts.shape[0]
-    grid = (seqs, heads, triton.cdiv(meta.max_query_len, BLOCK_M))
+    grid = (seqs, kv_heads, triton.cdiv(meta.max_query_len * group, BLOCK_M))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.starts, meta.query_starts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0), scale,
-        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        GROUP=group, BLOCK_SIZE=block_size, KEYS=max(KEYS_PER_STEP, block_size), BLOCK_M=BLOCK_M,
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
     )  # fmt: skip
     return out
@@ -77,39 +80,44 @@ def _paged_attention_kernel(
     Q, K, V, Out, block_tables, starts, query_starts,
     stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_ot, stride_oh, stride_table,
     scale,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    seq, head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first_row = tl.load(query_starts + seq)
     length = tl.load(query_starts + seq + 1) - first_row
-    if row_block * BLOCK_M < length:
+    if row_block * BLOCK_M < length * GROUP:
         start = tl.load(starts + seq)
-        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        # A program's rows are (query row, head) pairs of one kv head: the GROUP heads that share it read
+        # its keys and values once.
+        packed = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, heads = packed // GROUP, kv_head * GROUP + packed % GROUP
         dims = tl.arange(0, BLOCK_D)
         row_ok, dim_ok = rows < length, dims < HEAD_DIM
-        q_ptrs = Q + (first_row + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        q_ptrs = Q + (first_row + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        kv_base = (head // GROUP) * stride_kh
-        offsets = tl.arange(0, BLOCK_SIZE)
+        kv_base = kv_head * stride_kh
+        keys = tl.arange(0, KEYS)
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # The last key any row of this program sees: the cache blocks after it are not read.
-        last_key = start + tl.minimum(length, (row_block + 1) * BLOCK_M) - 1
-        for page in range(0, last_key // BLOCK_SIZE + 1):
-            block = tl.load(block_tables + seq * stride_table + page).to(tl.int64)
-            kv_ptrs = kv_base + block * stride_kb + offsets[:, None] * stride_kt + dims[None, :]
+        last_key = start + tl.minimum(length - 1, ((row_block + 1) * BLOCK_M - 1) // GROUP)
+        for first in range(0, last_key + 1, KEYS):  # KEYS keys (one or more cache blocks) per step
+            positions = first + keys
             # Slots past the sequence's end hold whatever an earlier sequence left: never read them.
-            kv_ok = ((page * BLOCK_SIZE + offsets) <= last_key)[:, None] & dim_ok[None, :]
-            k = tl.load(K + kv_ptrs, mask=kv_ok, other=0.0)
-            v = tl.load(V + kv_ptrs, mask=kv_ok, other=0.0)
+            key_ok = positions <= last_key
+            block = tl.load(block_tables + seq * stride_table + positions // BLOCK_SIZE, mask=key_ok, other=0)
+            kv_ptrs = kv_base + block.to(tl.int64)[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_kt
+            kv_ok = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + kv_ptrs + dims[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + kv_ptrs + dims[None, :], mask=kv_ok, other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            visible = (page * BLOCK_SIZE + offsets)[None, :] <= (start + rows)[:, None]
+            visible = positions[None, :] <= (start + rows)[:, None]
             scores = tl.where(visible, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: key 0 is visible to every row
             probs = tl.exp(scores - new_best[:, None])
@@ -118,5 +126,5 @@ def _paged_attention_kernel(
             acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
             best = new_best
         out = acc / total[:, None]
-        o_ptrs = Out + (first_row + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        o_ptrs = Out + (first_row + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

@@ -18,21 +18,35 @@ before triton is imported, the kernels run on CPU tensors, which is how CI tests
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, MAX_BLOCK_K = 16, 64, 64
+MAX_BLOCK_K = 128
 # As in triton_attention.py: the interpreter (Triton 3.9) multiplies 16-bit floats wrongly in tl.dot, so
 # interpreted the kernels multiply in float32 (after rounding the weight to the activations' dtype).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def k_tile(granularity: int) -> int:
-    """The largest power of two that divides `granularity` (a scale block's or group's width), at most 64:
-    one K step of a program then lies within one scale."""
-    return min(MAX_BLOCK_K, granularity & -granularity)
+@dataclass(frozen=True)
+class GemmTiles:
+    """How a GEMM is cut into programs. `split_k` > 1 also cuts K: each slice writes float32 partial sums
+    that are added afterwards, so a skinny decode GEMM (a few rows, a long K) fills the GPU's SMs."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def k_tile(granularity: int, limit: int = 64) -> int:
+    """The largest power of two that divides `granularity` (a scale block's or group's width), at most
+    `limit`: one K step of a program then lies within one scale."""
+    return min(limit, granularity & -granularity)
 
 
 def supports_fp8(block: tuple[int, int]) -> bool:
@@ -44,64 +58,91 @@ def supports_awq(group: int) -> bool:
     return k_tile(group) >= 16
 
 
-def fp8_block_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     block: tuple[int, int]) -> torch.Tensor:
-    """x [M, K] @ (codes [N, K] x block scales).T -> [M, N] in x's dtype."""
+def pick_tiles(m: int, n: int, k: int, granularity: int, device: torch.device) -> GemmTiles:
+    """Tiles for an [m, k] x [k, n] product: K steps within one scale, and on a GPU enough programs for
+    about two per SM (weight-only GEMMs at decode are bound by reading the weight, which needs them all)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, k_tile(granularity, MAX_BLOCK_K)
+    if device.type != "cuda":
+        return GemmTiles(block_m, block_n, k_tile(granularity))
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    split = max(1, min(triton.cdiv(wanted, programs), triton.cdiv(k, block_k) // 4, 16))
+    return GemmTiles(block_m, block_n, block_k, split)
+
+
+def _run_split(kernel, grid_args: tuple, x: torch.Tensor, n: int, tiles: GemmTiles, **constants) -> torch.Tensor:
+    """Launches `kernel` over (row tiles, column tiles, K slices); sums the slices' partials if K is split."""
     m, k = x.shape
-    n = codes.shape[0]
-    x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _fp8_kernel[grid](
-        x, codes.view(torch.uint8), scales, y, m, n, k, x.stride(0), codes.stride(0), scales.stride(0), y.stride(0),
-        B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=k_tile(block[1]), UPCAST=_INTERPRETED,
+    out = (torch.empty(m, n, dtype=x.dtype, device=x.device) if tiles.split_k == 1 else
+           torch.empty(tiles.split_k, m, n, dtype=torch.float32, device=x.device))  # fmt: skip
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
+    kernel[grid](
+        x, *grid_args, out, m, n, k, k_per_split, x.stride(0), n,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT=tiles.split_k > 1,
+        UPCAST=_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **constants,
     )  # fmt: skip
-    return y
+    return out if tiles.split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def fp8_block_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                     tiles: GemmTiles | None = None) -> torch.Tensor:
+    """x [M, K] @ (codes [N, K] x block scales).T -> [M, N] in x's dtype."""
+    x = x.contiguous()
+    n = codes.shape[0]
+    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], block[1], x.device)
+    _check_k_tile(tiles, block[1])
+    return _run_split(_fp8_kernel, (codes.view(torch.uint8), scales, codes.stride(0), scales.stride(0)), x, n, tiles,
+                      B0=block[0], B1=block[1])  # fmt: skip
 
 
 def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               group: int) -> torch.Tensor:
+               group: int, tiles: GemmTiles | None = None) -> torch.Tensor:
     """x [M, K] @ AWQ's dequantized W.T -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = scales.shape[1]
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _awq_kernel[grid](
-        x, qweight, qzeros, scales, y, m, n, k, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-        y.stride(0), GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=k_tile(group), UPCAST=_INTERPRETED,
-    )  # fmt: skip
-    return y
+    n = scales.shape[1]
+    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], group, x.device)
+    _check_k_tile(tiles, group)
+    return _run_split(_awq_kernel, (qweight, qzeros, scales, qweight.stride(0), qzeros.stride(0), scales.stride(0)),
+                      x, n, tiles, GROUP=group)  # fmt: skip
+
+
+def _check_k_tile(tiles: GemmTiles, granularity: int) -> None:
+    if granularity % tiles.block_k:
+        raise ValueError(f"block_k {tiles.block_k} must divide the scale granularity {granularity}")
 
 
 @triton.jit
 def _fp8_kernel(
-    X, Codes, Scales, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    X, Codes, Scales, stride_wn, stride_sn, Y, M, N, K, K_PER_SPLIT, stride_xm, stride_ym,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
+    k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
         x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         raw = tl.load(Codes + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)
-        scale = tl.load(Scales + (cols // B0) * stride_sn + k0 // B1, mask=col_ok, other=0.0)
+        scale = tl.load(Scales + (cols // B0) * stride_sn + group // B1, mask=col_ok, other=0.0)
         w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(X.dtype.element_ty)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT)
 
 
 @triton.jit
 def _awq_kernel(
-    X, QWeight, QZeros, Scales, Y, M, N, K, stride_xm, stride_qk, stride_zk, stride_sk, stride_ym,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    X, QWeight, QZeros, Scales, stride_qk, stride_zk, stride_sk, Y, M, N, K, K_PER_SPLIT, stride_xm, stride_ym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,20 +150,32 @@ def _awq_kernel(
     # Column c of a group of eight sits in nibble c // 2 + 4 * (c % 2) (AWQ's order 0, 2, 4, 6, 1, 3, 5, 7).
     within = cols % 8
     shifts = ((within // 2) + 4 * (within % 2)) * 4
+    k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
         both = k_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         packed = tl.load(QWeight + ks[:, None] * stride_qk + (cols // 8)[None, :], mask=both, other=0)
-        zeros = tl.load(QZeros + (k0 // GROUP) * stride_zk + cols // 8, mask=col_ok, other=0)
-        scale = tl.load(Scales + (k0 // GROUP) * stride_sk + cols, mask=col_ok, other=0.0).to(tl.float32)
+        zeros = tl.load(QZeros + (group // GROUP) * stride_zk + cols // 8, mask=col_ok, other=0)
+        scale = tl.load(Scales + (group // GROUP) * stride_sk + cols, mask=col_ok, other=0.0).to(tl.float32)
         q = (packed >> shifts[None, :]) & 0xF
         zero = (zeros >> shifts) & 0xF
         w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(X.dtype.element_ty)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT)
+
+
+@triton.jit
+def _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT: tl.constexpr):
+    """The tile's result: rounded into Y, or with K split, float32 partials into slice program_id(2)."""
+    if SPLIT:
+        Y += tl.program_id(2).to(tl.int64) * M * stride_ym
+        tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
