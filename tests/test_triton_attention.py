@@ -59,6 +59,34 @@ def test_kernel_matches_the_reference_attention(heads: int, kv_heads: int, dtype
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("partition", [32, 64, 128])
+def test_partitions_of_a_long_context_merge_to_the_reference(partition: int) -> None:
+    """Contexts past one partition are read by one program per partition and merged; k + 1 windows that
+    straddle a partition's end (a row that sees no key of the last partition), a partition smaller than
+    the kernel's 64-key step, decode next to a long prefill chunk."""
+    heads, kv_heads, dtype = 8, 2, torch.bfloat16
+    shapes = [(300, 1), (127, 5), (128, 1), (60, 8), (250, 17), (0, 140), (31, 2)]
+    starts, lengths = [s for s, _ in shapes], [n for _, n in shapes]
+    rng = random.Random(partition)
+    pool = list(range(1, 200))
+    rng.shuffle(pool)
+    tables, used = [], 0
+    for start, length in shapes:
+        need = -(-(start + length) // BLOCK_SIZE)
+        tables.append(pool[used : used + need])
+        used += need
+    gen = torch.Generator().manual_seed(partition)
+    k_cache, v_cache = (torch.randn(kv_heads, 200, BLOCK_SIZE, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(sum(lengths), heads, HEAD_DIM, generator=gen).to(dtype)
+    plan = plan_attention(starts, lengths, tables, BLOCK_SIZE, heads, kv_heads, CPU, batch_invariant=False)
+    expected = attend(q.float(), k_cache.float(), v_cache.float(), plan, HEAD_DIM**-0.5)
+    meta = paged_meta(starts, lengths, tables, NULL_BLOCK, CPU)
+    got = paged_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, partition=partition)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    one_partition = paged_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, partition=512)
+    torch.testing.assert_close(got.float(), one_partition.float(), atol=2e-2, rtol=2e-2)  # bf16 rounding
+
+
 def test_nothing_past_a_sequence_is_read() -> None:
     """Poison every cache slot outside the sequences (other blocks, and the tail of each last block, where
     an earlier sequence's keys may linger): no output may change."""

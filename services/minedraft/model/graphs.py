@@ -96,6 +96,7 @@ class StaticForward:
                  max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.sizes = capture_sizes(max_tokens)
+        self.max_seq_len = max_seq_len
         self.width = -(-max_seq_len // kv_cache.block_size)
         self.scratch_slot = kv_cache.scratch_block * kv_cache.block_size
         self.buffers: dict[int, StaticBuffers] = {}
@@ -124,7 +125,7 @@ class StaticForward:
         from minedraft.model.transformer import ForwardContext  # transformer imports this module's users
         from minedraft.model.triton_attention import PagedMeta
 
-        meta = PagedMeta(buffers.block_tables, buffers.starts, buffers.query_starts, MAX_QUERY)
+        meta = PagedMeta(buffers.block_tables, buffers.starts, buffers.query_starts, MAX_QUERY, self.max_seq_len)
         ctx = ForwardContext(positions=buffers.positions, token_index=buffers.token_index,
                              attention=AttentionPlan([], [], paged=meta), kv_cache=self.kv_cache)  # fmt: skip
         return self.model(buffers.input_ids, ctx, buffers.logits_indices).float()

@@ -1,7 +1,7 @@
 """Paged attention in Triton: keys and values read in place through the block table, no gather.
 
 The GPU path's attention for every pass (decode, k + 1 verification tokens, draft steps, prefill): one
-program per (sequence, kv head, block of BLOCK_M query rows) walks the sequence's cache blocks in order with
+program per (sequence, kv head, block of BLOCK_M query rows, partition of PARTITION keys) walks its cache blocks with
 an online softmax, so the context is read once and never copied. Queries sit bottom-right as everywhere
 in the engine: query i of a sequence is at position start + i and sees keys 0 .. start + i. GQA: query
 head h reads kv head h // (heads / kv_heads), and one program serves all the heads of one kv head (its
@@ -22,6 +22,9 @@ import triton.language as tl
 
 BLOCK_M = 16  # (query row, head) pairs per program (tl.dot needs at least 16 on a GPU)
 KEYS_PER_STEP = 64  # keys a program reads per loop step: several small cache blocks at once
+# Keys per partition: a long context is cut into partitions read by programs of their own, whose results
+# are merged (as flash-decoding does), so a decode step of a few sequences still fills the GPU.
+PARTITION = 128
 MIN_BLOCK_SIZE = 16  # cache blocks of fewer tokens are below tl.dot's minimum tile
 # Triton's interpreter multiplies 16-bit floats wrongly in tl.dot (3.9): interpreted, the kernel upcasts its
 # dot operands to fp32. Compiled for a GPU it multiplies bf16/fp16 on the tensor cores.
@@ -36,6 +39,7 @@ class PagedMeta:
     starts: torch.Tensor  # [seqs] int32: tokens in the cache before this pass
     query_starts: torch.Tensor  # [seqs + 1] int32: each sequence's first row in the flattened batch
     max_query_len: int
+    max_keys: int  # an upper bound on any sequence's start + length (the grid's partitions cover it)
 
 
 def paged_meta(starts: list[int], lengths: list[int], tables: list[list[int]], null_block: int,
@@ -47,7 +51,7 @@ def paged_meta(starts: list[int], lengths: list[int], tables: list[list[int]], n
         query_starts.append(query_starts[-1] + n)
     as_int32 = {"dtype": torch.int32, "device": device}
     return PagedMeta(torch.tensor(rows, **as_int32), torch.tensor(starts, **as_int32),
-                     torch.tensor(query_starts, **as_int32), max(lengths))
+                     torch.tensor(query_starts, **as_int32), max(lengths), max(s + n for s, n in zip(starts, lengths)))
 
 
 def supports(block_size: int, head_dim: int) -> bool:
@@ -56,34 +60,48 @@ def supports(block_size: int, head_dim: int) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
-                    scale: float) -> torch.Tensor:
+                    scale: float, partition: int = PARTITION) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] -> [tokens, heads, head_dim]."""
     tokens, heads, head_dim = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
     group = heads // kv_heads
     q = q.contiguous()
+    parts = triton.cdiv(meta.max_keys, partition)
     out = torch.empty_like(q)
-    seqs = meta.starts.shape[0]
-    grid = (seqs, kv_heads, triton.cdiv(meta.max_query_len * group, BLOCK_M))
+    # With more than one partition each writes its softmax state (unnormalised output, running max and
+    # sum per row); _combine merges them.
+    acc = torch.empty(parts, tokens, heads, head_dim, dtype=torch.float32, device=q.device) if parts > 1 else out
+    stats = torch.empty(2, parts, tokens, heads, dtype=torch.float32, device=q.device) if parts > 1 else out
+    grid = (meta.starts.shape[0], kv_heads, triton.cdiv(meta.max_query_len * group, BLOCK_M) * parts)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.starts, meta.query_starts,
+        q, k_cache, v_cache, out, acc, stats, meta.block_tables, meta.starts, meta.query_starts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0), scale,
-        GROUP=group, BLOCK_SIZE=block_size, KEYS=max(KEYS_PER_STEP, block_size), BLOCK_M=BLOCK_M,
-        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), scale, parts, tokens * heads, heads,
+        GROUP=group, BLOCK_SIZE=block_size, KEYS=max(KEYS_PER_STEP, block_size), PARTITION=partition,
+        SPLIT=parts > 1, BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
+        UPCAST=_INTERPRETED,
     )  # fmt: skip
-    return out
+    return out if parts == 1 else _combine(acc, stats[0], stats[1], out.dtype)
+
+
+def _combine(acc: torch.Tensor, best: torch.Tensor, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One output from the partitions' states: each weighted by exp(its max - the overall max). A partition
+    where a row saw no key has max -inf for it: weight 0."""
+    weight = torch.exp(best - best.amax(0))
+    return ((acc * weight[..., None]).sum(0) / (total * weight).sum(0)[..., None]).to(dtype)
 
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Out, block_tables, starts, query_starts,
+    Q, K, V, Out, Acc, Stats, block_tables, starts, query_starts,
     stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_ot, stride_oh, stride_table,
-    scale,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    scale, parts, rows_per_part, num_heads,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
-    seq, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    row_block, part = tl.program_id(2) // parts, tl.program_id(2) % parts
     first_row = tl.load(query_starts + seq)
     length = tl.load(query_starts + seq + 1) - first_row
     if row_block * BLOCK_M < length * GROUP:
@@ -103,12 +121,14 @@ def _paged_attention_kernel(
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # The last key any row of this program sees: the cache blocks after it are not read.
+        # The keys this program reads: its partition's, up to the last key any of its rows sees (slots past
+        # the sequence's end hold whatever an earlier sequence left: never read them). Partitions are fixed
+        # spans of positions, so a sequence's result does not depend on the batch around it.
         last_key = start + tl.minimum(length - 1, ((row_block + 1) * BLOCK_M - 1) // GROUP)
-        for first in range(0, last_key + 1, KEYS):  # KEYS keys (one or more cache blocks) per step
+        end = tl.minimum((part + 1) * PARTITION, last_key + 1)
+        for first in range(part * PARTITION, end, KEYS):  # KEYS keys (one or more cache blocks) per step
             positions = first + keys
-            # Slots past the sequence's end hold whatever an earlier sequence left: never read them.
-            key_ok = positions <= last_key
+            key_ok = positions < end
             block = tl.load(block_tables + seq * stride_table + positions // BLOCK_SIZE, mask=key_ok, other=0)
             kv_ptrs = kv_base + block.to(tl.int64)[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_kt
             kv_ok = key_ok[:, None] & dim_ok[None, :]
@@ -117,14 +137,22 @@ def _paged_attention_kernel(
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            visible = positions[None, :] <= (start + rows)[:, None]
+            visible = key_ok[None, :] & (positions[None, :] <= (start + rows)[:, None])
             scores = tl.where(visible, scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: key 0 is visible to every row
-            probs = tl.exp(scores - new_best[:, None])
-            rescale = tl.exp(best - new_best)
+            best_now = tl.maximum(best, tl.max(scores, axis=1))
+            # -inf while a row has seen no key yet (possible in a partition after the first): then 0.
+            shift = tl.where(best_now == float("-inf"), 0.0, best_now)
+            probs = tl.exp(scores - shift[:, None])
+            rescale = tl.exp(best - shift)
             total = total * rescale + tl.sum(probs, axis=1)
             acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-            best = new_best
-        out = acc / total[:, None]
-        o_ptrs = Out + (first_row + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+            best = best_now
+        o_rows = (first_row + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        o_ok = row_ok[:, None] & dim_ok[None, :]
+        if SPLIT:  # this partition's state: Acc [parts, tokens, heads, head_dim], Stats [2, parts, tokens, heads]
+            tl.store(Acc + part.to(tl.int64) * rows_per_part * HEAD_DIM + o_rows, acc, mask=o_ok)
+            s_rows = part.to(tl.int64) * rows_per_part + (first_row + rows) * num_heads + heads
+            tl.store(Stats + s_rows, best, mask=row_ok)
+            tl.store(Stats + parts * rows_per_part + s_rows, total, mask=row_ok)
+        else:  # key 0, in the only partition, is visible to every row: total > 0
+            tl.store(Out + o_rows, (acc / total[:, None]).to(Out.dtype.element_ty), mask=o_ok)
