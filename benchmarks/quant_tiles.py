@@ -48,7 +48,8 @@ def candidates(quick: bool) -> list[GemmTiles]:
     blocks_n = (64, 128) if quick else (32, 64, 128)
     splits = (1, 4, 8) if quick else (1, 2, 4, 8, 16)
     stages = (3,) if quick else (3, 4)
-    return [GemmTiles(16, n, k, s, 4, st) for n, k, s, st in itertools.product(blocks_n, (64, 128), splits, stages)]
+    return [GemmTiles(16, n, k, s, w, st)
+            for n, k, s, w, st in itertools.product(blocks_n, (64, 128), splits, (4, 8), stages)]  # fmt: skip
 
 
 def sweep(rows: list[int], quick: bool) -> list[dict]:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | shape | rows | bf16 ms | picked ms | best ms | floor ms | best tiles |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        tiles = "{block_n}x{block_k} split {split_k} stages {num_stages}".format(**r["best"])
+        tiles = "{block_n}x{block_k} split {split_k} warps {num_warps} stages {num_stages}".format(**r["best"])
         print(f"| {r['kernel']} | {r['shape']} | {r['rows']} | {r['bf16_ms']} | {r['picked_ms']} | {r['best_ms']} "
               f"| {r['floor_ms']} | {tiles} |")
     return 0

@@ -147,8 +147,11 @@ def _awq_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    # Column c of a group of eight sits in nibble c // 2 + 4 * (c % 2) (AWQ's order 0, 2, 4, 6, 1, 3, 5, 7).
-    within = cols % 8
+    # Each int32 holds eight columns; column c of a group of eight sits in nibble c // 2 + 4 * (c % 2)
+    # (AWQ's order 0, 2, 4, 6, 1, 3, 5, 7). A tile loads each int32 once and unpacks it into its eight.
+    packs = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    pack_ok = packs < tl.cdiv(N, 8)
+    within = tl.arange(0, 8)
     shifts = ((within // 2) + 4 * (within % 2)) * 4
     k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -156,13 +159,13 @@ def _awq_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
-        both = k_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        packed = tl.load(QWeight + ks[:, None] * stride_qk + (cols // 8)[None, :], mask=both, other=0)
-        zeros = tl.load(QZeros + (group // GROUP) * stride_zk + cols // 8, mask=col_ok, other=0)
+        packed = tl.load(QWeight + ks[:, None] * stride_qk + packs[None, :], mask=k_ok[:, None] & pack_ok[None, :],
+                         other=0)  # fmt: skip
+        q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
+        zeros = tl.load(QZeros + (group // GROUP) * stride_zk + packs, mask=pack_ok, other=0)
+        zero = tl.reshape((zeros[:, None] >> shifts[None, :]) & 0xF, [BLOCK_N])
         scale = tl.load(Scales + (group // GROUP) * stride_sk + cols, mask=col_ok, other=0.0).to(tl.float32)
-        q = (packed >> shifts[None, :]) & 0xF
-        zero = (zeros >> shifts) & 0xF
         w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(X.dtype.element_ty)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
