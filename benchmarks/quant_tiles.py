@@ -27,20 +27,28 @@ from minedraft.model.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 
 
-def time_ms(fn, repeats: int = 30) -> float:
+def time_ms(fn, repeats: int = 20) -> float:
+    """GPU time of one call: `repeats` calls captured in a CUDA graph and replayed, so that launching a
+    kernel from Python (tens of microseconds for Triton) is not what is measured."""
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1e3
+    start = time.perf_counter()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (5 * repeats) * 1e3
 
 
 def copy_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    seconds = time_ms(lambda: dst.copy_(src), 10) / 1e3
+    seconds = time_ms(lambda: dst.copy_(src), 5) / 1e3
     return 2 * src.numel() / seconds
 
 

@@ -59,16 +59,17 @@ def supports_awq(group: int) -> bool:
 
 
 def pick_tiles(m: int, n: int, k: int, granularity: int, device: torch.device) -> GemmTiles:
-    """Tiles for an [m, k] x [k, n] product: K steps within one scale, and on a GPU enough programs for
-    about two per SM (weight-only GEMMs at decode are bound by reading the weight, which needs them all)."""
+    """Tiles for an [m, k] x [k, n] product: K steps within one scale (as long as 128 on a GPU), and K split
+    only where few programs would each walk a long K (Llama-3-8B's down projection at decode: 64 programs
+    of 112 steps each), as benchmarks/quant_tiles.py measured on an H100."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, k_tile(granularity, MAX_BLOCK_K)
     if device.type != "cuda":
-        return GemmTiles(block_m, block_n, k_tile(granularity))
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    split = max(1, min(triton.cdiv(wanted, programs), triton.cdiv(k, block_k) // 4, 16))
-    return GemmTiles(block_m, block_n, block_k, split)
+        return GemmTiles(block_m, 64, k_tile(granularity))
+    block_k = k_tile(granularity, MAX_BLOCK_K)
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = max(1, min(triton.cdiv(sms, programs), triton.cdiv(triton.cdiv(k, block_k), 32)))
+    return GemmTiles(block_m, 64, block_k, split)
 
 
 def _run_split(kernel, grid_args: tuple, x: torch.Tensor, n: int, tiles: GemmTiles, **constants) -> torch.Tensor:
