@@ -65,7 +65,7 @@ def sweep(rows: list[int], quick: bool) -> list[dict]:
     for (name, (n, k)), m in itertools.product(SHAPES.items(), rows):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for kernel, (run, weight_bytes, dense) in quantized_weights(n, k).items():
-            chosen = pick_tiles(m, n, k, 128, x.device)
+            chosen = pick_tiles(m, n, k, 128, x.device, **({"block_n": 128, "block_k": 64} if kernel == "awq" else {}))
             timed = [(time_ms(functools.partial(run, x, t)), t) for t in candidates(quick)]
             best_ms, best = min(timed, key=lambda pair: pair[0])
             row = {"kernel": kernel, "shape": name, "rows": m,

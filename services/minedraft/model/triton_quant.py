@@ -58,18 +58,23 @@ def supports_awq(group: int) -> bool:
     return k_tile(group) >= 16
 
 
-def pick_tiles(m: int, n: int, k: int, granularity: int, device: torch.device) -> GemmTiles:
-    """Tiles for an [m, k] x [k, n] product: K steps within one scale (as long as 128 on a GPU), and K split
-    only where few programs would each walk a long K (Llama-3-8B's down projection at decode: 64 programs
-    of 112 steps each), as benchmarks/quant_tiles.py measured on an H100."""
+def pick_tiles(m: int, n: int, k: int, granularity: int, device: torch.device, block_n: int = 64,
+               block_k: int = MAX_BLOCK_K) -> GemmTiles:
+    """Tiles for an [m, k] x [k, n] product, K steps within one scale. On a GPU K is split (in powers of
+    two, up to 8) until there are about four programs per SM, each slice keeping 8 K steps or more: a
+    decode GEMM has few rows, so without it a narrow projection runs on a fraction of the SMs. The
+    defaults of each kernel (block_n, block_k) are those benchmarks/quant_tiles.py found best on an H100."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if device.type != "cuda":
         return GemmTiles(block_m, 64, k_tile(granularity))
-    block_k = k_tile(granularity, MAX_BLOCK_K)
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    split = max(1, min(triton.cdiv(sms, programs), triton.cdiv(triton.cdiv(k, block_k), 32)))
-    return GemmTiles(block_m, 64, block_k, split)
+    block_k = k_tile(granularity, block_k)
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while split < 8 and programs * split * 2 <= wanted and k_steps // (split * 2) >= 8:
+        split *= 2
+    return GemmTiles(block_m, block_n, block_k, split)
 
 
 def _run_split(kernel, grid_args: tuple, x: torch.Tensor, n: int, tiles: GemmTiles, **constants) -> torch.Tensor:
@@ -103,7 +108,7 @@ def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     """x [M, K] @ AWQ's dequantized W.T -> [M, N] in x's dtype."""
     x = x.contiguous()
     n = scales.shape[1]
-    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], group, x.device)
+    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], group, x.device, block_n=128, block_k=64)
     _check_k_tile(tiles, group)
     return _run_split(_awq_kernel, (qweight, qzeros, scales, qweight.stride(0), qzeros.stride(0), scales.stride(0)),
                       x, n, tiles, GROUP=group)  # fmt: skip
