@@ -115,6 +115,25 @@ def test_a_taken_port_is_one_line_naming_the_flag(service: str, flag: str) -> No
         assert "minedraft up: the scheduler exited with code 2 during start-up" in result.stderr
 
 
+def test_a_service_logging_to_a_file_that_dies_at_start_up_is_reported_with_its_log(tmp_path) -> None:
+    """`minedraft bench --launch` and the benchmarks log each service to a file: the error then carries the
+    end of that log, where "its error is above" would point at nothing."""
+    from minedraft.config import EngineConfig
+    from minedraft.launcher import LocalStack, scheduler_settings
+    from minedraft.settings import StartupError
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        stack = LocalStack(EngineConfig(speculative_config=None), scheduler=scheduler_settings(),
+                           port=port, log_dir=tmp_path, startup_timeout_s=120)  # fmt: skip
+        with pytest.raises(StartupError) as failure:
+            stack.start()
+    message = str(failure.value)
+    assert message.startswith("the scheduler exited with code 2 during start-up; the end of ")
+    assert str(tmp_path / "scheduler.log") in message
+    assert f"cannot listen on 127.0.0.1:{port} (--port)" in message
+
+
 def test_offline_bench_prints_every_mode() -> None:
     result = _minedraft(
         "bench", "--offline", "--num-prompts", "2", "--max-tokens", "4", "--repeats", "1", "--modes", "ar,sd,minedraft",
