@@ -253,10 +253,12 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     "spec, message",
     [
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
-        ('{"method": "eagle3"}', "method 'eagle3' (EAGLE-3 draft heads) is not implemented yet"),
-        ('{"method": "medusa"}', "Input should be 'draft_model'"),
+        ('{"method": "eagle3", "parallel_drafting": true}', "method eagle3 with parallel_drafting (P-EAGLE) is not "
+         "implemented"),
+        ('{"method": "eagle3", "is_parallel": true, "force_pearl": true}', "method eagle3 with force_pearl (PEARL)"),
+        ('{"method": "medusa"}', "Input should be 'draft_model' or 'eagle3'"),
     ],
-    ids=["unknown-key", "eagle3", "unknown-method"],
+    ids=["unknown-key", "p-eagle", "eagle3-pearl", "unknown-method"],
 )
 def test_a_speculative_config_we_do_not_implement_fails_at_startup(pair, spec, message) -> None:
     result = subprocess.run(

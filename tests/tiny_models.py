@@ -140,3 +140,73 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def make_eagle3_head(
+    path: str | Path,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    draft_vocab_size: int | None = None,
+    aux_layers: list[int] | None = None,
+    layout: str = "eagle3",
+    with_embedding: bool = False,
+    seed: int = 0,
+    init_std: float = 0.05,
+) -> Path:
+    """Write a random EAGLE-3 head: EAGLE-3's layout (`midlayer.*`, LlamaForCausalLMEagle3) or the
+    `speculators` one (`layers.0.*`, the layer's config nested in transformer_layer_config). With a draft
+    vocabulary smaller than the target's, `d2t` maps draft id i to target id 2 i (every other id)."""
+    from safetensors.torch import save_file
+
+    if layout not in ("eagle3", "speculators"):
+        raise ValueError("layout must be eagle3 or speculators")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = head_dim or hidden_size // num_heads
+    inter = intermediate_size or 2 * hidden_size
+    draft_vocab = draft_vocab_size or vocab_size
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * init_std  # noqa: E731
+    norm = lambda: 1 + torch.randn(hidden_size, generator=gen) * 0.1  # noqa: E731
+    layer = "midlayer" if layout == "eagle3" else "layers.0"
+    tensors = {
+        "fc.weight": rand(hidden_size, 3 * hidden_size),
+        f"{layer}.input_layernorm.weight": norm(),
+        f"{layer}.hidden_norm.weight": norm(),
+        f"{layer}.self_attn.q_proj.weight": rand(num_heads * head_dim, 2 * hidden_size),
+        f"{layer}.self_attn.k_proj.weight": rand(num_kv_heads * head_dim, 2 * hidden_size),
+        f"{layer}.self_attn.v_proj.weight": rand(num_kv_heads * head_dim, 2 * hidden_size),
+        f"{layer}.self_attn.o_proj.weight": rand(hidden_size, num_heads * head_dim),
+        f"{layer}.post_attention_layernorm.weight": norm(),
+        f"{layer}.mlp.gate_proj.weight": rand(inter, hidden_size),
+        f"{layer}.mlp.up_proj.weight": rand(inter, hidden_size),
+        f"{layer}.mlp.down_proj.weight": rand(hidden_size, inter),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(draft_vocab, hidden_size) * 20,
+    }
+    if with_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab_size, hidden_size) * 20
+    if draft_vocab != vocab_size:
+        tensors["d2t"] = torch.arange(draft_vocab)  # draft id i -> target id i + i
+        tensors["t2d"] = torch.arange(vocab_size) % 2 == 0
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    fields = {
+        "hidden_size": hidden_size, "intermediate_size": inter, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 1024, "vocab_size": vocab_size, "num_hidden_layers": 1, "model_type": "llama",
+    }  # fmt: skip
+    extra = {"draft_vocab_size": draft_vocab}
+    if aux_layers:
+        extra["eagle_aux_hidden_state_layer_ids"] = aux_layers
+    if layout == "eagle3":
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **fields, **extra}
+    else:
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "transformer_layer_config": {**fields, "architectures": ["LlamaForCausalLM"]}, **extra}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -18,6 +18,7 @@ BUNDLED_MODELS_DIR = REPO_ROOT / "models"
 BUNDLED_TARGET = BUNDLED_MODELS_DIR / "minedraft-target"
 BUNDLED_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft"
 BUNDLED_PARD_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft-pard"  # the bundled draft trained for PARD
+BUNDLED_EAGLE3 = BUNDLED_MODELS_DIR / "minedraft-eagle3"  # an EAGLE-3 head trained for the bundled target
 
 
 class Mode(str, Enum):
@@ -34,13 +35,13 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    method: Literal["draft_model"] = Field(
-        "draft_model", description="Proposal method: draft_model, a separate small causal LM (eagle3 is refused: "
-        "not implemented yet)."
+    method: Literal["draft_model", "eagle3"] = Field(
+        "draft_model", description="Proposal method: draft_model (a separate small causal LM) or eagle3 (an "
+        "EAGLE-3 head fed with the target's hidden states)."
     )
     model: str | None = Field(
-        None, description="Draft checkpoint folder (HF format); None = the bundled draft (its PARD version with "
-        "parallel_drafting)."
+        None, description="Draft checkpoint folder (HF format) or EAGLE-3 head; None = the bundled draft (its PARD "
+        "version with parallel_drafting; the bundled EAGLE-3 head with method eagle3)."
     )
     parallel_drafting: bool = Field(
         False, description="Draft all k tokens in one forward (PARD: the draft checkpoint names its mask token "
@@ -65,20 +66,17 @@ class SpeculativeConfig(BaseModel):
     )
     tetris_extra_proposals: int = Field(2, ge=0, le=32, description="e: extra draft tokens per request.")
 
-    @field_validator("method", mode="before")
-    @classmethod
-    def _known_method(cls, value: Any) -> Any:
-        if value == "eagle3":  # vLLM's name: say so rather than "unknown"
-            raise ValueError(
-                "method 'eagle3' (EAGLE-3 draft heads) is not implemented yet; use method 'draft_model' (with "
-                "parallel_drafting: true for a PARD checkpoint)"
-            )
-        return value
-
     @model_validator(mode="after")
     def _check_combinations(self) -> SpeculativeConfig:
         if self.force_pearl and not self.is_parallel:
             raise ValueError("force_pearl requires is_parallel: true")
+        if self.method == "eagle3" and self.parallel_drafting:
+            raise ValueError("method eagle3 with parallel_drafting (P-EAGLE) is not implemented; use method eagle3 "
+                             "alone, or draft_model with parallel_drafting (PARD)")  # fmt: skip
+        if self.method == "eagle3" and self.force_pearl:
+            raise ValueError("method eagle3 with force_pearl (PEARL) is not implemented: a PEARL continuation drafts "
+                             "past tokens the target has not seen; use sd or minedraft (is_parallel without "
+                             "force_pearl)")  # fmt: skip
         return self
 
     @property
@@ -90,7 +88,7 @@ class SpeculativeConfig(BaseModel):
     @property
     def draft_method(self) -> str:
         """How drafts are proposed, as the server reports it: draft_model (k forwards) or pard (one)."""
-        return "pard" if self.parallel_drafting else self.method
+        return "pard" if self.parallel_drafting else self.method  # draft_model, pard or eagle3
 
     @property
     def max_draft_len(self) -> int:
@@ -215,7 +213,13 @@ class EngineConfig(BaseModel):
         spec = self.speculative_config
         if spec and spec.model:
             return Path(spec.model)
+        if spec and spec.method == "eagle3":
+            return BUNDLED_EAGLE3
         return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
+
+    @property
+    def uses_eagle3(self) -> bool:
+        return self.speculative_config is not None and self.speculative_config.method == "eagle3"
 
     def target_only(self) -> EngineConfig:
         """This config without speculation, for a group whose drafter is gone: the same requests run at

@@ -12,9 +12,11 @@ from typing import Any, TypeVar
 import torch
 
 from minedraft.config import EngineConfig
+from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.config import ModelConfig, load_model_config
+from minedraft.model.eagle import default_aux_layers
 from minedraft.model.runner import ModelRunner
 
 T = TypeVar("T")
@@ -115,6 +117,8 @@ class LocalExecutor:
             if worker is not None:
                 result.record_prefix_cache(role, worker.runner.kv_cache.take_prefix_stats())
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
+            if isinstance(self.drafter, EagleDraftWorker):
+                self.drafter.receive_features(self.verifier.take_features())
             self.drafter.apply_results(result.verified)
             handed_over = self.drafter.take_drafts()
             self.verifier.receive_drafts(handed_over)
@@ -144,7 +148,7 @@ def build_local_executor(
     dtype = config.resolved_dtype(device)
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
     target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype,
-                         batch_invariant=config.batch_invariant, **runner_options(config))
+                         batch_invariant=config.batch_invariant, **target_options(config))
     drafter = None
     if config.speculative_config is not None:
         draft = draft_runner(config, num_slots, max_len, device)
@@ -157,7 +161,11 @@ def build_local_executor(
 
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
     """The draft model. Its logits need not be batch-shape invariant (whatever it proposes, the output is
-    exactly the target's), so it always uses the fast kernels."""
+    exactly the target's), so it always uses the fast kernels. An EAGLE-3 head reads the target's
+    tokenizer and embedding, and keeps no prefix cache: its positions need the target's features."""
+    options = runner_options(config)
+    if config.uses_eagle3:
+        options.update(target_path=config.target_path, enable_prefix_caching=False)
     return ModelRunner(
         config.draft_path,
         num_slots=num_slots,
@@ -165,12 +173,14 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         device=device,
         dtype=config.resolved_dtype(device),
         batch_invariant=False,
-        **runner_options(config),
+        **options,
     )
 
 
 def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
     """The drafter's worker; with parallel_drafting, it drafts with the mask token the checkpoint names."""
+    if config.uses_eagle3:
+        return EagleDraftWorker(runner, support_size=config.draft_support_size)
     mask_token = None
     if config.speculative_config is not None and config.speculative_config.parallel_drafting:
         mask_token = runner.config.pard_token
@@ -180,6 +190,24 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
                 "names no pard_token"
             )
     return DraftWorker(runner, support_size=config.draft_support_size, mask_token=mask_token)
+
+
+def target_options(config: EngineConfig) -> dict[str, Any]:
+    """The target's runner: with an EAGLE-3 drafter it keeps the states the head reads, and no prefix cache
+    (a reused prefix would have no states to send)."""
+    options = runner_options(config)
+    if config.uses_eagle3:
+        options.update(aux_hidden_layers=eagle_aux_layers(config), enable_prefix_caching=False)
+    return options
+
+
+def eagle_aux_layers(config: EngineConfig) -> tuple[int, ...]:
+    """The target layers whose input the EAGLE-3 head reads: its config's, else the usual three."""
+    head = load_model_config(config.draft_path)
+    if not head.is_eagle3:
+        raise ValueError(f"method eagle3 needs an EAGLE-3 head: {config.draft_path} is a {head.architecture}")
+    target_layers = load_model_config(config.target_path).num_hidden_layers
+    return head.aux_hidden_layers or default_aux_layers(target_layers)
 
 
 def runner_options(config: EngineConfig) -> dict[str, Any]:

@@ -191,11 +191,12 @@ class _Worker:
 
     def _prefill_inputs(self, tasks: list[PrefillTask]) -> list[SeqInput]:
         """The next chunk of each prefilling request: from what the cache holds up to the task's end."""
-        return [chunk for _, chunk, _ in self._prefill_chunks(tasks, prompt_logits=False)]
+        return [chunk for _, _, chunk, _ in self._prefill_chunks(tasks, prompt_logits=False)]
 
-    def _prefill_chunks(self, tasks: list[PrefillTask], prompt_logits: bool) -> list[tuple[_Sequence, SeqInput, int]]:
-        """Each chunk's request, input and owed prompt rows. With `prompt_logits` (the verifier), a chunk of a
-        request owed prompt logprobs gets a logits row per token (its first rows are the owed ones)."""
+    def _prefill_chunks(self, tasks: list[PrefillTask],
+                        prompt_logits: bool) -> list[tuple[str, _Sequence, SeqInput, int]]:  # fmt: skip
+        """Each chunk's request id, request, input and owed prompt rows. With `prompt_logits` (the verifier), a
+        chunk of a request owed prompt logprobs gets a logits row per token (its first rows are the owed ones)."""
         chunks = []
         for task in tasks:
             seq = self.sequences[task.request_id]
@@ -203,7 +204,8 @@ class _Worker:
             if task.num_tokens > start:
                 tokens = seq.tokens[start : task.num_tokens]
                 owed = seq.owed_prompt_rows(start, len(tokens)) if prompt_logits else 0
-                chunks.append((seq, SeqInput(seq.slot, tokens, start, num_logits=len(tokens) if owed else 0), owed))
+                chunk = SeqInput(seq.slot, tokens, start, num_logits=len(tokens) if owed else 0)
+                chunks.append((task.request_id, seq, chunk, owed))
         return chunks
 
     def _prefilled(self, tasks: list[PrefillTask]) -> None:
@@ -357,6 +359,7 @@ class VerifyWorker(_Worker):
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner)
         self._drafts: dict[str, Drafts] = {}
+        self._features: dict[str, tuple[int, torch.Tensor]] = {}
 
     def release(self, request_ids: list[str]) -> None:
         super().release(request_ids)
@@ -370,8 +373,30 @@ class VerifyWorker(_Worker):
         """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""
         batch = self.forward(plan)
         results = self.sample(batch)
+        self._features = self.features(batch, results)
         self.commit(batch, results)
         return results
+
+    def take_features(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """The last `verify`'s features (see `features`), once."""
+        features, self._features = self._features, {}
+        return features
+
+    def features(self, batch: VerifyBatch, results: list[Verified]) -> dict[str, tuple[int, torch.Tensor]]:
+        """For an EAGLE-3 drafter (a runner with aux_hidden_layers): per request, the first position and the
+        target's states [rows, 3 x hidden] of the positions whose tokens are now committed: a window's
+        pending tokens and accepted drafts, a prefill chunk's tokens. Empty without aux_hidden_layers."""
+        aux = batch.aux_hidden
+        if aux is None:
+            return {}
+        accepted = {r.request_id: r.num_accepted for r in results}
+        features, offset = {}, 0
+        for request_id, start, rows, drafts in batch.inputs:
+            keep = rows - drafts + accepted.get(request_id, 0) if drafts >= 0 else rows
+            if keep > 0:
+                features[request_id] = (start, aux[offset : offset + keep])
+            offset += rows
+        return features
 
     def forward(self, plan: VerifyPlan) -> VerifyBatch:
         """Run the target over every task's pending tokens + drafts (collective under tensor parallelism)."""
@@ -390,11 +415,14 @@ class VerifyWorker(_Worker):
             for seq, (start, written), w, n in zip(seqs, inputs, windows, ahead)
         ]
         chunks = self._prefill_chunks(plan.prefill, prompt_logits=True)  # rows only for prompt logprobs
-        logits = self.runner.forward(verify_inputs + [chunk for _, chunk, _ in chunks])
+        logits = self.runner.forward(verify_inputs + [chunk for _, _, chunk, _ in chunks])
         prompt_rows = [(seq, start, n, a) for seq, (start, _), n, a in zip(seqs, inputs, owed, ahead)]
-        prompt_rows += [(seq, chunk.start_pos, n, chunk.num_logits) for seq, chunk, n in chunks]
+        prompt_rows += [(seq, chunk.start_pos, n, chunk.num_logits) for _, seq, chunk, n in chunks]
         self._prefilled(plan.prefill)
-        return VerifyBatch(plan, seqs, windows, logits, prompt_rows)
+        rows = [(t.request_id, i.start_pos, len(i.token_ids), len(w.tokens))
+                for t, i, w in zip(plan.tasks, verify_inputs, windows)]  # fmt: skip
+        rows += [(request_id, chunk.start_pos, len(chunk.token_ids), -1) for request_id, _, chunk, _ in chunks]
+        return VerifyBatch(plan, seqs, windows, logits, prompt_rows, rows, self.runner.aux_hidden)
 
     def sample(self, batch: VerifyBatch) -> list[Verified]:
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
@@ -483,3 +511,6 @@ class VerifyBatch:
     # Per input of the forward (windows, then prefill chunks): its request, start position, how many of its first
     # rows are owed prompt rows, and its rows ahead of its window's (a chunk has no window rows).
     prompt_rows: list[tuple[_Sequence, int, int, int]] = field(default_factory=list)
+    # Per input of the forward: its request, start position, tokens, and draft tokens among them (-1: a chunk).
+    inputs: list[tuple[str, int, int, int]] = field(default_factory=list)
+    aux_hidden: torch.Tensor | None = None  # [tokens, 3 x hidden]: the target's states for an EAGLE-3 drafter

@@ -9,7 +9,8 @@ from typing import Any
 from minedraft.model.checkpoint import CheckpointError, read_json, resolve_checkpoint_dir
 from minedraft.model.quantization import QuantConfig, parse_quant_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+EAGLE3 = "LlamaForCausalLMEagle3"  # an EAGLE-3 draft head (model/eagle.py); `speculators` calls it Eagle3Speculator
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", EAGLE3)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -54,6 +55,14 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # EAGLE-3 heads: the draft vocabulary's size, and the target layers whose input the head reads (None:
+    # eagle.default_aux_layers of the target).
+    draft_vocab_size: int = 0
+    aux_hidden_layers: tuple[int, ...] | None = None
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.architecture == EAGLE3
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +88,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 def parse_model_config(
     raw: dict[str, Any], generation: dict[str, Any] | None = None, *, source: str | Path = "config.json"
 ) -> ModelConfig:
+    raw = _speculators_flattened(raw)
     arch = _architecture(raw, source)
     hidden, heads = _require_int(raw, "hidden_size", source), _require_int(raw, "num_attention_heads", source)
     kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -90,7 +100,7 @@ def parse_model_config(
     _check_unsupported_features(raw, source)
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    layers = _require_int(raw, "num_hidden_layers", source)
+    layers = 1 if arch == EAGLE3 else _require_int(raw, "num_hidden_layers", source)
     return ModelConfig(
         architecture=arch,
         model_type=str(raw.get("model_type", "")),
@@ -107,7 +117,7 @@ def parse_model_config(
         qkv_bias=is_qwen2 or attention_bias,
         o_proj_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),  # an EAGLE-3 head has none
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(generation, raw),
         bos_token_id=raw.get("bos_token_id"),
@@ -115,7 +125,28 @@ def parse_model_config(
         pard_token=_pard_token(raw, source),
         quantization=parse_quant_config(raw, source),
         **(_moe_fields(raw, layers, source) if arch == "Qwen3MoeForCausalLM" else {}),
+        **(_eagle3_fields(raw, source) if arch == EAGLE3 else {}),
     )
+
+
+def _speculators_flattened(raw: dict[str, Any]) -> dict[str, Any]:
+    """A `speculators` EAGLE-3 config nests the layer's fields in transformer_layer_config: lift them."""
+    if raw.get("speculators_model_type") != "eagle3" and "Eagle3Speculator" not in (raw.get("architectures") or []):
+        return raw
+    layer = dict(raw.get("transformer_layer_config") or {})
+    return {**layer, **{k: v for k, v in raw.items() if k != "transformer_layer_config"}, "architectures": [EAGLE3]}
+
+
+def _eagle3_fields(raw: dict[str, Any], source: str | Path) -> dict[str, Any]:
+    vocab = _require_int(raw, "vocab_size", source)
+    draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+    if not 0 < draft_vocab <= vocab:
+        raise CheckpointError(f"{source}: draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
+    layers = raw.get("eagle_aux_hidden_state_layer_ids")
+    if layers is not None and (not isinstance(layers, list) or len(layers) != 3
+                               or not all(isinstance(i, int) and i >= 0 for i in layers)):  # fmt: skip
+        raise CheckpointError(f"{source}: eagle_aux_hidden_state_layer_ids must list three layer ids, got {layers!r}")
+    return {"draft_vocab_size": draft_vocab, "aux_hidden_layers": tuple(layers) if layers is not None else None}
 
 
 def _moe_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from minedraft.config import check_fits_one_request
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
+from minedraft.model.eagle import Eagle3Head
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.layers import quantized_linears
@@ -44,6 +45,7 @@ class SeqInput:
     token_ids: list[int]  # tokens to write into the cache starting at start_pos
     start_pos: int  # tokens already valid in the cache; later ones are overwritten (rollback = smaller start_pos)
     num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts; 0: none)
+    hidden: torch.Tensor | None = None  # an EAGLE-3 head's hidden input, one row per token ([tokens, hidden])
 
 
 @dataclass
@@ -57,9 +59,11 @@ class ForwardBatch:
     query_lens: torch.Tensor  # [seqs]
     logits_indices: torch.Tensor  # [rows] indices into the flattened tokens
     block_tables: torch.Tensor  # [seqs, width] each sequence's blocks, padded with the zero block
+    hidden: torch.Tensor | None = None  # [tokens, hidden] an EAGLE-3 head's hidden inputs (float)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return ForwardBatch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+        moved = (getattr(self, f.name) for f in fields(self))
+        return ForwardBatch(*(t if t is None else t.to(device, non_blocking=True) for t in moved))
 
 
 class ModelRunner:
@@ -69,7 +73,8 @@ class ModelRunner:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                  attention_kernel: str = "auto", load_format: str = "auto",
                  enable_prefix_caching: bool = False, enforce_eager: bool = False,
-                 quantized_kernel: str = "auto") -> None:
+                 quantized_kernel: str = "auto", aux_hidden_layers: tuple[int, ...] = (),
+                 target_path: str | Path | None = None) -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
@@ -83,14 +88,21 @@ class ModelRunner:
         kernel runs a dense model on one rank.
         quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, Triton GEMMs:
         model/triton_quant.py), dequantize (dense weights at load) or auto (triton on CUDA where it is
-        installed and the block or group shape suits its tiles, dequantize elsewhere)."""
+        installed and the block or group shape suits its tiles, dequantize elsewhere).
+        aux_hidden_layers: a target that feeds an EAGLE-3 head keeps, after every forward, the residual stream
+        entering these layers for every token (`aux_hidden`); such a runner runs eagerly.
+        target_path: for an EAGLE-3 head (model/eagle.py), the target whose tokenizer it uses and whose
+        embedding it reads where its own checkpoint has none."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
         self._work = (0, 0)  # forwards and tokens since take_work
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)
-        self.tokenizer: Tokenizer = load_tokenizer(self.path)
+        if self.config.is_eagle3 and target_path is None:
+            raise ValueError(f"{self.path} is an EAGLE-3 head: use it with method eagle3 (it runs beside its target)")
+        self.target_path = resolve_checkpoint_dir(target_path) if target_path is not None else None
+        self.tokenizer: Tokenizer = load_tokenizer(self.target_path if self.config.is_eagle3 else self.path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.tp = TensorParallel.from_group(tp_group)
@@ -98,6 +110,8 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
         self.model = self._load_model()  # first: on CUDA the KV budget is what the weights leave
+        self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
+        self.head_hidden: torch.Tensor | None = None  # an EAGLE-3 head's output at the last forward's logits rows
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
                                     self.dtype)
@@ -110,7 +124,8 @@ class ModelRunner:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
-        self.graphs: StaticForward | None = None if enforce_eager else self._capture_graphs()
+        eager = enforce_eager or self.config.is_eagle3 or bool(self.aux_hidden_layers)
+        self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
         """CUDA graphs for decode and verification steps, where their static shapes apply (model/graphs.py).
@@ -153,12 +168,16 @@ class ModelRunner:
         return kernel == "triton" or (supports_fp8(quant.block) if quant.method == "fp8" else
                                       supports_awq(quant.group_size))
 
-    def _load_model(self) -> CausalLM:
+    def _load_model(self) -> CausalLM | Eagle3Head:
         quant = self.config.quantization if self.quantized_kernels else None
+        kind = Eagle3Head if self.config.is_eagle3 else CausalLM
         with torch.device(self.device), _default_dtype(self.dtype), quantized_linears(quant):
-            model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
+            model = kind(self.config, self.max_seq_len, self.tp, self.batch_invariant)
         if self.load_format == "dummy":
             _random_weights(model)
+        elif isinstance(model, Eagle3Head):
+            with closing(CheckpointReader(self.path)) as reader, closing(CheckpointReader(self.target_path)) as target:
+                model.load_weights(reader, target)
         else:
             reader = CheckpointReader(self.path, self.config.quantization)
             try:
@@ -167,6 +186,23 @@ class ModelRunner:
                 reader.close()
         model.pack_weights()
         return model.eval()
+
+    def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
+        layers = tuple(layers)
+        if layers:
+            if not isinstance(self.model, CausalLM) or self.config.moe_layers:
+                raise ValueError("aux_hidden_layers is for a dense target model")
+            bad = [i for i in layers if not 0 <= i < self.config.num_hidden_layers]
+            if bad:
+                raise ValueError(f"aux_hidden_layers {list(layers)}: layer(s) {bad} outside the target's "
+                                 f"{self.config.num_hidden_layers} layers")  # fmt: skip
+            self.model.model.aux_layers = layers
+        return layers
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        """After a forward with aux_hidden_layers: [tokens, 3 x hidden], the flattened batch's tokens in order."""
+        return self.model.model.aux_hidden if self.aux_hidden_layers else None
 
     def _agree(self, num_blocks: int) -> int:
         """Tensor-parallel ranks take the same decisions on blocks: all take the smallest rank's pool."""
@@ -225,7 +261,19 @@ class ModelRunner:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(index),
                             as_tensor([s.start_pos for s in seqs]), as_tensor(lens), as_tensor(logits_indices),
-                            as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width))
+                            as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width),
+                            self._head_inputs(seqs))  # fmt: skip
+
+    def _head_inputs(self, seqs: list[SeqInput]) -> torch.Tensor | None:
+        """An EAGLE-3 head's hidden inputs, one row per token in batch order (every input brings them)."""
+        if not self.config.is_eagle3:
+            return None
+        for seq in seqs:
+            if seq.hidden is None or tuple(seq.hidden.shape) != (len(seq.token_ids), self.config.hidden_size):
+                got = None if seq.hidden is None else tuple(seq.hidden.shape)
+                raise ValueError(f"sequence {seq.slot}: an EAGLE-3 head needs hidden inputs of shape "
+                                 f"({len(seq.token_ids)}, {self.config.hidden_size}), got {got}")  # fmt: skip
+        return torch.cat([seq.hidden.to(self.device) for seq in seqs]) if seqs else None
 
     def _fit_blocks(self, seqs: list[SeqInput]) -> None:
         """Rolled-back sequences give their trailing blocks back before growing ones take theirs."""
@@ -279,6 +327,9 @@ class ModelRunner:
         batch = batch.to(self.device)
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)
+        if isinstance(self.model, Eagle3Head):
+            logits, self.head_hidden = self.model(batch.input_ids, ctx, batch.logits_indices, batch.hidden)
+            return logits
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
 
 

@@ -116,12 +116,20 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, tp, batch_invariant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3: the residual stream entering these layers, every token, concatenated in this order.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         ctx = replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                captured[i] = x
             x = layer(x, ctx)
+        if self.aux_layers:
+            self.aux_hidden = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
         return x  # the final norm is applied by CausalLM to the rows that need logits only
 
 

@@ -11,7 +11,7 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
-from minedraft.engine.local_executor import runner_options
+from minedraft.engine.local_executor import target_options
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
@@ -44,7 +44,7 @@ class VerifierNode:
             dtype=config.resolved_dtype(self.device),
             tp_group=self.groups.tp_group if self.groups else None,
             batch_invariant=config.batch_invariant,
-            **runner_options(config),
+            **target_options(config),
         )
         self.worker = VerifyWorker(self.runner)
         self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None

@@ -1,0 +1,123 @@
+"""The drafter with an EAGLE-3 head (model/eagle.py): drafts from the target's hidden states.
+
+Head position p takes the token t_{p+1} and a hidden input, so the head can run up to position n - 1
+once the target has verified up to t_n and sent its features of positions 0 .. n - 1 (they arrive with
+each step's results: `receive_features`). A window then takes k forwards: the first writes every position
+whose features came since the last window (a new request's whole prompt included) and drafts from the
+output at n - 1; each next one feeds the drafted token and the head's own output at the position before.
+
+Positions written with the head's own outputs hold guesses: only positions written with the target's
+features stay, and the last of them (n - 1) is always written again, since its output starts the window.
+A request whose features do not reach n - 1 yet (its first step: the target has not read its prompt) gets
+an empty window, which the verifier decodes plainly. Features of positions already written are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from minedraft.engine.plans import DraftPlan, Drafts, DraftTask
+from minedraft.engine.workers import DraftWorker, _Sequence
+from minedraft.model.eagle import Eagle3Head
+from minedraft.model.runner import ModelRunner, SeqInput
+from minedraft.sampling.sampler import draft_sample
+from minedraft.sampling.tetris import tetris_select
+
+Features = dict[str, tuple[int, torch.Tensor]]  # request -> (first position, [rows, 3 x hidden] target states)
+
+
+@dataclass
+class _HeadState:
+    written: int = 0  # head positions 0 .. written - 1 hold the target's features (their KV is final)
+    start: int = 0  # the position of features' first row (== written)
+    features: torch.Tensor | None = None  # fused features (fc applied) of positions start .. start + rows - 1
+
+    @property
+    def end(self) -> int:
+        return self.start + (0 if self.features is None else len(self.features))
+
+
+class EagleDraftWorker(DraftWorker):
+    def __init__(self, runner: ModelRunner, support_size: int) -> None:
+        if not isinstance(runner.model, Eagle3Head):
+            raise ValueError(f"{runner.path} is not an EAGLE-3 head")
+        super().__init__(runner, support_size)
+        self.head: Eagle3Head = runner.model
+        self._states: dict[str, _HeadState] = {}
+
+    def admit(self, admissions) -> None:
+        super().admit(admissions)
+        for admission in admissions:  # re-admitted: the target sends every position again
+            self._states[admission.request_id] = _HeadState()
+
+    def release(self, request_ids: list[str]) -> None:
+        super().release(request_ids)
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    @torch.inference_mode()
+    def receive_features(self, features: Features) -> None:
+        """Keep the target's states of the positions the head has not written yet."""
+        for request_id, (start, rows) in features.items():
+            state = self._states.get(request_id)
+            if state is None or start + len(rows) <= state.end:
+                continue
+            if start > state.end:
+                raise RuntimeError(f"{request_id}: features from position {start} leave a gap after {state.end}")
+            fused = self.head.fuse(rows[state.end - start :].to(self.device))
+            state.features = fused if state.features is None else torch.cat((state.features, fused))
+
+    def draft(self, plan: DraftPlan) -> None:
+        plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
+        ready = [t for t in plan.tasks if t.num_tokens > 0 and self._can_draft(t)]
+        drafts = self._draft_windows(ready) if ready else []
+        if plan.tetris_capacity is not None and drafts:
+            keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
+            for d, n in zip(drafts, keep):
+                d.truncate(n)
+        windows = dict(zip((t.request_id for t in ready), drafts))
+        for task in plan.tasks:  # no window (nothing asked, or no features yet): the verifier decodes plainly
+            self._windows[task.request_id] = (self._base(task), windows.get(task.request_id, Drafts()))
+
+    def _can_draft(self, task: DraftTask) -> bool:
+        """Features up to the position before the newest token, and a window that follows committed tokens."""
+        tokens = self.sequences[task.request_id].tokens
+        return not task.continue_window and self._states[task.request_id].end >= len(tokens) - 1 >= 1
+
+    def _draft_windows(self, tasks: list[DraftTask]) -> list[Drafts]:
+        seqs = [self.sequences[t.request_id] for t in tasks]
+        states = [self._states[t.request_id] for t in tasks]
+        bases = [list(seq.tokens) for seq in seqs]
+        drafts = [Drafts() for _ in tasks]
+        draws = self._window_draws(seqs, bases, max(t.num_tokens for t in tasks))
+        inputs = [self._catch_up(seq, state) for seq, state in zip(seqs, states)]
+        live = list(range(len(tasks)))
+        for step in range(max(t.num_tokens for t in tasks)):
+            logits = self.runner.forward([inputs[i] for i in live])
+            hidden = self.runner.head_hidden
+            rows = ((seqs[i], seqs[i].history(bases[i], drafts[i].tokens)) for i in live)
+            logits = self._penalized(logits, seqs, rows)
+            tokens, token_probs, q = draft_sample(logits, [seqs[i].params for i in live], draws[live, step],
+                                                  self.support_size)  # fmt: skip
+            for row, i in enumerate(live):
+                drafts[i].tokens.append(tokens[row])
+                drafts[i].token_probs.append(token_probs[row])
+                drafts[i].q_ids.append(q.token_ids[row])
+                drafts[i].q_probs.append(q.probs[row])
+                position = inputs[i].start_pos + len(inputs[i].token_ids)  # the position after the last written
+                inputs[i] = SeqInput(seqs[i].slot, [tokens[row]], position, hidden=hidden[row : row + 1])
+            live = [i for i in live if tasks[i].num_tokens > step + 1]
+        return drafts
+
+    def _catch_up(self, seq: _Sequence, state: _HeadState) -> SeqInput:
+        """The window's first input: head positions written .. n - 1 (token t_{p+1}, the target's features),
+        n = the newest token's position. Afterwards only n - 1 stays to be written again."""
+        n = len(seq.tokens) - 1
+        first = min(state.written, n - 1)
+        assert state.features is not None and state.start <= first
+        rows = state.features[first - state.start : n - state.start]
+        inputs = SeqInput(seq.slot, seq.tokens[first + 1 : n + 1], first, hidden=rows)
+        state.written, state.start, state.features = n - 1, n - 1, state.features[n - 1 - state.start :]
+        return inputs

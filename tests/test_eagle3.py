@@ -1,0 +1,180 @@
+"""EAGLE-3 heads (model/eagle.py) and the drafter that runs them (engine/eagle_drafter.py).
+
+The head's numerics against a reference written here from the checkpoint format's definition, both
+checkpoint layouts, draft vocabularies, the target's states against transformers' hidden states, and
+every decoding mode lossless with a random head (it proposes, the target decides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minedraft import LLM, SamplingParams
+from minedraft.config import BUNDLED_TARGET, EngineConfig, SpeculativeConfig
+from minedraft.model.checkpoint import CheckpointError
+from minedraft.model.runner import ModelRunner, SeqInput
+
+from tiny_models import make_eagle3_head, make_tiny_checkpoint
+
+VOCAB, HIDDEN = 320, 64
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [tokens, heads, dim] at `positions`."""
+    dim = x.shape[-1]
+    freqs = positions[:, None].double() * theta ** (-torch.arange(0, dim, 2).double() / dim)
+    cos, sin = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None], torch.cat((freqs.sin(), freqs.sin()), -1)[:, None]
+    rotated = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
+    return (x.double() * cos + rotated.double() * sin).to(x.dtype)
+
+
+def reference_head(weights: dict[str, torch.Tensor], config: dict, embedding: torch.Tensor, tokens: list[int],
+                   hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Logits over the draft vocabulary and the layer's outputs of positions 0 .. n - 1, from the format's
+    definition: token t at position p with hidden input h; attention over positions <= p."""
+    w = {k.replace("layers.0.", "midlayer."): v.float() for k, v in weights.items()}
+    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = len(tokens)
+    x = torch.cat((_rms(embedding[tokens], w["midlayer.input_layernorm.weight"]),
+                   _rms(hidden, w["midlayer.hidden_norm.weight"])), -1)  # fmt: skip
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, dim)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, dim)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, dim)
+    positions = torch.arange(n)
+    q, k = _rope(q, positions), _rope(k, positions)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * dim)
+    h = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
+    gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+    out = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+    return _rms(out, w["norm.weight"]) @ w["lm_head.weight"].T, out
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "qwen3", vocab_size=VOCAB,
+                                    hidden_size=HIDDEN, num_layers=4, seed=3))  # fmt: skip
+
+
+def _head_runner(head, target) -> ModelRunner:
+    return ModelRunner(head, max_seq_len=128, num_slots=2, target_path=target)
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+@pytest.mark.parametrize("with_embedding", [False, True])
+def test_head_matches_the_reference_written_from_the_format(tmp_path, target, layout, with_embedding) -> None:
+    head = make_eagle3_head(tmp_path / "head", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16, layout=layout,
+                            with_embedding=with_embedding, seed=1)  # fmt: skip
+    weights = load_file(str(head / "model.safetensors"))
+    config = json.loads((head / "config.json").read_text())
+    config = config.get("transformer_layer_config", config)
+    shared = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"]
+    embedding = weights.get("embed_tokens.weight", shared)
+    runner = _head_runner(head, target)
+    tokens = [(7 * i + 3) % VOCAB for i in range(11)]
+    hidden = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(0))
+    expected_logits, expected_out = reference_head(weights, config, embedding.float(), tokens, hidden)
+
+    slot = runner.allocate_slot()
+    logits = runner.forward([SeqInput(slot, tokens[:8], 0, num_logits=8, hidden=hidden[:8])])
+    torch.testing.assert_close(logits, expected_logits[:8], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(runner.head_hidden, expected_out[:8], atol=2e-4, rtol=2e-4)
+    # The rest one position at a time over the cache, as drafting steps run.
+    for p in range(8, 11):
+        step = runner.forward([SeqInput(slot, [tokens[p]], p, hidden=hidden[p : p + 1])])
+        torch.testing.assert_close(step, expected_logits[p : p + 1], atol=2e-4, rtol=2e-4)
+
+
+def test_a_draft_vocabulary_maps_to_target_ids_through_d2t(tmp_path, target) -> None:
+    head = make_eagle3_head(tmp_path / "head", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16,
+                            draft_vocab_size=VOCAB // 2, seed=2)  # fmt: skip
+    weights = load_file(str(head / "model.safetensors"))
+    config = json.loads((head / "config.json").read_text())
+    embedding = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"].float()
+    tokens, hidden = [5, 9, 11], torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    draft_logits, _ = reference_head(weights, config, embedding, tokens, hidden)
+    runner = _head_runner(head, target)
+    logits = runner.forward([SeqInput(runner.allocate_slot(), tokens, 0, num_logits=3, hidden=hidden)])
+    assert logits.shape == (3, VOCAB)
+    torch.testing.assert_close(logits[:, ::2], draft_logits, atol=2e-4, rtol=2e-4)  # draft id i is target id 2 i
+    assert torch.isinf(logits[:, 1::2]).all(), "target ids outside the draft vocabulary get no probability"
+
+
+def test_target_states_are_the_residual_stream_entering_the_named_layers(target) -> None:
+    """aux_hidden_layers against transformers' output_hidden_states (element i: the input of layer i)."""
+    transformers = pytest.importorskip("transformers")
+    tokens = [(11 * i + 2) % VOCAB for i in range(9)]
+    runner = ModelRunner(target, max_seq_len=64, aux_hidden_layers=(1, 3, 2))
+    runner.forward([SeqInput(runner.allocate_slot(), tokens, 0)])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    with torch.no_grad():
+        states = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i][0] for i in (1, 3, 2)], -1)
+    torch.testing.assert_close(runner.aux_hidden, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_what_an_eagle3_head_cannot_be_used_with_is_refused(tmp_path, target) -> None:
+    head = make_eagle3_head(tmp_path / "head", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16)
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: use it with method eagle3"):
+        ModelRunner(head, max_seq_len=64)
+    with pytest.raises(ValueError, match="method eagle3 needs an EAGLE-3 head"):
+        LLM(model=target, speculative_config={"method": "eagle3", "model": target})
+    with pytest.raises(ValueError, match="outside the target's 4 layers"):
+        ModelRunner(target, max_seq_len=64, aux_hidden_layers=(1, 2, 4))
+    broken = make_eagle3_head(tmp_path / "broken", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16,
+                              draft_vocab_size=VOCAB // 2)  # fmt: skip
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["d2t"] = torch.full((VOCAB // 2,), VOCAB)  # maps past the target's vocabulary
+    from safetensors.torch import save_file
+
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="d2t maps draft ids outside the target vocabulary"):
+        _head_runner(broken, target)
+    for spec in ({"method": "eagle3", "parallel_drafting": True}, {"method": "eagle3", "is_parallel": True,
+                                                                    "force_pearl": True}):  # fmt: skip
+        with pytest.raises(ValueError, match="is not implemented"):
+            SpeculativeConfig.parse(spec)
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory) -> str:
+    """A random head for the bundled target (hidden 256, 4 / 2 heads of 64): it proposes nonsense."""
+    return str(make_eagle3_head(tmp_path_factory.mktemp("head"), hidden_size=256, vocab_size=4096, head_dim=64,
+                                aux_layers=[1, 3, 5], seed=4))  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", [{}, {"is_parallel": True}, {"is_parallel": True, "tetris": True}],
+                         ids=["sd", "minedraft", "minedraft+tetris"])  # fmt: skip
+def test_every_mode_with_a_random_head_returns_ars_tokens(random_head, spec) -> None:
+    prompts = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Tree:\n    def __init__(self"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = {}
+    for name, config in {"ar": None, "eagle3": {"method": "eagle3", "model": random_head, "adaptive": False,
+                                                 "num_speculative_tokens": 3, **spec}}.items():  # fmt: skip
+        llm = LLM(model=str(BUNDLED_TARGET), speculative_config=config, max_num_seqs=2, batch_invariant=True)
+        try:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.close()
+        outputs[name] = [r.outputs[0].token_ids for r in results]
+        if config is not None:
+            assert all(r.spec_decode_stats.num_draft_tokens > 0 for r in results), "the head drafted nothing"
+    assert outputs["eagle3"] == outputs["ar"]
+
+
+def test_the_config_reports_the_method(random_head) -> None:
+    config = EngineConfig(speculative_config={"method": "eagle3", "model": random_head})
+    assert config.speculative_config.draft_method == "eagle3"
+    assert config.uses_eagle3 and str(config.draft_path) == random_head
