@@ -178,3 +178,60 @@ def test_the_config_reports_the_method(random_head) -> None:
     config = EngineConfig(speculative_config={"method": "eagle3", "model": random_head})
     assert config.speculative_config.draft_method == "eagle3"
     assert config.uses_eagle3 and str(config.draft_path) == random_head
+
+
+def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_committed_position(
+    tmp_path, target
+) -> None:
+    """The drafter's bookkeeping against a recomputation from scratch: after every step, the window equals
+    the reference head run over the target's states of all committed positions (from a fresh target
+    forward), then chained on its own outputs. Covers a prompt prefilled in two chunks, windows after
+    rejections, and positions caught up over several steps."""
+    from minedraft.engine.eagle_drafter import EagleDraftWorker
+    from minedraft.engine.plans import Admission, DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
+    from minedraft.engine.workers import VerifyWorker
+
+    # Weights large enough that the tokens, not only the hidden inputs, decide the drafts.
+    head = make_eagle3_head(tmp_path / "head", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16, seed=5,
+                            aux_layers=[0, 2, 3], init_std=0.4)  # fmt: skip
+    weights = load_file(str(head / "model.safetensors"))
+    config = json.loads((head / "config.json").read_text())
+    embedding = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"].float()
+    verifier = VerifyWorker(ModelRunner(target, max_seq_len=128, num_slots=2, aux_hidden_layers=(0, 2, 3)))
+    drafter = EagleDraftWorker(_head_runner(head, target), support_size=4)
+    fresh = ModelRunner(target, max_seq_len=128, aux_hidden_layers=(0, 2, 3))
+    prompt = [(13 * i + 1) % VOCAB for i in range(21)]
+    greedy = SamplingParams(temperature=0)
+    for worker in (verifier, drafter):
+        worker.admit([Admission("r", list(prompt), greedy, seed=0)])
+
+    def exchange() -> None:
+        drafter.receive_features(verifier.take_features())
+        drafter.apply_results(results)
+
+    results = verifier.verify(VerifyPlan([], prefill=[PrefillTask("r", 12)]))  # the first chunk only
+    exchange()
+    results = verifier.verify(VerifyPlan([VerifyTask("r")]))  # the rest, and the first output token
+    exchange()
+    for _ in range(4):
+        drafter.draft(DraftPlan([DraftTask("r", 3)]))
+        window = drafter.take_drafts()["r"]
+        tokens = verifier.sequences["r"].tokens
+        assert window.tokens == _reference_window(fresh, weights, config, embedding, tokens, 3)
+        verifier.receive_drafts({"r": window})
+        results = verifier.verify(VerifyPlan([VerifyTask("r")]))
+        exchange()
+
+
+def _reference_window(fresh: ModelRunner, weights, config, embedding, tokens: list[int], k: int) -> list[int]:
+    slot = fresh.allocate_slot()
+    fresh.forward([SeqInput(slot, tokens, 0)])
+    features = fresh.aux_hidden.float()[: len(tokens) - 1] @ weights["fc.weight"].float().T
+    fresh.free_slot(slot)
+    inputs, hidden, window = list(tokens[1:]), list(features), []
+    for _ in range(k):
+        logits, out = reference_head(weights, config, embedding, inputs, torch.stack(hidden))
+        window.append(int(logits[-1].argmax()))
+        inputs.append(window[-1])
+        hidden.append(out[-1])
+    return window
