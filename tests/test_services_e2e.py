@@ -30,6 +30,7 @@ from minedraft.sampling.params import SamplingParams
 
 from conftest import pard_draft, tiny_config
 from services import children, serving, wait_serving, worker_info
+from tiny_models import make_eagle3_head
 
 MAX_MODEL_LEN = 128
 MODES = {
@@ -111,6 +112,26 @@ def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str
         with Client(stack.address) as client:
             info = client.server_info()
         assert (info.mode, info.draft_method, info.speculative_config["parallel_drafting"]) == (mode, "pard", True)
+        _assert_idle(stack)
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["sd", "minedraft"])
+def test_eagle3_over_grpc_with_two_verifier_ranks_equals_offline_ar(pair, expected, mode: str, tmp_path) -> None:
+    """EAGLE-3 across the services: verifier rank 0 sends the target's states of every committed position to
+    the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans."""
+    target_hidden = json.loads(Path(pair[0], "config.json").read_text())["hidden_size"]
+    head = make_eagle3_head(tmp_path / "head", hidden_size=target_hidden, vocab_size=320, head_dim=16,
+                            aux_layers=[0, 1, 1], init_std=0.4)  # fmt: skip
+    config = _config((pair[0], str(head)), {**MODES[mode], "method": "eagle3"}, tensor_parallel_size=2)
+    work = _workload()
+    with LocalStack(config) as stack:
+        got = _generate_concurrently(stack.address, work)
+        with Client(stack.address) as client:
+            info = client.server_info()
+            drafted = client.generate(work[3][0], max_tokens=12, temperature=0).spec_decode_stats.num_draft_tokens
+        assert (info.mode, info.draft_method) == (mode, "eagle3")
+        assert drafted > 0, "the head drafted nothing: its features never reached the drafter"
         _assert_idle(stack)
     assert got == expected
 

@@ -24,6 +24,7 @@ from minedraft.transport.groups import agree_backend
 
 SUPPORT = 4
 NUM_STEPS = 4
+FEATURE_WIDTH = 6  # an EAGLE-3 drafter's rows: 3 x the target's hidden size
 CHILD_TIMEOUT_S = 60  # each child's process-group timeout: a dead peer turns into an error, not a hang
 PARENT_TIMEOUT_S = 90
 
@@ -37,6 +38,7 @@ class Step:
     results: list[Verified]
     draft_ids: list[str]
     windows: dict[str, Drafts]
+    features: dict[str, tuple[int, torch.Tensor]]  # verifier rank 0 -> the drafter (EAGLE-3)
 
 
 def make_window(gen: torch.Generator, length: int) -> Drafts:
@@ -62,7 +64,18 @@ def make_step(step: int) -> Step:
     window_lengths = [[2, 0, None, 5, 1], [None, None], [0, 0], [3]][step % 4]
     draft_ids = [f"d{step}-{i}" for i in range(len(window_lengths))]
     windows = {r: make_window(gen, n) for r, n in zip(draft_ids, window_lengths) if n is not None}
-    return Step(plan, results, draft_ids, windows)
+    dtype = (torch.float32, torch.bfloat16)[step % 2]
+    features = {r.request_id: (int(torch.randint(0, 1000, (1,), generator=gen)),
+                               torch.randn(len(r.token_ids), FEATURE_WIDTH, generator=gen).to(dtype))
+                for r in results if r.token_ids}  # fmt: skip
+    return Step(plan, results, draft_ids, windows, features)
+
+
+def assert_features_equal(got: dict[str, tuple[int, torch.Tensor]], expected: dict[str, tuple[int, torch.Tensor]]):
+    assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
+    for request_id, (start, rows) in expected.items():
+        assert got[request_id][0] == start and got[request_id][1].dtype == rows.dtype
+        assert torch.equal(got[request_id][1], rows), request_id
 
 
 def assert_windows_equal(got: dict[str, Drafts], expected: dict[str, Drafts]) -> None:
@@ -89,12 +102,14 @@ def play(rank: int, tp_size: int, channel: StepChannel) -> int:
         verify_ids = [r.request_id for r in s.results]
         if rank == tp_size:  # the drafter
             assert channel.recv_results(verify_ids) == s.results
+            assert_features_equal(channel.recv_features(verify_ids), s.features)
             channel.send_drafts(s.draft_ids, s.windows)
-            checked += 1
+            checked += 2
             continue
         if rank == 0:
             assert channel.broadcast_plan(s.plan) == s.plan
             channel.send_results(s.results)
+            channel.send_features(verify_ids, s.features, FEATURE_WIDTH)
         else:
             assert channel.broadcast_plan(None) == s.plan
             assert channel.recv_results(verify_ids) == s.results
@@ -185,7 +200,8 @@ def run_world(tp_size: int) -> dict[int, int]:
 def test_step_transfers_across_processes(tp_size):
     checked = run_world(tp_size)
     per_follower = 3 * NUM_STEPS + 1  # plan, results, drafts per step + the order mismatch
-    expected = {0: NUM_STEPS + 1, **{r: per_follower for r in range(1, tp_size)}, tp_size: NUM_STEPS}
+    # the drafter: results and features, per step
+    expected = {0: NUM_STEPS + 1, **{r: per_follower for r in range(1, tp_size)}, tp_size: 2 * NUM_STEPS}
     assert checked == expected
 
 

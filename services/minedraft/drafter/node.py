@@ -6,6 +6,7 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.local_executor import draft_runner, draft_worker
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
@@ -59,6 +60,8 @@ class DrafterNode:
             reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
         if verify is not None:
             self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
+            if isinstance(self.worker, EagleDraftWorker):
+                self.worker.receive_features(self.channel.recv_features(verify.request_ids()))
         if draft is not None:
             windows = self.worker.take_drafts()
             self.channel.send_drafts([t.request_id for t in draft.tasks], windows)

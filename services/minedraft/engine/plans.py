@@ -76,6 +76,10 @@ class VerifyPlan:
     tasks: list[VerifyTask]
     prefill: list[PrefillTask] = field(default_factory=list)
 
+    def request_ids(self) -> list[str]:
+        """Every request the verifier's forward writes, in plan order (windows, then prefill chunks), once."""
+        return list(dict.fromkeys([t.request_id for t in self.tasks] + [p.request_id for p in self.prefill]))
+
 
 @dataclass
 class Drafts:

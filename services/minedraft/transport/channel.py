@@ -15,6 +15,9 @@ Layouts (n = number of request ids of the transfer, S = support size):
 - drafts:  sizes [n, ids_hash, total, S, count * n], count = -1 for a dropped window
            payload int64 [total * (1 + S)]: all draft tokens, then all q id rows
            probs float32 [total * S]: all q probability rows
+- features (verifier rank 0 -> an EAGLE-3 drafter, after the results):
+           sizes [n, ids_hash, total_rows, width, dtype code, (first position, rows) * n]
+           payload [total_rows, width] in the target's dtype: the target's states of the committed positions
 
 Under NCCL every tensor lives on the rank's GPU (`WorldGroups.device`). On the receiving side tokens and
 counts come back as Python lists; q rows come back as row views of one received buffer on
@@ -34,7 +37,9 @@ from minedraft.transport.groups import WorldGroups
 _LEADER = 0  # verifier rank 0: samples, sends results, forwards plans
 _RESULTS_HEADER = 3
 _DRAFTS_HEADER = 4
+_FEATURES_HEADER = 5
 _DROPPED = -1
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the features' dtype codes
 
 
 def ids_hash(request_ids: list[str]) -> int:
@@ -133,6 +138,53 @@ class StepChannel:
             verified.append(Verified(request_id, tokens[offset : offset + length], num_draft, num_accepted))
             offset += length
         return verified
+
+    # -- features: verifier rank 0 -> an EAGLE-3 drafter ------------------------------------------
+
+    def send_features(self, request_ids: list[str], features: dict[str, tuple[int, torch.Tensor]],
+                      width: int) -> None:  # fmt: skip
+        """Verifier rank 0: the target's states of this step's committed positions, per request of
+        `request_ids` (absent: none), rows of `width` values, to the drafter only."""
+        if not self._verifier_role("send_features"):
+            raise RuntimeError("only verifier rank 0 sends features")
+        unknown = features.keys() - set(request_ids)
+        if unknown:
+            raise ValueError(f"features for requests not in this transfer: {sorted(unknown)}")
+        spans = [features.get(r, (0, None)) for r in request_ids]
+        rows = [t for _, t in spans if t is not None and len(t)]
+        dtype = rows[0].dtype if rows else torch.float32
+        if any(t.dtype != dtype or t.dim() != 2 or t.shape[1] != width for t in rows) or dtype not in _DTYPES:
+            raise ValueError(f"feature rows must be 2-D, {width} wide, of one dtype of {_DTYPES}")
+        counts = [x for start, t in spans for x in (start, 0 if t is None else len(t))]
+        header = [len(request_ids), ids_hash(request_ids), sum(len(t) for t in rows), width, _DTYPES.index(dtype)]
+        drafter = self.groups.topology.drafter_rank
+        dist.send(self._ints(header + counts), dst=drafter)
+        if rows:
+            dist.send(torch.cat(rows).to(self.groups.device).contiguous(), dst=drafter)
+
+    def recv_features(self, request_ids: list[str]) -> dict[str, tuple[int, torch.Tensor]]:
+        """The drafter: per request (absent when none came), the first position and its rows (row views of
+        one buffer on the communication device)."""
+        if not self.groups.is_drafter:
+            raise RuntimeError("only the drafter receives features")
+        sizes = torch.empty(_FEATURES_HEADER + 2 * len(request_ids), dtype=torch.int64, device=self.groups.device)
+        dist.recv(sizes, src=_LEADER)
+        header = sizes.tolist()
+        total = self._check_header(header, request_ids, "features")
+        width, code = header[3], header[4]
+        spans = header[_FEATURES_HEADER:]
+        if width < 1 or not 0 <= code < len(_DTYPES) or sum(spans[1::2]) != total or min(spans, default=0) < 0:
+            raise ValueError(f"features: corrupt sizes message {header[:_FEATURES_HEADER]}")
+        if not total:
+            return {}
+        payload = torch.empty(total, width, dtype=_DTYPES[code], device=self.groups.device)
+        dist.recv(payload, src=_LEADER)
+        features, offset = {}, 0
+        for request_id, start, rows in zip(request_ids, spans[0::2], spans[1::2]):
+            if rows:
+                features[request_id] = (start, payload[offset : offset + rows])
+            offset += rows
+        return features
 
     # -- drafts: drafter -> every verifier rank ---------------------------------------------------
 
