@@ -12,6 +12,10 @@ penalise the second token for repeating the first): the exact joint then process
 logits with the first as output, and every mode must match it. And under a grammar (a regex whose second
 letter's range depends on the first): the exact joint masks each position with the letters allowed there.
 
+With an EAGLE-3 head (random, its draft vocabulary the target's twelve likeliest tokens so that drafts
+are both accepted and rejected) the first token is always the target's own (the head needs the target's
+states of the prompt first), so those requests sample three tokens and the joint is over three.
+
 Threshold: p-value > 1e-3. Seeds are fixed, so the test is deterministic; with a correct sampler the
 chance of a fixed seed landing below 1e-3 is 0.1% per test, and a wrong rule (for example sampling from
 p instead of the residual after a rejection) moves the distribution by far more than the noise at this
@@ -34,6 +38,7 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
 
 from conftest import make_pair, pard_draft, target_probs
+from tiny_models import make_eagle3_head
 
 PROMPT = [5, 17, 42]
 NUM_SAMPLES = 3000
@@ -65,11 +70,13 @@ def _grammar_params() -> dict:
 def _letters_allowed(output: str) -> str:
     """What GRAMMAR allows after `output` (each letter is one token in the tiny byte-level vocabulary)."""
     alphabet = "abcdefghijklmnopqrstuvwxyz"
+    if len(output) == 2:
+        return "x"
     return alphabet if not output else alphabet[:13] if output == "a" else alphabet[13:]
 
 
-def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, int], float]:
-    """P(t1, t2 | PROMPT) under the target with `params_kwargs`, computed by enumeration."""
+def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, ...], float]:
+    """P(t1, .., t_max_tokens | PROMPT) under the target with `params_kwargs`, computed by enumeration."""
     runner = ModelRunner(target, num_slots=1, max_seq_len=16)
     slot = runner.allocate_slot()
     params = SamplingParams(**params_kwargs)
@@ -86,22 +93,39 @@ def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, int], float]:
         logits = apply_penalties(logits, [params], [History(tokens, len(PROMPT))], eos)
         return target_probs(logits.masked_fill(banned(tokens), -torch.inf), params)[0]
 
-    p1 = probs_after(PROMPT)
-    joint = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = probs_after(PROMPT + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    def extend(output: tuple[int, ...], prob: float, joint: dict[tuple[int, ...], float]) -> None:
+        if len(output) == params.max_tokens:
+            joint[output] = prob
+            return
+        probs = probs_after(PROMPT + list(output))
+        for token in torch.nonzero(probs).flatten().tolist():
+            extend((*output, token), prob * float(probs[token]), joint)
+
+    joint: dict[tuple[int, ...], float] = {}
+    extend((), 1.0, joint)
     return joint
 
 
-def _sample(config: EngineConfig, params_kwargs: dict) -> Counter:
+def _likely_tokens(joint: dict[tuple[int, ...], float], count: int = 12) -> list[int]:
+    """The target's most likely output tokens: a random head whose draft vocabulary is only these proposes
+    tokens the target often accepts, so both the accept and the reject path of the rule are exercised."""
+    mass: Counter = Counter()
+    for output, prob in joint.items():
+        for token in output:
+            mass[token] += prob
+    return sorted(token for token, _ in mass.most_common(count))
+
+
+def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, int]:
+    """The sampled outputs' counts, and the draft tokens proposed and accepted on the way."""
     engine = LLMEngine.local(config)
     try:
         requests = [engine.add_request(PROMPT, SamplingParams(**params_kwargs, seed=i)) for i in range(NUM_SAMPLES)]
         while engine.has_unfinished():
             engine.step()
-        return Counter(tuple(r.output_ids) for r in requests)
+        drafted, accepted = sum(r.stats.num_draft_tokens for r in requests), sum(r.stats.num_accepted_tokens
+                                                                                 for r in requests)  # fmt: skip
+        return Counter(tuple(r.output_ids) for r in requests), drafted, accepted
     finally:
         engine.executor.close()
 
@@ -115,17 +139,25 @@ def _sample(config: EngineConfig, params_kwargs: dict) -> Counter:
         {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True, "tetris_extra_proposals": 1},
         {"num_speculative_tokens": 2, "parallel_drafting": True},
         {"num_speculative_tokens": 2, "is_parallel": True, "parallel_drafting": True},
+        {"num_speculative_tokens": 2, "method": "eagle3", "adaptive": False},
+        {"num_speculative_tokens": 2, "is_parallel": True, "method": "eagle3", "adaptive": False},
     ],
-    ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard"],
+    ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3", "minedraft+eagle3"],
 )
 @pytest.mark.parametrize("options", ["plain", "penalty+bias", "grammar"])
 def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:
     """With parallel drafting the second draft token comes from the mask position's q, drawn without
-    seeing the first: the rejection rule must still give the target's distribution."""
+    seeing the first: the rejection rule must still give the target's distribution. An EAGLE-3 head (random,
+    reading the target's states) drafts the second token from the states of the prompt's positions."""
     target, draft = pair
     if spec and spec.get("parallel_drafting"):
         draft = pard_draft(draft, tmp_path)
     params_kwargs = {"plain": PARAMS, "grammar": _grammar_params()}.get(options) or _penalized_params(target)
+    if spec and spec.get("method") == "eagle3":  # its first token is always the target's own: sample three
+        params_kwargs = {**params_kwargs, "max_tokens": 3}
+        draft = make_eagle3_head(tmp_path / "head", hidden_size=64, vocab_size=320, head_dim=16, aux_layers=[0, 1, 1],
+                                 draft_ids=_likely_tokens(_exact_joint(target, params_kwargs)),
+                                 init_std=0.01)  # flat logits: q spreads over those tokens  # fmt: skip
     joint = _exact_joint(target, params_kwargs)
     config = EngineConfig(
         model=str(target),
@@ -135,7 +167,11 @@ def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_p
         device="cpu",
         draft_support_size=3,
     )
-    counts = _sample(config, params_kwargs)
+    counts, drafted, accepted = _sample(config, params_kwargs)
+    # Both sides of the rule ran: drafts accepted and drafts rejected. (Not in the plain case of the random draft
+    # model, whose top-3 never meets the target's top-6 after this prompt: it accepts nothing there.)
+    if spec and (spec.get("method") == "eagle3" or options != "plain"):
+        assert 0 < accepted < drafted, (accepted, drafted)
     assert set(counts) <= set(joint), f"sampled pairs the target cannot produce: {set(counts) - set(joint)}"
     cells = sorted(joint, key=joint.get, reverse=True)
     # Pool the rare cells so every expected count is large enough for the chi-square approximation.

@@ -152,6 +152,7 @@ def make_eagle3_head(
     head_dim: int | None = None,
     intermediate_size: int | None = None,
     draft_vocab_size: int | None = None,
+    draft_ids: list[int] | None = None,
     aux_layers: list[int] | None = None,
     layout: str = "eagle3",
     with_embedding: bool = False,
@@ -160,7 +161,8 @@ def make_eagle3_head(
 ) -> Path:
     """Write a random EAGLE-3 head: EAGLE-3's layout (`midlayer.*`, LlamaForCausalLMEagle3) or the
     `speculators` one (`layers.0.*`, the layer's config nested in transformer_layer_config). With a draft
-    vocabulary smaller than the target's, `d2t` maps draft id i to target id 2 i (every other id)."""
+    vocabulary smaller than the target's, `d2t` maps draft id i to target id 2 i (every other id), or to
+    `draft_ids[i]` when given."""
     from safetensors.torch import save_file
 
     if layout not in ("eagle3", "speculators"):
@@ -170,7 +172,7 @@ def make_eagle3_head(
     gen = torch.Generator().manual_seed(seed)
     head_dim = head_dim or hidden_size // num_heads
     inter = intermediate_size or 2 * hidden_size
-    draft_vocab = draft_vocab_size or vocab_size
+    draft_vocab = len(draft_ids) if draft_ids else draft_vocab_size or vocab_size
     rand = lambda *shape: torch.randn(*shape, generator=gen) * init_std  # noqa: E731
     norm = lambda: 1 + torch.randn(hidden_size, generator=gen) * 0.1  # noqa: E731
     layer = "midlayer" if layout == "eagle3" else "layers.0"
@@ -192,8 +194,9 @@ def make_eagle3_head(
     if with_embedding:
         tensors["embed_tokens.weight"] = rand(vocab_size, hidden_size) * 20
     if draft_vocab != vocab_size:
-        tensors["d2t"] = torch.arange(draft_vocab)  # draft id i -> target id i + i
-        tensors["t2d"] = torch.arange(vocab_size) % 2 == 0
+        targets = torch.tensor(draft_ids) if draft_ids else 2 * torch.arange(draft_vocab)
+        tensors["d2t"] = targets - torch.arange(draft_vocab)  # target id = draft id + d2t[draft id]
+        tensors["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, targets, True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     fields = {
         "hidden_size": hidden_size, "intermediate_size": inter, "num_attention_heads": num_heads,
