@@ -142,10 +142,8 @@ def test_what_an_eagle3_head_cannot_be_used_with_is_refused(tmp_path, target) ->
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t maps draft ids outside the target vocabulary"):
         _head_runner(broken, target)
-    for spec in ({"method": "eagle3", "parallel_drafting": True}, {"method": "eagle3", "is_parallel": True,
-                                                                    "force_pearl": True}):  # fmt: skip
-        with pytest.raises(ValueError, match="is not implemented"):
-            SpeculativeConfig.parse(spec)
+    with pytest.raises(ValueError, match=r"method eagle3 with parallel_drafting \(P-EAGLE\) is not implemented"):
+        SpeculativeConfig.parse({"method": "eagle3", "parallel_drafting": True})
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +153,9 @@ def random_head(tmp_path_factory) -> str:
                                 aux_layers=[1, 3, 5], seed=4))  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", [{}, {"is_parallel": True}, {"is_parallel": True, "tetris": True}],
-                         ids=["sd", "minedraft", "minedraft+tetris"])  # fmt: skip
+@pytest.mark.parametrize("spec", [{}, {"is_parallel": True, "force_pearl": True}, {"is_parallel": True},
+                                  {"is_parallel": True, "tetris": True}],
+                         ids=["sd", "pearl", "minedraft", "minedraft+tetris"])  # fmt: skip
 def test_every_mode_with_a_random_head_returns_ars_tokens(random_head, spec) -> None:
     prompts = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Tree:\n    def __init__(self"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -186,7 +185,7 @@ def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_co
     """The drafter's bookkeeping against a recomputation from scratch: after every step, the window equals
     the reference head run over the target's states of all committed positions (from a fresh target
     forward), then chained on its own outputs. Covers a prompt prefilled in two chunks, windows after
-    rejections, and positions caught up over several steps."""
+    rejections, positions caught up over several steps, and PEARL continuations."""
     from minedraft.engine.eagle_drafter import EagleDraftWorker
     from minedraft.engine.plans import Admission, DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
     from minedraft.engine.workers import VerifyWorker
@@ -217,10 +216,16 @@ def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_co
         drafter.draft(DraftPlan([DraftTask("r", 3)]))
         window = drafter.take_drafts()["r"]
         tokens = verifier.sequences["r"].tokens
-        assert window.tokens == _reference_window(fresh, weights, config, embedding, tokens, 3)
+        reference = _reference_window(fresh, weights, config, embedding, tokens, 5)
+        assert window.tokens == reference[:3]
+        # PEARL: the window's continuation, drafted before the window is verified, goes on as its next steps would.
+        drafter.draft(DraftPlan([DraftTask("r", 2, continue_window=True)]))
+        assert drafter._windows["r"][1].tokens == reference[3:]  # held until the step's end decides on it
         verifier.receive_drafts({"r": window})
-        results = verifier.verify(VerifyPlan([VerifyTask("r")]))
+        results = verifier.verify(VerifyPlan([VerifyTask("r", keep_bonus=False)]))
         exchange()
+        kept = drafter.take_drafts()
+        assert ("r" in kept) == (verifier.sequences["r"].tokens == tokens + window.tokens)  # all accepted
 
 
 def _reference_window(fresh: ModelRunner, weights, config, embedding, tokens: list[int], k: int) -> list[int]:

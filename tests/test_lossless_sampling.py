@@ -140,9 +140,11 @@ def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, in
         {"num_speculative_tokens": 2, "parallel_drafting": True},
         {"num_speculative_tokens": 2, "is_parallel": True, "parallel_drafting": True},
         {"num_speculative_tokens": 2, "method": "eagle3", "adaptive": False},
+        {"num_speculative_tokens": 2, "is_parallel": True, "force_pearl": True, "method": "eagle3", "adaptive": False},
         {"num_speculative_tokens": 2, "is_parallel": True, "method": "eagle3", "adaptive": False},
     ],
-    ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3", "minedraft+eagle3"],
+    ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3", "pearl+eagle3",
+         "minedraft+eagle3"],
 )
 @pytest.mark.parametrize("options", ["plain", "penalty+bias", "grammar"])
 def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:

@@ -116,7 +116,7 @@ def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str
     assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["sd", "minedraft"])
+@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft"])
 def test_eagle3_over_grpc_with_two_verifier_ranks_equals_offline_ar(pair, expected, mode: str, tmp_path) -> None:
     """EAGLE-3 across the services: verifier rank 0 sends the target's states of every committed position to
     the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans."""
@@ -276,10 +276,9 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
         ('{"method": "eagle3", "parallel_drafting": true}', "method eagle3 with parallel_drafting (P-EAGLE) is not "
          "implemented"),
-        ('{"method": "eagle3", "is_parallel": true, "force_pearl": true}', "method eagle3 with force_pearl (PEARL)"),
         ('{"method": "medusa"}', "Input should be 'draft_model' or 'eagle3'"),
     ],
-    ids=["unknown-key", "p-eagle", "eagle3-pearl", "unknown-method"],
+    ids=["unknown-key", "p-eagle", "unknown-method"],
 )
 def test_a_speculative_config_we_do_not_implement_fails_at_startup(pair, spec, message) -> None:
     result = subprocess.run(

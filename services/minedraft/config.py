@@ -73,10 +73,6 @@ class SpeculativeConfig(BaseModel):
         if self.method == "eagle3" and self.parallel_drafting:
             raise ValueError("method eagle3 with parallel_drafting (P-EAGLE) is not implemented; use method eagle3 "
                              "alone, or draft_model with parallel_drafting (PARD)")  # fmt: skip
-        if self.method == "eagle3" and self.force_pearl:
-            raise ValueError("method eagle3 with force_pearl (PEARL) is not implemented: a PEARL continuation drafts "
-                             "past tokens the target has not seen; use sd or minedraft (is_parallel without "
-                             "force_pearl)")  # fmt: skip
         return self
 
     @property

@@ -10,6 +10,10 @@ Positions written with the head's own outputs hold guesses: only positions writt
 features stay, and the last of them (n - 1) is always written again, since its output starts the window.
 A request whose features do not reach n - 1 yet (its first step: the target has not read its prompt) gets
 an empty window, which the verifier decodes plainly. Features of positions already written are dropped.
+
+PEARL drafts a window's continuation while the window is verified: it goes on from the window's last
+drafted token and the head's output that proposed it (`_tails`), over the window's own positions in the
+head's cache, exactly as the window's next step would have.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class EagleDraftWorker(DraftWorker):
         super().__init__(runner, support_size)
         self.head: Eagle3Head = runner.model
         self._states: dict[str, _HeadState] = {}
+        # request -> the input after each drafted token of its last window: (position, token, head output)
+        self._tails: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
 
     def admit(self, admissions) -> None:
         super().admit(admissions)
@@ -56,6 +62,7 @@ class EagleDraftWorker(DraftWorker):
         super().release(request_ids)
         for request_id in request_ids:
             self._states.pop(request_id, None)
+            self._tails.pop(request_id, None)
 
     @torch.inference_mode()
     def receive_features(self, features: Features) -> None:
@@ -82,17 +89,20 @@ class EagleDraftWorker(DraftWorker):
             self._windows[task.request_id] = (self._base(task), windows.get(task.request_id, Drafts()))
 
     def _can_draft(self, task: DraftTask) -> bool:
-        """Features up to the position before the newest token, and a window that follows committed tokens."""
+        """A continuation: the tail of the window it continues. Otherwise features up to the position before
+        the newest token."""
+        if task.continue_window and self._handed.get(task.request_id):
+            return len(self._tails.get(task.request_id, [])) >= len(self._handed[task.request_id])
         tokens = self.sequences[task.request_id].tokens
-        return not task.continue_window and self._states[task.request_id].end >= len(tokens) - 1 >= 1
+        return self._states[task.request_id].end >= len(tokens) - 1 >= 1
 
     def _draft_windows(self, tasks: list[DraftTask]) -> list[Drafts]:
         seqs = [self.sequences[t.request_id] for t in tasks]
-        states = [self._states[t.request_id] for t in tasks]
-        bases = [list(seq.tokens) for seq in seqs]
+        bases = [self._base(t) for t in tasks]
         drafts = [Drafts() for _ in tasks]
         draws = self._window_draws(seqs, bases, max(t.num_tokens for t in tasks))
-        inputs = [self._catch_up(seq, state) for seq, state in zip(seqs, states)]
+        inputs = [self._first_input(t, seq) for t, seq in zip(tasks, seqs)]
+        tails: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in tasks]
         live = list(range(len(tasks)))
         for step in range(max(t.num_tokens for t in tasks)):
             logits = self.runner.forward([inputs[i] for i in live])
@@ -108,8 +118,19 @@ class EagleDraftWorker(DraftWorker):
                 drafts[i].q_probs.append(q.probs[row])
                 position = inputs[i].start_pos + len(inputs[i].token_ids)  # the position after the last written
                 inputs[i] = SeqInput(seqs[i].slot, [tokens[row]], position, hidden=hidden[row : row + 1])
+                tails[i].append((position, tokens[row], hidden[row : row + 1]))
             live = [i for i in live if tasks[i].num_tokens > step + 1]
+        for task, tail in zip(tasks, tails):
+            self._tails[task.request_id] = tail
         return drafts
+
+    def _first_input(self, task: DraftTask, seq: _Sequence) -> SeqInput:
+        """A continuation goes on after the handed window's last token (Tetris may have cut the window)."""
+        handed = self._handed.get(task.request_id) if task.continue_window else None
+        if handed:
+            position, token, hidden = self._tails[task.request_id][len(handed) - 1]
+            return SeqInput(seq.slot, [token], position, hidden=hidden)
+        return self._catch_up(seq, self._states[task.request_id])
 
     def _catch_up(self, seq: _Sequence, state: _HeadState) -> SeqInput:
         """The window's first input: head positions written .. n - 1 (token t_{p+1}, the target's features),
