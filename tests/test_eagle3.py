@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from minedraft import LLM, SamplingParams
-from minedraft.config import BUNDLED_TARGET, EngineConfig, SpeculativeConfig
+from minedraft.config import BUNDLED_TARGET, EngineConfig
 from minedraft.model.checkpoint import CheckpointError
 from minedraft.model.runner import ModelRunner, SeqInput
 
@@ -142,20 +142,24 @@ def test_what_an_eagle3_head_cannot_be_used_with_is_refused(tmp_path, target) ->
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t maps draft ids outside the target vocabulary"):
         _head_runner(broken, target)
-    with pytest.raises(ValueError, match=r"method eagle3 with parallel_drafting \(P-EAGLE\) is not implemented"):
-        SpeculativeConfig.parse({"method": "eagle3", "parallel_drafting": True})
+    with pytest.raises(ValueError, match="needs a P-EAGLE head: .* has no mask_hidden tensor"):
+        LLM(model=target, speculative_config={"method": "eagle3", "model": str(head), "parallel_drafting": True})
 
 
 @pytest.fixture(scope="module")
 def random_head(tmp_path_factory) -> str:
-    """A random head for the bundled target (hidden 256, 4 / 2 heads of 64): it proposes nonsense."""
+    """A random P-EAGLE-capable head for the bundled target (hidden 256, 4 / 2 heads of 64): it proposes
+    nonsense, token by token or (with parallel_drafting) in one pass."""
     return str(make_eagle3_head(tmp_path_factory.mktemp("head"), hidden_size=256, vocab_size=4096, head_dim=64,
-                                aux_layers=[1, 3, 5], seed=4))  # fmt: skip
+                                aux_layers=[1, 3, 5], mask_token_id=188, seed=4))  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", [{}, {"is_parallel": True, "force_pearl": True}, {"is_parallel": True},
-                                  {"is_parallel": True, "tetris": True}],
-                         ids=["sd", "pearl", "minedraft", "minedraft+tetris"])  # fmt: skip
+                                  {"is_parallel": True, "tetris": True}, {"parallel_drafting": True},
+                                  {"is_parallel": True, "force_pearl": True, "parallel_drafting": True},
+                                  {"is_parallel": True, "parallel_drafting": True}],
+                         ids=["sd", "pearl", "minedraft", "minedraft+tetris", "sd+p-eagle", "pearl+p-eagle",
+                              "minedraft+p-eagle"])  # fmt: skip
 def test_every_mode_with_a_random_head_returns_ars_tokens(random_head, spec) -> None:
     prompts = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Tree:\n    def __init__(self"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -240,3 +244,39 @@ def _reference_window(fresh: ModelRunner, weights, config, embedding, tokens: li
         inputs.append(window[-1])
         hidden.append(out[-1])
     return window
+
+
+def test_a_p_eagle_window_is_one_pass_over_masked_positions(tmp_path, target) -> None:
+    """P-EAGLE: the window's first input, then k - 1 positions holding the mask token and fc(mask_hidden);
+    row j gives draft token j + 1 (greedy: the reference's argmax at that row)."""
+    from minedraft.engine.eagle_drafter import EagleDraftWorker
+    from minedraft.engine.plans import Admission, DraftPlan, DraftTask, VerifyPlan, VerifyTask
+    from minedraft.engine.workers import VerifyWorker
+
+    head = make_eagle3_head(tmp_path / "head", hidden_size=HIDDEN, vocab_size=VOCAB, head_dim=16, seed=6,
+                            aux_layers=[0, 2, 3], init_std=0.4, mask_token_id=7)  # fmt: skip
+    weights = load_file(str(head / "model.safetensors"))
+    config = json.loads((head / "config.json").read_text())
+    embedding = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"].float()
+    verifier = VerifyWorker(ModelRunner(target, max_seq_len=128, num_slots=2, aux_hidden_layers=(0, 2, 3)))
+    drafter = EagleDraftWorker(_head_runner(head, target), support_size=4, parallel=True)
+    fresh = ModelRunner(target, max_seq_len=128, aux_hidden_layers=(0, 2, 3))
+    for worker in (verifier, drafter):
+        worker.admit([Admission("r", [(5 * i + 2) % VOCAB for i in range(9)], SamplingParams(temperature=0), 0)])
+    results = verifier.verify(VerifyPlan([VerifyTask("r")]))
+    for _ in range(3):
+        drafter.receive_features(verifier.take_features())
+        drafter.apply_results(results)
+        drafter.draft(DraftPlan([DraftTask("r", 4)]))
+        window = drafter.take_drafts()["r"]
+        tokens = verifier.sequences["r"].tokens
+        slot = fresh.allocate_slot()
+        fresh.forward([SeqInput(slot, tokens, 0)])
+        fc = weights["fc.weight"].float()
+        features = fresh.aux_hidden.float()[: len(tokens) - 1] @ fc.T
+        fresh.free_slot(slot)
+        masked = (weights["mask_hidden"].float() @ fc.T).expand(3, -1)
+        logits, _ = reference_head(weights, config, embedding, tokens[1:] + [7] * 3, torch.cat((features, masked)))
+        assert window.tokens == logits[-4:].argmax(-1).tolist()
+        verifier.receive_drafts({"r": window})
+        results = verifier.verify(VerifyPlan([VerifyTask("r")]))

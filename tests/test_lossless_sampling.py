@@ -142,9 +142,10 @@ def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, in
         {"num_speculative_tokens": 2, "method": "eagle3", "adaptive": False},
         {"num_speculative_tokens": 2, "is_parallel": True, "force_pearl": True, "method": "eagle3", "adaptive": False},
         {"num_speculative_tokens": 2, "is_parallel": True, "method": "eagle3", "adaptive": False},
+        {"num_speculative_tokens": 2, "method": "eagle3", "parallel_drafting": True, "adaptive": False},
     ],
     ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3", "pearl+eagle3",
-         "minedraft+eagle3"],
+         "minedraft+eagle3", "sd+p-eagle"],
 )
 @pytest.mark.parametrize("options", ["plain", "penalty+bias", "grammar"])
 def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:
@@ -156,9 +157,12 @@ def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_p
         draft = pard_draft(draft, tmp_path)
     params_kwargs = {"plain": PARAMS, "grammar": _grammar_params()}.get(options) or _penalized_params(target)
     if spec and spec.get("method") == "eagle3":  # its first token is always the target's own: sample three
-        params_kwargs = {**params_kwargs, "max_tokens": 3}
+        # P-EAGLE: four, so that a window holds a masked position (drafts 2 and 3 come from one pass); the grammar
+        # ends after three letters.
+        four = spec.get("parallel_drafting") and options != "grammar"
+        params_kwargs = {**params_kwargs, "max_tokens": 4 if four else 3}
         draft = make_eagle3_head(tmp_path / "head", hidden_size=64, vocab_size=320, head_dim=16, aux_layers=[0, 1, 1],
-                                 draft_ids=_likely_tokens(_exact_joint(target, params_kwargs)),
+                                 draft_ids=_likely_tokens(_exact_joint(target, params_kwargs)), mask_token_id=7,
                                  init_std=0.01)  # flat logits: q spreads over those tokens  # fmt: skip
     joint = _exact_joint(target, params_kwargs)
     config = EngineConfig(

@@ -116,21 +116,23 @@ def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str
     assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft"])
+@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft", "minedraft+p-eagle"])
 def test_eagle3_over_grpc_with_two_verifier_ranks_equals_offline_ar(pair, expected, mode: str, tmp_path) -> None:
     """EAGLE-3 across the services: verifier rank 0 sends the target's states of every committed position to
-    the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans."""
+    the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans. P-EAGLE: the
+    same head drafting each window in one pass."""
     target_hidden = json.loads(Path(pair[0], "config.json").read_text())["hidden_size"]
     head = make_eagle3_head(tmp_path / "head", hidden_size=target_hidden, vocab_size=320, head_dim=16,
-                            aux_layers=[0, 1, 1], init_std=0.4)  # fmt: skip
-    config = _config((pair[0], str(head)), {**MODES[mode], "method": "eagle3"}, tensor_parallel_size=2)
+                            aux_layers=[0, 1, 1], init_std=0.4, mask_token_id=7)  # fmt: skip
+    spec = {**MODES[mode.split("+")[0]], "method": "eagle3", "parallel_drafting": mode.endswith("p-eagle")}
+    config = _config((pair[0], str(head)), spec, tensor_parallel_size=2)
     work = _workload()
     with LocalStack(config) as stack:
         got = _generate_concurrently(stack.address, work)
         with Client(stack.address) as client:
             info = client.server_info()
             drafted = client.generate(work[3][0], max_tokens=12, temperature=0).spec_decode_stats.num_draft_tokens
-        assert (info.mode, info.draft_method) == (mode, "eagle3")
+        assert (info.mode, info.draft_method) == (mode.split("+")[0], "p-eagle" if "p-eagle" in mode else "eagle3")
         assert drafted > 0, "the head drafted nothing: its features never reached the drafter"
         _assert_idle(stack)
     assert got == expected
@@ -274,11 +276,10 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     "spec, message",
     [
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
-        ('{"method": "eagle3", "parallel_drafting": true}', "method eagle3 with parallel_drafting (P-EAGLE) is not "
-         "implemented"),
+        ('{"draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size\n  Input should be 1"),
         ('{"method": "medusa"}', "Input should be 'draft_model' or 'eagle3'"),
     ],
-    ids=["unknown-key", "p-eagle", "unknown-method"],
+    ids=["unknown-key", "draft-tp", "unknown-method"],
 )
 def test_a_speculative_config_we_do_not_implement_fails_at_startup(pair, spec, message) -> None:
     result = subprocess.run(

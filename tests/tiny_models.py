@@ -156,13 +156,14 @@ def make_eagle3_head(
     aux_layers: list[int] | None = None,
     layout: str = "eagle3",
     with_embedding: bool = False,
+    mask_token_id: int | None = None,
     seed: int = 0,
     init_std: float = 0.05,
 ) -> Path:
     """Write a random EAGLE-3 head: EAGLE-3's layout (`midlayer.*`, LlamaForCausalLMEagle3) or the
     `speculators` one (`layers.0.*`, the layer's config nested in transformer_layer_config). With a draft
     vocabulary smaller than the target's, `d2t` maps draft id i to target id 2 i (every other id), or to
-    `draft_ids[i]` when given."""
+    `draft_ids[i]` when given. With `mask_token_id`, a P-EAGLE head: `mask_hidden` [1, 3 x hidden] too."""
     from safetensors.torch import save_file
 
     if layout not in ("eagle3", "speculators"):
@@ -193,6 +194,8 @@ def make_eagle3_head(
     }
     if with_embedding:
         tensors["embed_tokens.weight"] = rand(vocab_size, hidden_size) * 20
+    if mask_token_id is not None:
+        tensors["mask_hidden"] = torch.randn(1, 3 * hidden_size, generator=gen)
     if draft_vocab != vocab_size:
         targets = torch.tensor(draft_ids) if draft_ids else 2 * torch.arange(draft_vocab)
         tensors["d2t"] = targets - torch.arange(draft_vocab)  # target id = draft id + d2t[draft id]
@@ -203,7 +206,9 @@ def make_eagle3_head(
         "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "max_position_embeddings": 1024, "vocab_size": vocab_size, "num_hidden_layers": 1, "model_type": "llama",
     }  # fmt: skip
-    extra = {"draft_vocab_size": draft_vocab}
+    extra: dict = {"draft_vocab_size": draft_vocab}
+    if mask_token_id is not None:
+        extra["mask_token_id"] = mask_token_id
     if aux_layers:
         extra["eagle_aux_hidden_state_layer_ids"] = aux_layers
     if layout == "eagle3":

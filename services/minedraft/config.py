@@ -45,7 +45,8 @@ class SpeculativeConfig(BaseModel):
     )
     parallel_drafting: bool = Field(
         False, description="Draft all k tokens in one forward (PARD: the draft checkpoint names its mask token "
-        "in config.json as pard_token)."
+        "in config.json as pard_token; P-EAGLE with method eagle3: the head carries mask_hidden and names "
+        "mask_token_id)."
     )
     draft_tensor_parallel_size: Literal[1] = Field(
         1, description="Tensor-parallel size of the drafter; the drafter runs on one device."
@@ -70,9 +71,6 @@ class SpeculativeConfig(BaseModel):
     def _check_combinations(self) -> SpeculativeConfig:
         if self.force_pearl and not self.is_parallel:
             raise ValueError("force_pearl requires is_parallel: true")
-        if self.method == "eagle3" and self.parallel_drafting:
-            raise ValueError("method eagle3 with parallel_drafting (P-EAGLE) is not implemented; use method eagle3 "
-                             "alone, or draft_model with parallel_drafting (PARD)")  # fmt: skip
         return self
 
     @property
@@ -83,8 +81,11 @@ class SpeculativeConfig(BaseModel):
 
     @property
     def draft_method(self) -> str:
-        """How drafts are proposed, as the server reports it: draft_model (k forwards) or pard (one)."""
-        return "pard" if self.parallel_drafting else self.method  # draft_model, pard or eagle3
+        """How drafts are proposed, as the server reports it: draft_model or eagle3 (k forwards per window), pard
+        or p-eagle (one)."""
+        if self.method == "eagle3":
+            return "p-eagle" if self.parallel_drafting else "eagle3"
+        return "pard" if self.parallel_drafting else self.method
 
     @property
     def max_draft_len(self) -> int:

@@ -14,6 +14,11 @@ an empty window, which the verifier decodes plainly. Features of positions alrea
 PEARL drafts a window's continuation while the window is verified: it goes on from the window's last
 drafted token and the head's output that proposed it (`_tails`), over the window's own positions in the
 head's cache, exactly as the window's next step would have.
+
+P-EAGLE (`parallel`): one forward per window. After the window's first input come k - 1 masked positions
+(the mask token, and fc of the head's `mask_hidden` as hidden input); row j of the forward gives draft
+token j + 1, each from its own q, as PARD does. The masked positions' KV is overwritten by the next
+forward, like any drafted position's.
 """
 
 from __future__ import annotations
@@ -44,10 +49,14 @@ class _HeadState:
 
 
 class EagleDraftWorker(DraftWorker):
-    def __init__(self, runner: ModelRunner, support_size: int) -> None:
+    def __init__(self, runner: ModelRunner, support_size: int, parallel: bool = False) -> None:
         if not isinstance(runner.model, Eagle3Head):
             raise ValueError(f"{runner.path} is not an EAGLE-3 head")
-        super().__init__(runner, support_size)
+        mask_token = runner.config.pard_token if parallel else None
+        if parallel and (runner.model.mask_hidden is None or mask_token is None):
+            raise ValueError(f"parallel_drafting with method eagle3 needs a P-EAGLE head: {runner.path} has "
+                             f"{'no mask_hidden tensor' if runner.model.mask_hidden is None else 'no mask_token_id'}")
+        super().__init__(runner, support_size, mask_token)
         self.head: Eagle3Head = runner.model
         self._states: dict[str, _HeadState] = {}
         # request -> the input after each drafted token of its last window: (position, token, head output)
@@ -79,7 +88,8 @@ class EagleDraftWorker(DraftWorker):
     def draft(self, plan: DraftPlan) -> None:
         plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
         ready = [t for t in plan.tasks if t.num_tokens > 0 and self._can_draft(t)]
-        drafts = self._draft_windows(ready) if ready else []
+        draft = self._draft_windows if self.mask_token is None else self._draft_in_one_pass
+        drafts = draft(ready) if ready else []
         if plan.tetris_capacity is not None and drafts:
             keep = tetris_select([d.token_probs for d in drafts], plan.tetris_capacity)
             for d, n in zip(drafts, keep):
@@ -122,6 +132,38 @@ class EagleDraftWorker(DraftWorker):
             live = [i for i in live if tasks[i].num_tokens > step + 1]
         for task, tail in zip(tasks, tails):
             self._tails[task.request_id] = tail
+        return drafts
+
+    @torch.inference_mode()
+    def _draft_in_one_pass(self, tasks: list[DraftTask]) -> list[Drafts]:
+        """P-EAGLE: each window's first input, then k - 1 masked positions, in one forward."""
+        seqs = [self.sequences[t.request_id] for t in tasks]
+        bases = [self._base(t) for t in tasks]
+        widths = [t.num_tokens for t in tasks]
+        assert self.mask_token is not None and self.head.mask_hidden is not None
+        mask = self.head.fuse(self.head.mask_hidden[None, :])
+        inputs = []
+        for task, seq, n in zip(tasks, seqs, widths):
+            first = self._first_input(task, seq)
+            hidden = torch.cat((first.hidden.to(mask.dtype), mask.expand(n - 1, -1)))
+            inputs.append(SeqInput(seq.slot, first.token_ids + [self.mask_token] * (n - 1), first.start_pos, n, hidden))
+        logits = self.runner.forward(inputs)
+        # Each position's q is drawn without the drafts before it, so it is processed with the window's base.
+        rows = ((seq, seq.history(base)) for seq, base, n in zip(seqs, bases, widths) for _ in range(n))
+        logits = self._penalized(logits, seqs, rows)
+        draws = self._window_draws(seqs, bases, max(widths))
+        params = [seq.params for seq, n in zip(seqs, widths) for _ in range(n)]
+        tokens, token_probs, q = draft_sample(logits, params, torch.cat([draws[i, :n] for i, n in enumerate(widths)]),
+                                              self.support_size)  # fmt: skip
+        drafts, row, hidden = [], 0, self.runner.head_hidden
+        for task, window, n in zip(tasks, inputs, widths):
+            rows_of = slice(row, row + n)
+            drafts.append(Drafts(tokens[rows_of], token_probs[rows_of], list(q.token_ids[rows_of]),
+                                 list(q.probs[rows_of])))  # fmt: skip
+            last = window.start_pos + len(window.token_ids) - n  # the position of the window's first row
+            self._tails[task.request_id] = [(last + j + 1, tokens[row + j], hidden[row + j : row + j + 1])
+                                            for j in range(n)]  # fmt: skip
+            row += n
         return drafts
 
     def _first_input(self, task: DraftTask, seq: _Sequence) -> SeqInput:

@@ -180,7 +180,8 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
 def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
     """The drafter's worker; with parallel_drafting, it drafts with the mask token the checkpoint names."""
     if config.uses_eagle3:
-        return EagleDraftWorker(runner, support_size=config.draft_support_size)
+        parallel = config.speculative_config is not None and config.speculative_config.parallel_drafting
+        return EagleDraftWorker(runner, support_size=config.draft_support_size, parallel=parallel)
     mask_token = None
     if config.speculative_config is not None and config.speculative_config.parallel_drafting:
         mask_token = runner.config.pard_token

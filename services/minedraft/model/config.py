@@ -47,7 +47,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
-    pard_token: int | None = None  # the mask token of a draft trained for parallel drafting (PARD)
+    pard_token: int | None = None  # the mask token of a draft trained for parallel drafting (PARD, P-EAGLE)
     quantization: QuantConfig | None = None  # how the checkpoint's weights are stored (None: plain floats)
     # Mixture of experts (Qwen3-MoE): the layers whose MLP routes each token to its top experts.
     moe_layers: tuple[int, ...] = ()
@@ -224,8 +224,9 @@ def _rope_config(raw: dict[str, Any], source: str | Path) -> RopeConfig:
 
 
 def _pard_token(raw: dict[str, Any], source: str | Path) -> int | None:
-    """PARD checkpoints name their mask token `pard_token` (some `ptd_token_id`, as vLLM also reads)."""
-    value = raw.get("pard_token", raw.get("ptd_token_id"))
+    """PARD checkpoints name their mask token `pard_token` (some `ptd_token_id`), P-EAGLE heads
+    `mask_token_id`, as vLLM also reads them."""
+    value = raw.get("pard_token", raw.get("ptd_token_id", raw.get("mask_token_id")))
     if value is None:
         return None
     in_vocab = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < int(raw.get("vocab_size", 0))

@@ -8,6 +8,9 @@ adds attention to the hidden input as the residual, then an MLP; its output, nor
 the draft vocabulary, mapped to target ids by `d2t` (target id = draft id + d2t[draft id]). Its KV cache
 holds one layer.
 
+P-EAGLE heads (parallel drafting) also carry `mask_hidden`, the target states every masked position of a
+one-forward window stands on, and name their mask token (`mask_token_id`) in config.json.
+
 Checkpoint layouts read: EAGLE-3's (`LlamaForCausalLMEagle3`: `midlayer.*`, `fc.weight`, `norm.weight`,
 `lm_head.weight`, `d2t`, `t2d`, `embed_tokens.weight` optional) and the `speculators` one (`layers.0.*`
 for `midlayer.*`, the layer's config nested in `transformer_layer_config`). Without its own embedding
@@ -96,6 +99,8 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.draft_vocab_size, hidden, tp, batch_invariant)
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
+        # P-EAGLE: the target states a masked position stands on (the checkpoint's `mask_hidden`), if any.
+        self.mask_hidden: torch.Tensor | None = None
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's three layers' states [tokens, 3 x hidden] -> the head's hidden input [tokens, hidden]."""
@@ -123,6 +128,12 @@ class Eagle3Head(nn.Module):
             for tensor_name, shard_id in checkpoint_sources(name, param):
                 source = _head_tensor(reader, target, tensor_name.replace("midlayer.", prefix, 1))
                 param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
+        if "mask_hidden" in reader:
+            mask = reader.tensor("mask_hidden").read().reshape(-1)
+            if mask.numel() != self.fc.weight.shape[1]:
+                raise CheckpointError(f"{reader.folder}: mask_hidden has {mask.numel()} values, expected "
+                                      f"{self.fc.weight.shape[1]} (3 x hidden_size)")  # fmt: skip
+            self.mask_hidden = mask.to(self.fc.weight.device, self.fc.weight.dtype)
         if "d2t" in reader:
             offsets = reader.tensor("d2t").read().to(torch.int64)
             if offsets.shape != self.draft_to_target.shape:
