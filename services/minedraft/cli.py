@@ -28,7 +28,8 @@ from minedraft.settings import (
 from minedraft.supervision import watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
-MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard")
+MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3",
+              "pearl+eagle3", "minedraft+eagle3", "sd+p-eagle", "minedraft+p-eagle")
 OFFLINE_MODES = ",".join(MODE_NAMES[:5])
 LAUNCH_MODES = "ar,sd,minedraft"
 
@@ -742,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default=None,
         help=f"comma-separated modes to compare, of {','.join(MODE_NAMES)} (+pard: parallel drafting with the "
-        f"PARD draft); default: {OFFLINE_MODES} "
+        f"PARD draft; +eagle3: the EAGLE-3 head; +p-eagle: the head drafting in one pass); default: {OFFLINE_MODES} "
         f"with --offline, {LAUNCH_MODES} with --launch",
     )
     bench.add_argument(

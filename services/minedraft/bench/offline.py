@@ -33,7 +33,7 @@ class ModeResult:
 
 
 # The keys that make a mode; every other speculative key (k, draft model, Tetris knobs) the modes share.
-MODE_KEYS = ("is_parallel", "force_pearl", "tetris", "parallel_drafting")
+MODE_KEYS = ("is_parallel", "force_pearl", "tetris", "parallel_drafting", "method")
 
 
 def mode_configs(shared: dict) -> dict[str, dict | None]:
@@ -48,6 +48,11 @@ def mode_configs(shared: dict) -> dict[str, dict | None]:
         "minedraft+tetris": {**shared, "is_parallel": True, "tetris": True},
         "sd+pard": {**shared, "parallel_drafting": True},
         "minedraft+pard": {**shared, "is_parallel": True, "parallel_drafting": True},
+        "sd+eagle3": {**shared, "method": "eagle3"},
+        "pearl+eagle3": {**shared, "is_parallel": True, "force_pearl": True, "method": "eagle3"},
+        "minedraft+eagle3": {**shared, "is_parallel": True, "method": "eagle3"},
+        "sd+p-eagle": {**shared, "method": "eagle3", "parallel_drafting": True},
+        "minedraft+p-eagle": {**shared, "is_parallel": True, "method": "eagle3", "parallel_drafting": True},
     }
 
 
