@@ -181,6 +181,7 @@ def test_the_config_reports_the_method(random_head) -> None:
     config = EngineConfig(speculative_config={"method": "eagle3", "model": random_head})
     assert config.speculative_config.draft_method == "eagle3"
     assert config.uses_eagle3 and str(config.draft_path) == random_head
+    assert config.enable_prefix_caching and not config.prefix_caching_in_effect  # no states for a reused prefix
 
 
 def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_committed_position(

@@ -162,10 +162,10 @@ def build_local_executor(
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
     """The draft model. Its logits need not be batch-shape invariant (whatever it proposes, the output is
     exactly the target's), so it always uses the fast kernels. An EAGLE-3 head reads the target's
-    tokenizer and embedding, and keeps no prefix cache: its positions need the target's features."""
+    tokenizer and embedding."""
     options = runner_options(config)
     if config.uses_eagle3:
-        options.update(target_path=config.target_path, enable_prefix_caching=False)
+        options.update(target_path=config.target_path)
     return ModelRunner(
         config.draft_path,
         num_slots=num_slots,
@@ -194,11 +194,10 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
 
 
 def target_options(config: EngineConfig) -> dict[str, Any]:
-    """The target's runner: with an EAGLE-3 drafter it keeps the states the head reads, and no prefix cache
-    (a reused prefix would have no states to send)."""
+    """The target's runner: with an EAGLE-3 drafter it keeps the states the head reads."""
     options = runner_options(config)
     if config.uses_eagle3:
-        options.update(aux_hidden_layers=eagle_aux_layers(config), enable_prefix_caching=False)
+        options.update(aux_hidden_layers=eagle_aux_layers(config))
     return options
 
 
@@ -219,7 +218,7 @@ def runner_options(config: EngineConfig) -> dict[str, Any]:
         "block_size": config.block_size,
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_prefix_caching": config.prefix_caching_in_effect,
     }
 
 
