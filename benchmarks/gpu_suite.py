@@ -164,7 +164,8 @@ def _time_ms(torch, fn, *inputs, repeats: int = 20) -> float:
 
 def step_graphs(args: argparse.Namespace) -> dict:
     """CUDA graphs against eager steps on the bundled target (bf16): decode steps at batch 1, 8 and 32 and a
-    k + 1 = 5 verification step, the same logits expected and the step time of each."""
+    k + 1 = 5 verification step, the same logits (and the states an EAGLE-3 head reads) expected and the step
+    time of each."""
     import torch
 
     from minedraft.config import BUNDLED_TARGET
@@ -172,7 +173,7 @@ def step_graphs(args: argparse.Namespace) -> dict:
 
     device = _cuda(args.dry_run)
     runners = {name: ModelRunner(BUNDLED_TARGET, max_seq_len=512, num_slots=32, device=str(device),
-                                 dtype=torch.bfloat16, enforce_eager=name == "eager")
+                                 dtype=torch.bfloat16, enforce_eager=name == "eager", aux_hidden_layers=(1, 3, 5))
                for name in ("graphs", "eager")}  # fmt: skip
     if runners["graphs"].graphs is None:
         return {"passed": False, "error": "no CUDA graphs were captured (is triton installed?)"}
@@ -183,16 +184,18 @@ def step_graphs(args: argparse.Namespace) -> dict:
         runner.forward([SeqInput(s, p, 0) for s, p in zip(slots, prompts)])
     for batch, width in ((1, 1), (8, 1), (32, 1), (8, 5)):
         step = [SeqInput(i, [7 + j for j in range(width)], len(prompts[i]), num_logits=width) for i in range(batch)]
-        logits, ms = {}, {}
+        logits, ms, aux = {}, {}, {}
         for name, runner in runners.items():
             logits[name] = runner.forward(step).float()
+            aux[name] = runner.aux_hidden.float()
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(50):
                 runner.forward(step)  # the same positions again: a repeatable step
             torch.cuda.synchronize()
             ms[name] = (time.perf_counter() - start) / 50 * 1e3
-        worst = max(worst, (logits["graphs"] - logits["eager"]).abs().max().item())
+        worst = max(worst, (logits["graphs"] - logits["eager"]).abs().max().item(),
+                    (aux["graphs"] - aux["eager"]).abs().max().item())
         results[f"batch {batch} x {width}"] = {"graph_ms": round(ms["graphs"], 3), "eager_ms": round(ms["eager"], 3)}
     return {"passed": worst < 0.5, "max_abs_logit_difference": round(worst, 4), "steps": results}
 

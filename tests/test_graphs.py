@@ -39,11 +39,12 @@ def test_pick_bucket(tokens: int, bucket: int | None) -> None:
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory) -> tuple[ModelRunner, ModelRunner, StaticForward]:
-    """Two runners over one checkpoint with the paged kernel; the second runs every step it can through
-    the fixed-shape forward (buckets up to 24 tokens)."""
+    """Two runners over one checkpoint with the paged kernel, keeping the states an EAGLE-3 head reads; the
+    second runs every step it can through the fixed-shape forward (buckets up to 24 tokens)."""
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", hidden_size=64, num_layers=2,
                                 seed=6)  # fmt: skip
-    eager, padded = (ModelRunner(path, max_seq_len=96, num_slots=4, attention_kernel="triton") for _ in range(2))
+    eager, padded = (ModelRunner(path, max_seq_len=96, num_slots=4, attention_kernel="triton", aux_hidden_layers=(1, 0))
+                     for _ in range(2))  # fmt: skip
     padded.graphs = StaticForward(padded.model, padded.kv_cache, padded.max_seq_len, padded.device, max_tokens=24)
     return eager, padded, padded.graphs
 
@@ -78,6 +79,7 @@ def test_padded_steps_match_eager_steps(runners) -> None:
         if static.fits(batch):
             used.add(pick_bucket(static.sizes, len(batch.input_ids)))
         torch.testing.assert_close(padded.forward(step), eager.forward(step), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(padded.aux_hidden, eager.aux_hidden, atol=1e-5, rtol=1e-5)  # real tokens only
     assert used == {4, 8, 16, 24} and set(static.buffers) == used, "the steps are meant to cover these buckets"
     for slot in range(len(prompts)):
         for ours, theirs in zip(_held_kv(padded, slot), _held_kv(eager, slot)):

@@ -12,6 +12,9 @@ Padding must not change any real token's result:
 - sequences past the real ones have no tokens and no blocks (their programs in the paged kernel exit);
 - logits rows past the real ones read token 0's row and are dropped.
 
+A target that feeds an EAGLE-3 head also has its states of three layers captured: each bucket keeps the
+buffer its replays write them to, and a step reads the rows of its real tokens.
+
 Only steps the static shapes cover use a graph: the paged (Triton) attention kernel, dense models (MoE
 routing has data-dependent shapes), at most `max_tokens` tokens, and every sequence's query at most
 `MAX_QUERY` tokens (k + 1 verification tokens; a prefill chunk is longer and runs eagerly). Everything else
@@ -111,7 +114,14 @@ class StaticForward:
         size = pick_bucket(self.sizes, len(batch.input_ids))
         buffers = self._buffers(size)
         buffers.fill(batch, self.scratch_slot)
-        return self._forward(size, buffers)[: len(batch.logits_indices)]
+        logits = self._forward(size, buffers)[: len(batch.logits_indices)]
+        decoder = self.model.model
+        if decoder.aux_layers:  # a target feeding an EAGLE-3 head: its states of the real tokens (the first rows)
+            decoder.aux_hidden = self._aux_output(size)[: len(batch.input_ids)].clone()
+        return logits
+
+    def _aux_output(self, size: int) -> torch.Tensor:
+        return self.model.model.aux_hidden
 
     def _buffers(self, size: int) -> StaticBuffers:
         if size not in self.buffers:
@@ -138,6 +148,7 @@ class CudaGraphs(StaticForward):
                  max_tokens: int = DEFAULT_MAX_TOKENS, progress: Callable[[int, int], None] | None = None) -> None:
         super().__init__(model, kv_cache, max_seq_len, device, max_tokens)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.aux_outputs: dict[int, torch.Tensor] = {}  # per bucket: the captured aux states' buffer, if any
         self._pool = None
         for done, size in enumerate(sorted(self.sizes, reverse=True)):  # largest first: the others reuse its pool
             self._capture(size)
@@ -158,6 +169,11 @@ class CudaGraphs(StaticForward):
             logits = self._call_model(buffers)
         self._pool = graph.pool()
         self.graphs[size] = (graph, logits)
+        if self.model.model.aux_layers:  # replays write this buffer, as they write the logits
+            self.aux_outputs[size] = self.model.model.aux_hidden
+
+    def _aux_output(self, size: int) -> torch.Tensor:
+        return self.aux_outputs[size]
 
     def _forward(self, size: int, buffers: StaticBuffers) -> torch.Tensor:
         graph, logits = self.graphs[size]

@@ -90,7 +90,7 @@ class ModelRunner:
         model/triton_quant.py), dequantize (dense weights at load) or auto (triton on CUDA where it is
         installed and the block or group shape suits its tiles, dequantize elsewhere).
         aux_hidden_layers: a target that feeds an EAGLE-3 head keeps, after every forward, the residual stream
-        entering these layers for every token (`aux_hidden`); such a runner runs eagerly.
+        entering these layers for every token (`aux_hidden`), CUDA graphs included.
         target_path: for an EAGLE-3 head (model/eagle.py), the target whose tokenizer it uses and whose
         embedding it reads where its own checkpoint has none."""
         if load_format not in ("auto", "dummy"):
@@ -124,7 +124,7 @@ class ModelRunner:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
-        eager = enforce_eager or self.config.is_eagle3 or bool(self.aux_hidden_layers)
+        eager = enforce_eager or self.config.is_eagle3
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
