@@ -175,16 +175,17 @@ def table(engines: list[Engine]) -> str:
     vllm_best = max((tps[n] for n in tps if n.startswith("vllm-")), default=None)
     ref_ours, ref_vllm = by_name.get("ar"), by_name.get("vllm-ar")
     rows = [
-        "| engine | tok/s | vs vLLM ar | vs vLLM best | mean acc len | outputs != our ar | outputs != vLLM ar |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | tok/s | vs vLLM ar | vs vLLM best | mean acc len | acceptance per position | outputs != our ar "
+        "| outputs != vLLM ar |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in engines:
-        acc = e.rounds[-1]["mean_accepted_length"]
+        acc, per_pos = e.rounds[-1]["mean_accepted_length"], e.rounds[-1].get("acceptance_per_position") or []
         rows.append("| " + " | ".join([
             e.name, f"{tps[e.name]:.0f}",
             f"{tps[e.name] / vllm_ar:.2f}" if vllm_ar else "-",
             f"{tps[e.name] / vllm_best:.2f}" if vllm_best else "-",
-            f"{acc:.2f}" if acc else "-",
+            f"{acc:.2f}" if acc else "-", " ".join(f"{rate:.2f}" for rate in per_pos) or "-",
             _differing(e, ref_ours), _differing(e, ref_vllm),
         ]) + " |")  # fmt: skip
     return "\n".join(rows)
@@ -248,10 +249,11 @@ def worker(job: dict) -> int:
             answer = {}
         else:
             start = time.perf_counter()
-            tokens, accepted_length, mean_k = generate(prompts)
+            tokens, accepted_length, mean_k, per_pos = generate(prompts)
             seconds = time.perf_counter() - start
             answer = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
-                      "mean_accepted_length": accepted_length, "mean_k": mean_k}  # fmt: skip
+                      "mean_accepted_length": accepted_length, "mean_k": mean_k,
+                      "acceptance_per_position": per_pos}  # fmt: skip
         protocol.write(json.dumps(answer) + "\n")
         protocol.flush()
     return 0
@@ -268,8 +270,9 @@ def _our_engine(job: dict):
               enable_prefix_caching=job.get("prefix_caching", False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
 
-    def generate(prompts: list[str]) -> tuple[list[list[int]], float, float | None]:
-        """Outputs, mean accepted length, and the mean k adaptive speculation chose (None: fixed k or ar)."""
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float, float | None, list[float]]:
+        """Outputs, mean accepted length, the mean k adaptive speculation chose (None: fixed k or ar), and the
+        share of verifications whose draft token j was accepted, per j."""
         llm.engine.spec_stats = SpecDecodeStats()
         controller = llm.engine.pipeline.controller
         before = dict(controller.windows) if controller else {}
@@ -278,7 +281,9 @@ def _our_engine(job: dict):
         if controller is not None:
             chosen = {k: n - before.get(k, 0) for k, n in controller.windows.items()}
             mean_k = sum(k * n for k, n in chosen.items()) / max(1, sum(chosen.values()))
-        return [o.outputs[0].token_ids for o in outputs], llm.engine.spec_stats.mean_accepted_length, mean_k
+        stats = llm.engine.spec_stats
+        per_pos = [n / stats.num_drafts for n in stats.num_accepted_tokens_per_pos] if stats.num_drafts else []
+        return [o.outputs[0].token_ids for o in outputs], stats.mean_accepted_length, mean_k, per_pos
 
     return generate
 
@@ -294,17 +299,21 @@ def _vllm_engine(job: dict):
               enable_prefix_caching=job.get("prefix_caching", False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
 
-    def counters() -> tuple[float, float]:
-        values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
-        return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
+    def counters() -> tuple[float, float, list[float]]:
+        metrics = {m.name: m for m in llm.get_metrics()}
+        value = lambda name: getattr(metrics.get(name), "value", 0)  # noqa: E731
+        per_pos = list(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", []))
+        return value("vllm:spec_decode_num_drafts"), value("vllm:spec_decode_num_accepted_tokens"), per_pos
 
-    def generate(prompts: list[str]) -> tuple[list[list[int]], float, None]:
-        drafts, accepted = counters()
+    def generate(prompts: list[str]) -> tuple[list[list[int]], float, None, list[float]]:
+        drafts, accepted, per_pos = counters()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        drafts_after, accepted_after = counters()
+        drafts_after, accepted_after, per_pos_after = counters()
         num_drafts = drafts_after - drafts
         length = 1 + (accepted_after - accepted) / num_drafts if num_drafts else 0.0
-        return [list(o.outputs[0].token_ids) for o in outputs], length, None
+        per_pos = per_pos or [0.0] * len(per_pos_after)
+        rates = [(b - a) / num_drafts for a, b in zip(per_pos, per_pos_after)] if num_drafts else []
+        return [list(o.outputs[0].token_ids) for o in outputs], length, None, rates
 
     return generate
 
