@@ -19,6 +19,7 @@ BUNDLED_TARGET = BUNDLED_MODELS_DIR / "minedraft-target"
 BUNDLED_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft"
 BUNDLED_PARD_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft-pard"  # the bundled draft trained for PARD
 BUNDLED_EAGLE3 = BUNDLED_MODELS_DIR / "minedraft-eagle3"  # an EAGLE-3 head trained for the bundled target
+BUNDLED_P_EAGLE = BUNDLED_MODELS_DIR / "minedraft-eagle3-parallel"  # that head fine-tuned for P-EAGLE
 
 
 class Mode(str, Enum):
@@ -41,7 +42,7 @@ class SpeculativeConfig(BaseModel):
     )
     model: str | None = Field(
         None, description="Draft checkpoint folder (HF format) or EAGLE-3 head; None = the bundled draft (its PARD "
-        "version with parallel_drafting; the bundled EAGLE-3 head with method eagle3)."
+        "version with parallel_drafting; with method eagle3 the bundled EAGLE-3 head, or its P-EAGLE version)."
     )
     parallel_drafting: bool = Field(
         False, description="Draft all k tokens in one forward (PARD: the draft checkpoint names its mask token "
@@ -211,7 +212,7 @@ class EngineConfig(BaseModel):
         if spec and spec.model:
             return Path(spec.model)
         if spec and spec.method == "eagle3":
-            return BUNDLED_EAGLE3
+            return BUNDLED_P_EAGLE if spec.parallel_drafting else BUNDLED_EAGLE3
         return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
 
     @property
