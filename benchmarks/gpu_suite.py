@@ -12,8 +12,8 @@ Steps:
   quant      the FP8 and AWQ Triton GEMMs against the dequantized weight, and their time against bf16 GEMMs
   graphs     CUDA graphs against eager steps: the same logits, and the step time of each (decode, verify)
   greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
-  bench      the offline benchmark (ar, sd, minedraft, sd+pard), and the services (drafter and verifier
-             processes sharing the one GPU) through `minedraft bench --launch`
+  bench      the offline benchmark (ar, sd, minedraft, sd+pard, sd+eagle3, minedraft+eagle3), and the services
+             (drafter and verifier processes sharing the one GPU) through `minedraft bench --launch`
   floor      one decode step of a Llama-3-8B-shaped model (random bf16 weights, config written here)
              against the HBM floor: (weight bytes + KV bytes) / measured copy bandwidth
 """
@@ -231,13 +231,17 @@ def step_bench(args: argparse.Namespace) -> dict:
     max_tokens = 8 if args.dry_run else 128
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = {"device": device, "max_num_seqs": 32}
-    offline = run_offline_bench(prompts, ["ar", "sd", "minedraft", "sd+pard"], {"num_speculative_tokens": 4}, params,
+    modes = ["ar", "sd", "minedraft", "sd+pard", "sd+eagle3", "minedraft+eagle3"]
+    offline = run_offline_bench(prompts, modes, {"num_speculative_tokens": 4}, params,
                                 repeats=1 if args.dry_run else 3, **engine)  # fmt: skip
-    report = {"device": device, "offline_tok_s": {r.name: round(r.tokens_per_second, 1) for r in offline}}
+    report = {"device": device, "offline_tok_s": {r.name: round(r.tokens_per_second, 1) for r in offline},
+              "offline_mean_accepted_length": {r.name: round(r.spec_stats.mean_accepted_length, 2)
+                                               for r in offline if r.spec_stats.num_drafts}}  # fmt: skip
     if args.dry_run:
         report["served"] = "skipped: dry run"
     else:
-        served = run_launch_bench(["ar", "sd", "minedraft"], {"num_speculative_tokens": 4}, engine, prompts,
+        served = run_launch_bench(["ar", "sd", "minedraft", "minedraft+eagle3"], {"num_speculative_tokens": 4}, engine,
+                                  prompts,
                                   log_dir=Path(tempfile.mkdtemp(prefix="gpu-suite-")), max_tokens=max_tokens,
                                   concurrency=32, temperature=0.0, ignore_eos=True, repeats=3)  # fmt: skip
         report["served_tok_s"] = {mode: round(r.output_throughput, 1) for mode, r in served.items()}
