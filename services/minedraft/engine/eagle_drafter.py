@@ -75,15 +75,21 @@ class EagleDraftWorker(DraftWorker):
 
     @torch.inference_mode()
     def receive_features(self, features: Features) -> None:
-        """Keep the target's states of the positions the head has not written yet."""
+        """Keep the target's states of the positions the head has not written yet (fc applied to all of
+        them in one product)."""
+        new: list[tuple[_HeadState, torch.Tensor]] = []
         for request_id, (start, rows) in features.items():
             state = self._states.get(request_id)
             if state is None or start + len(rows) <= state.end:
                 continue
             if start > state.end:
                 raise RuntimeError(f"{request_id}: features from position {start} leave a gap after {state.end}")
-            fused = self.head.fuse(rows[state.end - start :].to(self.device))
-            state.features = fused if state.features is None else torch.cat((state.features, fused))
+            new.append((state, rows[state.end - start :]))
+        if not new:
+            return
+        fused = self.head.fuse(torch.cat([rows for _, rows in new]).to(self.device))
+        for (state, _), part in zip(new, fused.split([len(rows) for _, rows in new])):
+            state.features = part if state.features is None else torch.cat((state.features, part))
 
     def draft(self, plan: DraftPlan) -> None:
         plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
