@@ -479,7 +479,7 @@ class Eagle3Attention(torch.nn.Module):
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE of x [B, heads, T, d] at positions pos [T] or [B, T]."""
         d = self.arch.head_dim
-        inv_freq = self.arch.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        inv_freq = self.arch.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
         angles = pos.float()[..., None] * inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         if angles.dim() == 3:  # per-row positions: broadcast over heads
@@ -573,32 +573,25 @@ def aux_hidden(target: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor
 
 
 def head_from_target(target: torch.nn.Module, arch: Eagle3Arch) -> Eagle3Head:
-    """A head whose lm_head/norm are the target's and whose MLP is the target's last layer's, with fc
-    passing the last aux stream through: before training, out ~ the target's last layer minus its
-    attention, so the head starts near the target's own prediction instead of from noise."""
+    """A fresh head whose output side (norm, lm_head) starts as the target's, so that it predicts in the
+    target's token space from the first step; fc and the midlayer start random."""
     head = Eagle3Head(arch, target.get_input_embeddings().weight)
-    last = target.model.layers[-1]
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight)
         head.norm.weight.copy_(target.model.norm.weight)
-        head.midlayer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(head.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
-        head.fc.weight.zero_()
-        head.fc.weight[:, -arch.hidden:] = torch.eye(arch.hidden)
     return head
 
 
-def causal_mask(length: int) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool).tril()
+def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
-def ttt_mask(length: int, step: int) -> torch.Tensor:
+def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
     """Attention of chain step `step` (one query per anchor a, at position a + step) over
     [step-0 keys; keys of chain steps 1..step]: step-0 keys at positions <= a, and the same anchor's
     own chain keys (the diagonal of each chain block). True = attend."""
-    eye = torch.eye(length, dtype=torch.bool)
-    return torch.cat([causal_mask(length)] + [eye] * step, dim=1)
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(length, device)] + [eye] * step, dim=1)
 
 
 def ttt_steps(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, greedy: torch.Tensor, depth: int
@@ -612,7 +605,7 @@ def ttt_steps(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, greedy: torc
     <= a and to the anchor's own chain keys (`ttt_mask`). Anchors with a + j >= length are padding.
     """
     length = x.size(1) - 1
-    anchors = torch.arange(length)
+    anchors = torch.arange(length, device=x.device)
     hidden = head.fc(aux[:, :length])
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -621,7 +614,7 @@ def ttt_steps(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, greedy: torc
         q, k, v = head.qkv(tokens, hidden, anchors + j)
         keys.append(k)
         values.append(v)
-        hidden = head.finish(hidden, q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(length, j))
+        hidden = head.finish(hidden, q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(length, j, x.device))
         yield hidden
 
 
@@ -657,12 +650,12 @@ def eagle3_propose(target: torch.nn.Module, head: Eagle3Head, ctx: torch.Tensor,
     _, aux = aux_hidden(target, ctx)
     n = ctx.size(1) - 1
     hidden = head.fc(aux[:, :n])
-    q, key, value = head.qkv(ctx[:, 1:], hidden, torch.arange(n))
+    q, key, value = head.qkv(ctx[:, 1:], hidden, torch.arange(n, device=ctx.device))
     keys, values = [key], [value]
-    last = head.finish(hidden, q, key, value, causal_mask(n))[:, -1:]
+    last = head.finish(hidden, q, key, value, causal_mask(n, ctx.device))[:, -1:]
     drafted = [head.to_target_ids(head.logits(last).argmax(-1))]
     for j in range(1, k):
-        q, key, value = head.qkv(drafted[-1], last, torch.tensor([n - 1 + j]))
+        q, key, value = head.qkv(drafted[-1], last, torch.tensor([n - 1 + j], device=ctx.device))
         keys.append(key)
         values.append(value)
         last = head.finish(last, q, torch.cat(keys, 2), torch.cat(values, 2), None)
@@ -676,8 +669,8 @@ def eagle3_top1(target: torch.nn.Module, head: Eagle3Head, ctx: torch.Tensor, st
     _, aux = aux_hidden(target, ctx[:, :-1])
     n = ctx.size(1) - 2
     hidden = head.fc(aux[:, :n])
-    q, key, value = head.qkv(ctx[:, 1:-1], hidden, torch.arange(n))
-    out = head.finish(hidden, q, key, value, causal_mask(n))
+    q, key, value = head.qkv(ctx[:, 1:-1], hidden, torch.arange(n, device=ctx.device))
+    out = head.finish(hidden, q, key, value, causal_mask(n, ctx.device))
     return head.to_target_ids(head.logits(out)[0, start - 2 :].argmax(-1))
 
 
@@ -894,8 +887,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pard-anchors", type=int, default=48, help="mask chains per training row")
     p.add_argument("--eagle3-steps", type=int, default=800, help="EAGLE-3 head training steps")
     p.add_argument("--eagle3-minutes", type=float, default=14.0, help="wall-clock cap for EAGLE-3 (<= 0: none)")
-    p.add_argument("--eagle3-lr", type=float, default=2e-3)
-    p.add_argument("--eagle3-depth", type=int, default=5,
+    p.add_argument("--eagle3-lr", type=float, default=3e-3)
+    p.add_argument("--eagle3-depth", type=int, default=4,
                    help="training-time-test steps: step 0 over the target's features + depth - 1 chain steps")
     p.add_argument("--eagle3-decay", type=float, default=0.8, help="loss weight of chain step j: decay ** j")
     p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval"), default="all",
