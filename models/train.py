@@ -15,6 +15,9 @@ Python version:
 5. bf16 safetensors folders, held-out prompts, and a measured greedy acceptance rate
    (direct simulation of speculative decoding with k draft tokens).
 
+Two more drafters are trained from the shipped target by their own phases: a PARD version of the
+draft (``--phase pard``) and an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``).
+
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
 short by the clock still ends with a full LR decay.  Pass ``--*-minutes 0`` to drop
