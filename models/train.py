@@ -741,6 +741,8 @@ def train_eagle3(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: ar
     batches = mixed_batches(train_stream, generated, args, gen)
     head = head_from_target(load_model(out / TARGET_DIR), Eagle3Arch(vocab=tok.get_vocab_size(),
                                                                      draft_vocab=tok.get_vocab_size()))
+    if not args.eagle3_train_lm_head:  # EAGLE-1/2's choice: the target's own LM head, frozen
+        head.lm_head.weight.requires_grad_(False)
     log.info("eagle3 head: %d parameters (the target's embedding not counted)", n_params(head))
     run = train_loop(head, lambda: next(batches), eagle3_loss(teacher, head, args),
                      Budget(args.eagle3_steps, args.eagle3_minutes), args.eagle3_lr, "eagle3", args.log_every)
@@ -889,11 +891,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pard-depth", type=int, default=7, help="masks per chain: trains k up to depth + 1")
     p.add_argument("--pard-anchors", type=int, default=48, help="mask chains per training row")
     p.add_argument("--eagle3-steps", type=int, default=800, help="EAGLE-3 head training steps")
-    p.add_argument("--eagle3-minutes", type=float, default=14.0, help="wall-clock cap for EAGLE-3 (<= 0: none)")
+    p.add_argument("--eagle3-minutes", type=float, default=15.0, help="wall-clock cap for EAGLE-3 (<= 0: none)")
     p.add_argument("--eagle3-lr", type=float, default=3e-3)
     p.add_argument("--eagle3-depth", type=int, default=4,
                    help="training-time-test steps: step 0 over the target's features + depth - 1 chain steps")
     p.add_argument("--eagle3-decay", type=float, default=0.8, help="loss weight of chain step j: decay ** j")
+    p.add_argument("--eagle3-train-lm-head", action=argparse.BooleanOptionalAction, default=False,
+                   help="train the head's lm_head (else it stays the target's tied embedding, frozen)")
     p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval"), default="all",
                    help="all: everything but EAGLE-3; pard: only the PARD draft, from the target and draft already "
                         "in --out; pard-eval: only measure the shipped PARD draft's acceptance; eagle3: only the "
