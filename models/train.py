@@ -15,6 +15,9 @@ Python version:
 5. bf16 safetensors folders, held-out prompts, and a measured greedy acceptance rate
    (direct simulation of speculative decoding with k draft tokens).
 
+Two more drafters are trained from the shipped target by their own phases: a PARD version of the
+draft (``--phase pard``) and an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``).
+
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
 short by the clock still ends with a full LR decay.  Pass ``--*-minutes 0`` to drop
@@ -44,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
@@ -58,6 +62,7 @@ EOS = "<|endoftext|>"
 TARGET_DIR = "minedraft-target"
 DRAFT_DIR = "minedraft-draft"
 PARD_DIR = "minedraft-draft-pard"
+EAGLE3_DIR = "minedraft-eagle3"
 # PARD's mask token is the byte-level token of byte 0xFF: UTF-8 text never contains that byte, so the
 # tokenizer never emits the token and the PARD draft keeps the target's vocabulary as it is.
 PARD_MASK = "\u00ff"
@@ -427,6 +432,324 @@ def train_pard(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: argp
     return {"pard_token": mask_id, "pard_training": run, "pard_generated_rows": len(generated)}
 
 
+# ------------------------------------------------------------------------- EAGLE-3
+
+
+EAGLE3_AUX_LAYERS = (1, 3, 5)  # target layers whose INPUT residual stream feeds the head (low, middle, high)
+
+
+@dataclass(frozen=True)
+class Eagle3Arch:
+    hidden: int = 256  # = the target's hidden size
+    ffn: int = 768  # = the target's, so the MLP can start from the target's last layer
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 4096
+    draft_vocab: int = 4096
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # the statistics in float32 whatever the autocast dtype
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def linear(n_in: int, n_out: int) -> torch.nn.Linear:
+    layer = torch.nn.Linear(n_in, n_out, bias=False)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    return layer
+
+
+class Eagle3Attention(torch.nn.Module):
+    """Llama attention over the 2H input [normed embeds, normed hidden]: GQA, RoPE, no q/k norm, no biases."""
+
+    def __init__(self, arch: Eagle3Arch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.q_proj = linear(2 * arch.hidden, arch.heads * arch.head_dim)
+        self.k_proj = linear(2 * arch.hidden, arch.kv_heads * arch.head_dim)
+        self.v_proj = linear(2 * arch.hidden, arch.kv_heads * arch.head_dim)
+        self.o_proj = linear(arch.heads * arch.head_dim, arch.hidden)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of x [B, heads, T, d] at positions pos [T] or [B, T]."""
+        d = self.arch.head_dim
+        inv_freq = self.arch.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+        angles = pos.float()[..., None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        if angles.dim() == 3:  # per-row positions: broadcast over heads
+            angles = angles[:, None]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x.float() * angles.cos() + rotated * angles.sin()).to(x.dtype)
+
+    def qkv(self, a: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = a.shape
+        d = self.arch.head_dim
+        q = self.q_proj(a).view(b, t, -1, d).transpose(1, 2)
+        k = self.k_proj(a).view(b, t, -1, d).transpose(1, 2)
+        v = self.v_proj(a).view(b, t, -1, d).transpose(1, 2)
+        return self.rope(q, pos), self.rope(k, pos), v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+               ) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class Eagle3MLP(torch.nn.Module):
+    def __init__(self, arch: Eagle3Arch) -> None:
+        super().__init__()
+        self.gate_proj = linear(arch.hidden, arch.ffn)
+        self.up_proj = linear(arch.hidden, arch.ffn)
+        self.down_proj = linear(arch.ffn, arch.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(torch.nn.Module):
+    def __init__(self, arch: Eagle3Arch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden, arch.eps)
+        self.hidden_norm = RMSNorm(arch.hidden, arch.eps)
+        self.self_attn = Eagle3Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden, arch.eps)
+        self.mlp = Eagle3MLP(arch)
+
+
+class Eagle3Head(torch.nn.Module):
+    """The EAGLE-3 draft head in the published layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+    ``d2t``/``t2d``). It reads token embeddings from the target's frozen embedding table, which is not
+    part of its state dict.
+
+    One position: g = fc(aux) or the previous step's output; a = [input_layernorm(embed(x)),
+    hidden_norm(g)]; h = g + o_proj(attn(a)); out = h + mlp(post_attention_layernorm(h));
+    logits = lm_head(norm(out)); ``out`` is the hidden input of the next drafting step.
+    """
+
+    def __init__(self, arch: Eagle3Arch, embed: torch.Tensor) -> None:
+        super().__init__()
+        self.arch = arch
+        self.fc = linear(len(EAGLE3_AUX_LAYERS) * arch.hidden, arch.hidden)
+        self.midlayer = Eagle3Layer(arch)
+        self.norm = RMSNorm(arch.hidden, arch.eps)
+        self.lm_head = linear(arch.hidden, arch.draft_vocab)
+        self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
+        # Draft vocabulary = target vocabulary here: target id = draft id + d2t[draft id] = draft id.
+        self.register_buffer("d2t", torch.zeros(arch.draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(arch.vocab, dtype=torch.bool))
+
+    def qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        layer = self.midlayer
+        a = torch.cat([layer.input_layernorm(self.embed[tokens]), layer.hidden_norm(hidden)], dim=-1)
+        return layer.self_attn.qkv(a, pos)
+
+    def finish(self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        layer = self.midlayer
+        h = hidden + layer.self_attn.attend(q, keys, values, mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def aux_hidden(target: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target logits, the residual streams entering the layers in EAGLE3_AUX_LAYERS, concatenated)."""
+    out = target(input_ids=ids, output_hidden_states=True)
+    # hidden_states[i] is the input of decoder layer i (element 0: the embeddings).
+    return out.logits, torch.cat([out.hidden_states[i] for i in EAGLE3_AUX_LAYERS], dim=-1)
+
+
+def head_from_target(target: torch.nn.Module, arch: Eagle3Arch) -> Eagle3Head:
+    """A fresh head whose output side (norm, lm_head) starts as the target's, so that it predicts in the
+    target's token space from the first step; fc and the midlayer start random."""
+    head = Eagle3Head(arch, target.get_input_embeddings().weight)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight)
+        head.norm.weight.copy_(target.model.norm.weight)
+    return head
+
+
+def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Attention of chain step `step` (one query per anchor a, at position a + step) over
+    [step-0 keys; keys of chain steps 1..step]: step-0 keys at positions <= a, and the same anchor's
+    own chain keys (the diagonal of each chain block). True = attend."""
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(length, device)] + [eye] * step, dim=1)
+
+
+def ttt_steps(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, greedy: torch.Tensor, depth: int
+              ) -> Iterator[torch.Tensor]:
+    """The head's output per anchor for steps 0 .. depth - 1 of the training-time test, each [B, length, H].
+
+    Every position of x[:, :-1] is an anchor a. Step 0 is the teacher-forced pass over the target's
+    features: (fc(aux_a), x_{a + 1}) at position a. Chain step j puts at position a + j the query with
+    hidden = step j - 1's output for the same anchor and token = greedy[a + j], the target's greedy token
+    (what the drafter holds whenever the chain so far was accepted); it attends to step-0 keys at positions
+    <= a and to the anchor's own chain keys (`ttt_mask`). Anchors with a + j >= length are padding.
+    """
+    length = x.size(1) - 1
+    anchors = torch.arange(length, device=x.device)
+    hidden = head.fc(aux[:, :length])
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for j in range(depth):
+        tokens = x[:, 1:] if j == 0 else F.pad(greedy[:, j:], (0, j - 1))
+        q, k, v = head.qkv(tokens, hidden, anchors + j)
+        keys.append(k)
+        values.append(v)
+        hidden = head.finish(hidden, q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(length, j, x.device))
+        yield hidden
+
+
+def eagle3_loss(teacher: torch.nn.Module, head: Eagle3Head, args: argparse.Namespace
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The training-time test (`ttt_steps`) over every anchor of a row. Step j's output for anchor a
+    predicts token a + j + 2 and is distilled from the target's logits at a + j + 1 (KL + hard_weight x
+    CE on the target's argmax), weighted eagle3_decay ** j."""
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        length = x.size(1) - 1
+        with torch.no_grad():
+            t_logits, aux = aux_hidden(teacher, x)
+            t_logp = F.log_softmax(t_logits.float(), dim=-1)  # [B, length + 1, V]
+            greedy = t_logp.argmax(-1)  # greedy[p]: the target's token after position p
+        total = x.new_zeros((), dtype=torch.float32)
+        for j, out in enumerate(ttt_steps(head, x, aux.float(), greedy, args.eagle3_depth)):
+            s_logits = head.logits(out)[:, : length - j].float()
+            s_logp = F.log_softmax(s_logits, dim=-1)
+            target_logp = t_logp[:, j + 1 :]
+            kl = (target_logp.exp() * (target_logp - s_logp)).sum(-1).mean()
+            hard = F.cross_entropy(s_logits.flatten(0, 1), greedy[:, j + 1 :].flatten())
+            total = total + args.eagle3_decay ** j * (kl + args.hard_weight * hard)
+        return total
+
+    return loss
+
+
+@torch.no_grad()
+def eagle3_propose(target: torch.nn.Module, head: Eagle3Head, ctx: torch.Tensor, k: int) -> torch.Tensor:
+    """k greedy draft tokens after ctx = t_0..t_n, drafted as the engine does: position p holds
+    (fc(aux_p), t_{p + 1}) for p < n; then one position per chain step, fed the previous output."""
+    _, aux = aux_hidden(target, ctx)
+    n = ctx.size(1) - 1
+    hidden = head.fc(aux[:, :n])
+    q, key, value = head.qkv(ctx[:, 1:], hidden, torch.arange(n, device=ctx.device))
+    keys, values = [key], [value]
+    last = head.finish(hidden, q, key, value, causal_mask(n, ctx.device))[:, -1:]
+    drafted = [head.to_target_ids(head.logits(last).argmax(-1))]
+    for j in range(1, k):
+        q, key, value = head.qkv(drafted[-1], last, torch.tensor([n - 1 + j], device=ctx.device))
+        keys.append(key)
+        values.append(value)
+        last = head.finish(last, q, torch.cat(keys, 2), torch.cat(values, 2), None)
+        drafted.append(head.to_target_ids(head.logits(last).argmax(-1)))
+    return torch.cat(drafted, dim=1)
+
+
+@torch.no_grad()
+def eagle3_top1(target: torch.nn.Module, head: Eagle3Head, ctx: torch.Tensor, start: int) -> torch.Tensor:
+    """The head's teacher-forced next-token guesses for ctx[start:] (position p guesses token p + 2)."""
+    _, aux = aux_hidden(target, ctx[:, :-1])
+    n = ctx.size(1) - 2
+    hidden = head.fc(aux[:, :n])
+    q, key, value = head.qkv(ctx[:, 1:-1], hidden, torch.arange(n, device=ctx.device))
+    out = head.finish(hidden, q, key, value, causal_mask(n, ctx.device))
+    return head.to_target_ids(head.logits(out)[0, start - 2 :].argmax(-1))
+
+
+def eagle3_config(arch: Eagle3Arch, max_positions: int, eos_id: int) -> dict:
+    rope = {"rope_theta": arch.rope_theta, "rope_type": "default"}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": arch.hidden,
+        "intermediate_size": arch.ffn,
+        "num_hidden_layers": 1,
+        "num_attention_heads": arch.heads,
+        "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": arch.eps,
+        "rope_theta": arch.rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": max_positions,
+        "vocab_size": arch.vocab,
+        "draft_vocab_size": arch.draft_vocab,
+        "tie_word_embeddings": False,
+        "eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS),
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+    }
+
+
+def save_eagle3(head: Eagle3Head, folder: Path, max_positions: int, eos_id: int) -> None:
+    """config.json + model.safetensors: float weights in bf16, d2t (int64) and t2d (bool) as they are."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+               for name, t in head.state_dict().items()}
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = eagle3_config(head.arch, max_positions, eos_id)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_eagle3(folder: Path, target: torch.nn.Module) -> Eagle3Head:
+    config = json.loads((folder / "config.json").read_text())
+    arch = Eagle3Arch(hidden=config["hidden_size"], ffn=config["intermediate_size"],
+                      heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+                      head_dim=config["head_dim"], vocab=config["vocab_size"],
+                      draft_vocab=config["draft_vocab_size"], eps=config["rms_norm_eps"],
+                      rope_theta=config["rope_theta"])
+    head = Eagle3Head(arch, target.get_input_embeddings().weight)
+    weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    head.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()})
+    return head.eval()
+
+
+def train_eagle3(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: argparse.Namespace,
+                 gen: torch.Generator) -> dict:
+    """EAGLE-3 head for the shipped target, trained with the training-time test on the draft recipe's mix
+    of corpus windows and target-greedy continuations; the teacher is the shipped bf16 target."""
+    teacher = load_model(out / TARGET_DIR, torch.bfloat16)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    generated = generate_distill_set(teacher, train_stream, args, gen)
+    batches = mixed_batches(train_stream, generated, args, gen)
+    head = head_from_target(load_model(out / TARGET_DIR), Eagle3Arch(vocab=tok.get_vocab_size(),
+                                                                     draft_vocab=tok.get_vocab_size()))
+    if not args.eagle3_train_lm_head:  # EAGLE-1/2's choice: the target's own LM head, frozen
+        head.lm_head.weight.requires_grad_(False)
+    log.info("eagle3 head: %d parameters (the target's embedding not counted)", n_params(head))
+    run = train_loop(head, lambda: next(batches), eagle3_loss(teacher, head, args),
+                     Budget(args.eagle3_steps, args.eagle3_minutes), args.eagle3_lr, "eagle3", args.log_every)
+    save_eagle3(head, out / EAGLE3_DIR, args.max_positions, tok.token_to_id(EOS))
+    return {"eagle3_training": run, "eagle3_generated_rows": len(generated), "eagle3_parameters": n_params(head)}
+
+
 # ---------------------------------------------------------------------- evaluation
 
 
@@ -443,6 +766,8 @@ def eval_windows(stream: torch.Tensor, count: int, length: int, seed: int) -> to
 
 
 Propose = Callable[[torch.Tensor, int], torch.Tensor]  # (context [1, T], k) -> k draft tokens [1, k]
+# (context [1, T], start) -> the drafter's teacher-forced guesses of context[0, start:]
+TeacherForcedTop1 = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @torch.no_grad()
@@ -467,11 +792,13 @@ def sequential_propose(draft: torch.nn.Module) -> Propose:
 
 
 @torch.no_grad()
-def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module, tok: Tokenizer,
-                       prompts: Sequence[str], new_tokens: int, k: int, propose: Propose | None = None
-                       ) -> dict[str, float]:
-    """Greedy speculative decoding of every prompt; `propose` defaults to k sequential draft forwards."""
+def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module | None, tok: Tokenizer,
+                       prompts: Sequence[str], new_tokens: int, k: int, propose: Propose | None = None,
+                       top1: TeacherForcedTop1 | None = None) -> dict[str, float]:
+    """Greedy speculative decoding of every prompt; `propose` defaults to k sequential draft forwards and
+    `top1` to the draft model's teacher-forced argmax."""
     propose = propose or sequential_propose(draft)
+    top1 = top1 or (lambda ctx, start: draft(input_ids=ctx[:, :-1]).logits[0, start - 1 :].argmax(-1))
     agree = positions = rounds = emitted_total = 0
     reached = [0] * k  # rounds whose draft position j + 1 was accepted
     for text in prompts:
@@ -486,7 +813,7 @@ def measure_acceptance(target: torch.nn.Module, draft: torch.nn.Module, tok: Tok
                 reached[j] += 1
         # alpha: teacher-forced top-1 agreement along the target's greedy trajectory.
         cont = ctx[0, plen : plen + new_tokens]
-        draft_top1 = draft(input_ids=ctx[:, : plen + new_tokens - 1]).logits[0, plen - 1 :].argmax(-1)
+        draft_top1 = top1(ctx[:, : plen + new_tokens], plen)
         agree += int((draft_top1 == cont).sum())
         positions += new_tokens
     alpha = agree / positions
@@ -563,9 +890,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pard-lr", type=float, default=1e-3)
     p.add_argument("--pard-depth", type=int, default=7, help="masks per chain: trains k up to depth + 1")
     p.add_argument("--pard-anchors", type=int, default=48, help="mask chains per training row")
-    p.add_argument("--phase", choices=("all", "pard", "pard-eval"), default="all",
-                   help="all: everything; pard: only the PARD draft, from the target and draft already in --out; "
-                        "pard-eval: only measure the shipped PARD draft's acceptance")
+    p.add_argument("--eagle3-steps", type=int, default=800, help="EAGLE-3 head training steps")
+    p.add_argument("--eagle3-minutes", type=float, default=15.0, help="wall-clock cap for EAGLE-3 (<= 0: none)")
+    p.add_argument("--eagle3-lr", type=float, default=3e-3)
+    p.add_argument("--eagle3-depth", type=int, default=4,
+                   help="training-time-test steps: step 0 over the target's features + depth - 1 chain steps")
+    p.add_argument("--eagle3-decay", type=float, default=0.8, help="loss weight of chain step j: decay ** j")
+    p.add_argument("--eagle3-train-lm-head", action=argparse.BooleanOptionalAction, default=False,
+                   help="train the head's lm_head (else it stays the target's tied embedding, frozen)")
+    p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval"), default="all",
+                   help="all: everything but EAGLE-3; pard: only the PARD draft, from the target and draft already "
+                        "in --out; pard-eval: only measure the shipped PARD draft's acceptance; eagle3: only the "
+                        "EAGLE-3 head for the target in --out; eagle3-eval: only measure the shipped head's "
+                        "acceptance next to the sequential draft's")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--min-prompt-tokens", type=int, default=20)
@@ -580,9 +917,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("target_steps", "draft_steps", "pard_steps", "gen_seqs"):
+    for name in ("target_steps", "draft_steps", "pard_steps", "eagle3_steps", "gen_seqs"):
         setattr(args, name, max(1, round(getattr(args, name) * args.scale)))
-    for name in ("target_minutes", "draft_minutes", "pard_minutes", "gen_minutes"):
+    for name in ("target_minutes", "draft_minutes", "pard_minutes", "eagle3_minutes", "gen_minutes"):
         setattr(args, name, getattr(args, name) * args.scale)
     return args
 
@@ -603,6 +940,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.phase == "pard-eval":
         tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
         print(json.dumps({"acceptance": evaluate_pard(out, tok, args)}, indent=2))
+        return
+    if args.phase == "eagle3-eval":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        print(json.dumps({"acceptance": evaluate_eagle3(out, tok, args)}, indent=2))
+        return
+    if args.phase == "eagle3":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        report = train_eagle3(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)
+        report["training_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        report["acceptance"] = evaluate_eagle3(out, tok, args)
+        report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        print(json.dumps(report, indent=2))
         return
     if args.phase == "pard":
         tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
@@ -698,6 +1047,22 @@ def evaluate_pard(out: Path, tok: Tokenizer, args: argparse.Namespace) -> dict:
         }
         log.info("acceptance k=%d: %s", k, report[f"k={k}"])
     return report
+
+
+def evaluate_eagle3(out: Path, tok: Tokenizer, args: argparse.Namespace) -> dict:
+    """Greedy acceptance at k of the shipped EAGLE-3 head and of the sequential draft on the same prompts."""
+    target, draft = load_model(out / TARGET_DIR), load_model(out / DRAFT_DIR)
+    head = load_eagle3(out / EAGLE3_DIR, target)
+    rows = [json.loads(line) for line in (out / PROMPTS_FILE).read_text().splitlines()]
+    texts = [r["prompt"] for r in rows[: args.eval_prompts]]
+    report = {
+        "sequential_draft": measure_acceptance(target, draft, tok, texts, args.eval_new_tokens, args.k),
+        "eagle3": measure_acceptance(target, None, tok, texts, args.eval_new_tokens, args.k,
+                                     lambda ctx, k: eagle3_propose(target, head, ctx, k),
+                                     lambda ctx, start: eagle3_top1(target, head, ctx, start)),
+    }
+    log.info("acceptance k=%d: %s", args.k, report)
+    return {f"k={args.k}": report}
 
 
 if __name__ == "__main__":

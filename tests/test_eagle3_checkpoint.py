@@ -1,0 +1,100 @@
+"""The shipped EAGLE-3 head (models/minedraft-eagle3) is in the published checkpoint layout and fits the
+bundled target it drafts for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+HEAD = MODELS / "minedraft-eagle3"
+TARGET = MODELS / "minedraft-target"
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return json.loads((HEAD / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def target_config() -> dict:
+    return json.loads((TARGET / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tensors() -> dict[str, torch.Tensor]:
+    with safe_open(str(HEAD / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def test_config_is_the_llama_eagle3_layout(config: dict) -> None:
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1
+    assert config["tie_word_embeddings"] is False
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["rms_norm_eps"] == 1e-6
+    assert config["rope_theta"] == 10000.0
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert config["max_position_embeddings"] == 1024
+    assert config["draft_vocab_size"] == config["vocab_size"] == 4096
+
+
+def test_config_fits_the_bundled_target(config: dict, target_config: dict) -> None:
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
+        assert config[key] == target_config[key], key
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    # Each id names the input of a decoder layer of the target, so it must be a layer the target has.
+    assert all(0 < i < target_config["num_hidden_layers"] for i in config["eagle_aux_hidden_state_layer_ids"])
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, ffn, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    n_aux = len(config["eagle_aux_hidden_state_layer_ids"])
+    return {
+        "fc.weight": (hidden, n_aux * hidden),
+        "midlayer.input_layernorm.weight": (hidden,),
+        "midlayer.hidden_norm.weight": (hidden,),
+        "midlayer.self_attn.q_proj.weight": (q_out, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_out, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_out, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, q_out),
+        "midlayer.post_attention_layernorm.weight": (hidden,),
+        "midlayer.mlp.gate_proj.weight": (ffn, hidden),
+        "midlayer.mlp.up_proj.weight": (ffn, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, ffn),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (config["draft_vocab_size"], hidden),
+        "d2t": (config["draft_vocab_size"],),
+        "t2d": (config["vocab_size"],),
+    }
+
+
+def test_every_tensor_has_its_published_name_and_shape(config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    shapes = expected_shapes(config)
+    assert config["hidden_size"] == 256 and config["intermediate_size"] == 768
+    # No embed_tokens.weight: the head reads the target's (tied) embedding.
+    assert sorted(tensors) == sorted(shapes)
+    for name, shape in shapes.items():
+        assert tuple(tensors[name].shape) == shape, name
+
+
+def test_weights_are_bf16_and_the_vocabulary_maps_are_identity(tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        if name not in ("d2t", "t2d"):
+            assert tensor.dtype == torch.bfloat16, name
+            assert torch.isfinite(tensor.float()).all(), name
+    assert tensors["d2t"].dtype == torch.int64 and not tensors["d2t"].any()  # target id = draft id + 0
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].all()  # every target id is draftable
+
+
+def test_the_head_is_trained(tensors: dict[str, torch.Tensor]) -> None:
+    """Trained weights, not a fresh initialisation: the midlayer's norms (initialised to 1) have moved."""
+    for name in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"):
+        assert (tensors[name].float() - 1).abs().max() > 0.05, name
