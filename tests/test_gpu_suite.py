@@ -27,5 +27,6 @@ def test_dry_run_runs_what_it_can_and_names_what_it_skips(tmp_path) -> None:
     }  # fmt: skip
     assert steps["numerics"]["reason"] == steps["floor"]["reason"] == steps["graphs"]["reason"] == "dry run"
     assert steps["triton"]["interpreted"] and steps["greedy"]["outputs_differing_from_ar"]["minedraft+pard"] == 0
-    assert set(steps["bench"]["offline_tok_s"]) == {"ar", "sd", "minedraft", "sd+pard"}
+    assert steps["greedy"]["outputs_differing_from_ar"]["minedraft+eagle3"] == 0
+    assert set(steps["bench"]["offline_tok_s"]) == {"ar", "sd", "minedraft", "sd+pard", "sd+eagle3", "minedraft+eagle3"}
     assert "| triton | passed |" in out.with_suffix(".md").read_text()
