@@ -16,7 +16,8 @@ Python version:
    (direct simulation of speculative decoding with k draft tokens).
 
 Two more drafters are trained from the shipped target by their own phases: a PARD version of the
-draft (``--phase pard``) and an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``).
+draft (``--phase pard``), an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``), and
+a P-EAGLE version of that head that drafts k tokens in one forward (``--phase p-eagle``).
 
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
