@@ -16,7 +16,8 @@ Python version:
    (direct simulation of speculative decoding with k draft tokens).
 
 Two more drafters are trained from the shipped target by their own phases: a PARD version of the
-draft (``--phase pard``) and an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``).
+draft (``--phase pard``), an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``), and
+a P-EAGLE version of that head that drafts k tokens in one forward (``--phase p-eagle``).
 
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
@@ -63,6 +64,7 @@ TARGET_DIR = "minedraft-target"
 DRAFT_DIR = "minedraft-draft"
 PARD_DIR = "minedraft-draft-pard"
 EAGLE3_DIR = "minedraft-eagle3"
+P_EAGLE_DIR = "minedraft-eagle3-parallel"
 # PARD's mask token is the byte-level token of byte 0xFF: UTF-8 text never contains that byte, so the
 # tokenizer never emits the token and the PARD draft keeps the target's vocabulary as it is.
 PARD_MASK = "\u00ff"
@@ -717,16 +719,23 @@ def save_eagle3(head: Eagle3Head, folder: Path, max_positions: int, eos_id: int)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def load_eagle3(folder: Path, target: torch.nn.Module) -> Eagle3Head:
+def eagle3_arch(folder: Path) -> Eagle3Arch:
     config = json.loads((folder / "config.json").read_text())
-    arch = Eagle3Arch(hidden=config["hidden_size"], ffn=config["intermediate_size"],
+    return Eagle3Arch(hidden=config["hidden_size"], ffn=config["intermediate_size"],
                       heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
                       head_dim=config["head_dim"], vocab=config["vocab_size"],
                       draft_vocab=config["draft_vocab_size"], eps=config["rms_norm_eps"],
                       rope_theta=config["rope_theta"])
-    head = Eagle3Head(arch, target.get_input_embeddings().weight)
+
+
+def load_eagle3_weights(folder: Path) -> dict[str, torch.Tensor]:
     weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
-    head.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()})
+    return {name: t.float() if t.is_floating_point() else t for name, t in weights.items()}
+
+
+def load_eagle3(folder: Path, target: torch.nn.Module) -> Eagle3Head:
+    head = Eagle3Head(eagle3_arch(folder), target.get_input_embeddings().weight)
+    head.load_state_dict(load_eagle3_weights(folder))
     return head.eval()
 
 
@@ -748,6 +757,110 @@ def train_eagle3(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: ar
                      Budget(args.eagle3_steps, args.eagle3_minutes), args.eagle3_lr, "eagle3", args.log_every)
     save_eagle3(head, out / EAGLE3_DIR, args.max_positions, tok.token_to_id(EOS))
     return {"eagle3_training": run, "eagle3_generated_rows": len(generated), "eagle3_parameters": n_params(head)}
+
+
+# ------------------------------------------------------------------------- P-EAGLE
+
+
+class PEagleHead(Eagle3Head):
+    """An EAGLE-3 head that also drafts in one forward (P-EAGLE): every masked position carries the mask
+    token and fc(``mask_hidden``), a learned stand-in for the target features it does not have yet."""
+
+    def __init__(self, arch: Eagle3Arch, embed: torch.Tensor) -> None:
+        super().__init__(arch, embed)
+        self.mask_hidden = torch.nn.Parameter(torch.zeros(1, len(EAGLE3_AUX_LAYERS) * arch.hidden))
+
+
+def p_eagle_forward(head: PEagleHead, tokens: torch.Tensor, aux: torch.Tensor, is_mask: torch.Tensor,
+                    pos: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+    """The head's outputs over one window: real positions take fc(aux), masked ones fc(mask_hidden)."""
+    mask_hidden = head.mask_hidden.to(aux.dtype).expand(*aux.shape[:2], -1)
+    hidden = head.fc(torch.where(is_mask[..., None], mask_hidden, aux))
+    q, key, value = head.qkv(tokens, hidden, pos)
+    return head.finish(hidden, q, key, value, attend)
+
+
+def p_eagle_loss(teacher: torch.nn.Module, head: PEagleHead, mask_id: int, args: argparse.Namespace,
+                 gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One pass over a row's real positions (position p: token x_{p + 1}, fc(aux_p)) followed by
+    `p_eagle_anchors` random chains of `p_eagle_depth` masks (`pard_layout`). Every position p predicts the
+    target's token after p + 1 (KL + hard_weight x CE on the argmax); the real positions' mean loss (d_1)
+    and the masks' mean loss (d_2..) are added with weights 1 and `p_eagle_mask_weight`."""
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        length = x.size(1) - 1
+        with torch.no_grad():
+            t_logits, aux = aux_hidden(teacher, x)
+            t_logp = F.log_softmax(t_logits.float(), dim=-1)  # [B, length + 1, V]
+        room = length - args.p_eagle_depth
+        anchors = torch.rand(x.size(0), room, generator=gen).argsort(dim=1)[:, : args.p_eagle_anchors]
+        ids, pos, attend = pard_layout(x[:, 1:], anchors, args.p_eagle_depth, mask_id)
+        is_mask = torch.arange(ids.size(1)) >= length
+        aux_at = aux.float().gather(1, pos[..., None].clamp(max=length - 1).expand(-1, -1, aux.size(-1)))
+        out = p_eagle_forward(head, ids, aux_at, is_mask.expand(x.size(0), -1), pos, attend)
+        s_logp = F.log_softmax(head.logits(out).float(), dim=-1)
+        target_logp = t_logp.gather(1, (pos + 1)[..., None].expand(-1, -1, t_logp.size(-1)))
+        per_pos = (target_logp.exp() * (target_logp - s_logp)).sum(-1)
+        per_pos = per_pos - args.hard_weight * s_logp.gather(-1, target_logp.argmax(-1, keepdim=True))[..., 0]
+        return per_pos[:, :length].mean() + args.p_eagle_mask_weight * per_pos[:, length:].mean()
+
+    return loss
+
+
+@torch.no_grad()
+def mean_aux(teacher: torch.nn.Module, batches: Iterator[torch.Tensor], count: int) -> torch.Tensor:
+    """The target's aux features averaged over `count` training batches: mask_hidden's starting point."""
+    return torch.stack([aux_hidden(teacher, next(batches))[1].float().mean((0, 1)) for _ in range(count)]).mean(0)
+
+
+@torch.no_grad()
+def p_eagle_propose(target: torch.nn.Module, head: PEagleHead, ctx: torch.Tensor, k: int, mask_id: int
+                    ) -> torch.Tensor:
+    """k greedy draft tokens after ctx = t_0..t_n in one head forward, as the engine drafts: positions
+    p < n hold (fc(aux_p), t_{p + 1}), then k - 1 masked positions; causal attention."""
+    _, aux = aux_hidden(target, ctx)
+    n = ctx.size(1) - 1
+    tokens = torch.cat([ctx[:, 1:], torch.full((1, k - 1), mask_id)], dim=1)
+    aux = torch.cat([aux[:, :n].float(), aux.new_zeros(1, k - 1, aux.size(-1)).float()], dim=1)
+    is_mask = torch.arange(n + k - 1) >= n
+    out = p_eagle_forward(head, tokens, aux, is_mask[None], torch.arange(n + k - 1), causal_mask(n + k - 1))
+    return head.to_target_ids(head.logits(out[:, n - 1 :]).argmax(-1))
+
+
+def save_p_eagle(head: PEagleHead, folder: Path, max_positions: int, eos_id: int, mask_id: int) -> None:
+    """The EAGLE-3 files (mask_hidden among the tensors), with the mask token named in config.json."""
+    save_eagle3(head, folder, max_positions, eos_id)
+    config = json.loads((folder / "config.json").read_text())
+    config["mask_token_id"] = mask_id
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_p_eagle(folder: Path, target: torch.nn.Module) -> tuple[PEagleHead, int]:
+    """(the head, its mask token id)."""
+    eagle = load_eagle3_weights(folder)
+    head = PEagleHead(eagle3_arch(folder), target.get_input_embeddings().weight)
+    head.load_state_dict(eagle)
+    return head.eval(), json.loads((folder / "config.json").read_text())["mask_token_id"]
+
+
+def train_p_eagle(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: argparse.Namespace,
+                  gen: torch.Generator) -> dict:
+    """P-EAGLE: the shipped EAGLE-3 head plus mask_hidden (started at the mean aux features), fine-tuned on
+    the EAGLE-3 data mix to draft k tokens in one forward; the teacher is the shipped bf16 target."""
+    mask_id = tok.token_to_id(PARD_MASK)
+    teacher = load_model(out / TARGET_DIR, torch.bfloat16)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    generated = generate_distill_set(teacher, train_stream, args, gen)
+    batches = mixed_batches(train_stream, generated, args, gen)
+    head = PEagleHead(eagle3_arch(out / EAGLE3_DIR), teacher.get_input_embeddings().weight.float())
+    head.load_state_dict({**load_eagle3_weights(out / EAGLE3_DIR), "mask_hidden": mean_aux(teacher, batches, 4)[None]})
+    if not args.eagle3_train_lm_head:  # as the EAGLE-3 head: the target's LM head, frozen
+        head.lm_head.weight.requires_grad_(False)
+    run = train_loop(head, lambda: next(batches), p_eagle_loss(teacher, head, mask_id, args, gen),
+                     Budget(args.p_eagle_steps, args.p_eagle_minutes), args.p_eagle_lr, "p-eagle", args.log_every)
+    save_p_eagle(head, out / P_EAGLE_DIR, args.max_positions, tok.token_to_id(EOS), mask_id)
+    return {"p_eagle_training": run, "p_eagle_generated_rows": len(generated), "mask_token_id": mask_id}
 
 
 # ---------------------------------------------------------------------- evaluation
@@ -898,11 +1011,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle3-decay", type=float, default=0.8, help="loss weight of chain step j: decay ** j")
     p.add_argument("--eagle3-train-lm-head", action=argparse.BooleanOptionalAction, default=False,
                    help="train the head's lm_head (else it stays the target's tied embedding, frozen)")
-    p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval"), default="all",
+    p.add_argument("--p-eagle-steps", type=int, default=600, help="P-EAGLE fine-tuning steps of the EAGLE-3 head")
+    p.add_argument("--p-eagle-minutes", type=float, default=10.0,
+                   help="wall-clock cap for P-EAGLE (<= 0: none; keep <= 15 on 2 cores)")
+    p.add_argument("--p-eagle-lr", type=float, default=1e-3)
+    p.add_argument("--p-eagle-depth", type=int, default=4, help="masks per chain: trains k up to depth + 1")
+    p.add_argument("--p-eagle-anchors", type=int, default=48, help="mask chains per training row")
+    p.add_argument("--p-eagle-mask-weight", type=float, default=1.0,
+                   help="weight of the masked positions' mean loss next to the real positions' (d_1)")
+    p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval", "p-eagle",
+                                       "p-eagle-eval"), default="all",
                    help="all: everything but EAGLE-3; pard: only the PARD draft, from the target and draft already "
                         "in --out; pard-eval: only measure the shipped PARD draft's acceptance; eagle3: only the "
                         "EAGLE-3 head for the target in --out; eagle3-eval: only measure the shipped head's "
-                        "acceptance next to the sequential draft's")
+                        "acceptance next to the sequential draft's; p-eagle: only the P-EAGLE head, fine-tuned "
+                        "from the EAGLE-3 head in --out; p-eagle-eval: only measure it next to the EAGLE-3 head "
+                        "and the sequential draft")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--min-prompt-tokens", type=int, default=20)
@@ -917,9 +1041,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("target_steps", "draft_steps", "pard_steps", "eagle3_steps", "gen_seqs"):
+    for name in ("target_steps", "draft_steps", "pard_steps", "eagle3_steps", "p_eagle_steps", "gen_seqs"):
         setattr(args, name, max(1, round(getattr(args, name) * args.scale)))
-    for name in ("target_minutes", "draft_minutes", "pard_minutes", "eagle3_minutes", "gen_minutes"):
+    for name in ("target_minutes", "draft_minutes", "pard_minutes", "eagle3_minutes", "p_eagle_minutes",
+                 "gen_minutes"):
         setattr(args, name, getattr(args, name) * args.scale)
     return args
 
@@ -950,6 +1075,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = train_eagle3(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)
         report["training_minutes"] = round((time.monotonic() - t0) / 60, 1)
         report["acceptance"] = evaluate_eagle3(out, tok, args)
+        report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        print(json.dumps(report, indent=2))
+        return
+    if args.phase == "p-eagle-eval":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        print(json.dumps({"acceptance": evaluate_p_eagle(out, tok, args)}, indent=2))
+        return
+    if args.phase == "p-eagle":
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        report = train_p_eagle(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)
+        report["training_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        report["acceptance"] = evaluate_p_eagle(out, tok, args)
         report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
         print(json.dumps(report, indent=2))
         return
@@ -1060,6 +1197,27 @@ def evaluate_eagle3(out: Path, tok: Tokenizer, args: argparse.Namespace) -> dict
         "eagle3": measure_acceptance(target, None, tok, texts, args.eval_new_tokens, args.k,
                                      lambda ctx, k: eagle3_propose(target, head, ctx, k),
                                      lambda ctx, start: eagle3_top1(target, head, ctx, start)),
+    }
+    log.info("acceptance k=%d: %s", args.k, report)
+    return {f"k={args.k}": report}
+
+
+def evaluate_p_eagle(out: Path, tok: Tokenizer, args: argparse.Namespace) -> dict:
+    """Greedy acceptance at k on the same prompts of the sequential draft (k forwards), the EAGLE-3 head
+    (k head steps) and the P-EAGLE head (one head forward)."""
+    target, draft = load_model(out / TARGET_DIR), load_model(out / DRAFT_DIR)
+    eagle = load_eagle3(out / EAGLE3_DIR, target)
+    parallel, mask_id = load_p_eagle(out / P_EAGLE_DIR, target)
+    rows = [json.loads(line) for line in (out / PROMPTS_FILE).read_text().splitlines()]
+    texts = [r["prompt"] for r in rows[: args.eval_prompts]]
+    report = {
+        "sequential_draft": measure_acceptance(target, draft, tok, texts, args.eval_new_tokens, args.k),
+        "eagle3": measure_acceptance(target, None, tok, texts, args.eval_new_tokens, args.k,
+                                     lambda ctx, k: eagle3_propose(target, eagle, ctx, k),
+                                     lambda ctx, start: eagle3_top1(target, eagle, ctx, start)),
+        "p_eagle": measure_acceptance(target, None, tok, texts, args.eval_new_tokens, args.k,
+                                      lambda ctx, k: p_eagle_propose(target, parallel, ctx, k, mask_id),
+                                      lambda ctx, start: eagle3_top1(target, parallel, ctx, start)),
     }
     log.info("acceptance k=%d: %s", args.k, report)
     return {f"k={args.k}": report}

@@ -96,3 +96,45 @@ def test_the_head_is_trained(tensors: dict[str, torch.Tensor]) -> None:
     """Trained weights, not a fresh initialisation: the midlayer's norms (initialised to 1) have moved."""
     for name in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"):
         assert (tensors[name].float() - 1).abs().max() > 0.05, name
+
+
+# ------------------------------------------------------------------ P-EAGLE (models/minedraft-eagle3-parallel)
+
+PARALLEL = MODELS / "minedraft-eagle3-parallel"
+PARD_DRAFT = MODELS / "minedraft-draft-pard"
+
+
+@pytest.fixture(scope="module")
+def parallel_config() -> dict:
+    return json.loads((PARALLEL / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def parallel_tensors() -> dict[str, torch.Tensor]:
+    with safe_open(str(PARALLEL / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def test_the_p_eagle_config_is_the_eagle3_heads_plus_its_mask_token(config: dict, parallel_config: dict) -> None:
+    assert {k: v for k, v in parallel_config.items() if k != "mask_token_id"} == config
+    mask_id = parallel_config["mask_token_id"]
+    assert isinstance(mask_id, int) and 0 <= mask_id < parallel_config["vocab_size"]
+    # The same never-emitted byte token the PARD draft masks with.
+    assert mask_id == json.loads((PARD_DRAFT / "config.json").read_text())["pard_token"]
+
+
+def test_the_p_eagle_tensors_are_the_eagle3_heads_plus_mask_hidden(
+    parallel_config: dict, parallel_tensors: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+) -> None:
+    n_aux = len(parallel_config["eagle_aux_hidden_state_layer_ids"])
+    shapes = {**expected_shapes(parallel_config), "mask_hidden": (1, n_aux * parallel_config["hidden_size"])}
+    assert shapes["mask_hidden"] == (1, 768)
+    assert sorted(parallel_tensors) == sorted(shapes)
+    for name, shape in shapes.items():
+        assert tuple(parallel_tensors[name].shape) == shape, name
+        if name not in ("d2t", "t2d"):
+            assert parallel_tensors[name].dtype == torch.bfloat16, name
+            assert torch.isfinite(parallel_tensors[name].float()).all(), name
+    assert torch.equal(parallel_tensors["d2t"], tensors["d2t"]) and torch.equal(parallel_tensors["t2d"], tensors["t2d"])
+    # A learned stand-in for the target's states, not zeros.
+    assert parallel_tensors["mask_hidden"].float().abs().max() > 0
