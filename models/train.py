@@ -710,10 +710,14 @@ def eagle3_config(arch: Eagle3Arch, max_positions: int, eos_id: int) -> dict:
 
 
 def save_eagle3(head: Eagle3Head, folder: Path, max_positions: int, eos_id: int) -> None:
-    """config.json + model.safetensors: float weights in bf16, d2t (int64) and t2d (bool) as they are."""
+    """config.json + model.safetensors: float weights in bf16, d2t (int64) and t2d (bool) as they are, or
+    left out when they are the identity (draft vocabulary = target vocabulary), which is what a head without
+    them means and what vLLM accepts."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
                for name, t in head.state_dict().items()}
+    if not tensors["d2t"].any() and tensors["t2d"].all() and len(tensors["d2t"]) == len(tensors["t2d"]):
+        del tensors["d2t"], tensors["t2d"]
     safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = eagle3_config(head.arch, max_positions, eos_id)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -729,7 +733,11 @@ def eagle3_arch(folder: Path) -> Eagle3Arch:
 
 
 def load_eagle3_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The head's tensors in float32; identity vocabulary maps where the checkpoint has none."""
     weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    arch = eagle3_arch(folder)
+    weights.setdefault("d2t", torch.zeros(arch.draft_vocab, dtype=torch.long))
+    weights.setdefault("t2d", torch.ones(arch.vocab, dtype=torch.bool))
     return {name: t.float() if t.is_floating_point() else t for name, t in weights.items()}
 
 

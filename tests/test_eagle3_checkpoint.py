@@ -132,9 +132,8 @@ def test_the_p_eagle_tensors_are_the_eagle3_heads_plus_mask_hidden(
     assert sorted(parallel_tensors) == sorted(shapes)
     for name, shape in shapes.items():
         assert tuple(parallel_tensors[name].shape) == shape, name
-        if name not in ("d2t", "t2d"):
-            assert parallel_tensors[name].dtype == torch.bfloat16, name
-            assert torch.isfinite(parallel_tensors[name].float()).all(), name
-    assert torch.equal(parallel_tensors["d2t"], tensors["d2t"]) and torch.equal(parallel_tensors["t2d"], tensors["t2d"])
+        assert parallel_tensors[name].dtype == torch.bfloat16, name
+        assert torch.isfinite(parallel_tensors[name].float()).all(), name
+    assert "d2t" not in parallel_tensors and "t2d" not in parallel_tensors  # the identity, as the EAGLE-3 head's
     # A learned stand-in for the target's states, not zeros.
     assert parallel_tensors["mask_hidden"].float().abs().max() > 0
