@@ -31,6 +31,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,28 +139,13 @@ def step_quant(args: argparse.Namespace) -> dict:
             reference = x.float() @ dense[name].float().T
             worst = max(worst, ((kernel(x).float() - reference).abs().max() / reference.abs().max()).item())
             if cuda:
-                results[f"{name} {m} rows"] = {"triton_ms": _time_ms(torch, kernel, x),
-                                               "bf16_ms": _time_ms(torch, torch.nn.functional.linear, x,
-                                                                   dense[name])}  # fmt: skip
+                from quant_tiles import time_ms  # beside this script: GPU time from CUDA-graph replays
+
+                results[f"{name} {m} rows"] = {"triton_ms": round(time_ms(partial(kernel, x)), 4),
+                                               "bf16_ms": round(time_ms(partial(torch.nn.functional.linear, x,
+                                                                                dense[name])), 4)}  # fmt: skip
     return {"passed": worst < 2e-2, "max_relative_error": round(worst, 5), "interpreted": _INTERPRETED,
             "timings": results}  # fmt: skip
-
-
-def _time_ms(torch, fn, *inputs, repeats: int = 20) -> float:
-    """GPU time of one call, replayed from a CUDA graph (not the time to launch it from Python)."""
-    fn(*inputs)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn(*inputs)
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - start) / (5 * repeats) * 1e3, 4)
 
 
 def step_graphs(args: argparse.Namespace) -> dict:
