@@ -248,3 +248,72 @@ def test_served_hits_reach_the_metrics_and_the_server_info(pair, tmp_path) -> No
     assert stats.prefix_cache_hits == (len(prompt) - 1) // 16 * 16, "the second request finds the first's blocks"
     assert after["vllm:prefix_cache_hits_total"] == after["minedraft:prefix_cache_hits_total"]
     assert after["minedraft:draft_prefix_cache_hits_total"] == stats.prefix_cache_hits
+
+
+def test_blocks_computed_side_by_side_end_up_as_one() -> None:
+    """Two sequences that wrote the same prompt in one step (neither could reuse the other's) share the block
+    indexed first once both are indexed: the copy goes back to the pool."""
+    cache = _cache()
+    tokens = list(range(10))
+    first, second = cache.allocate(), cache.allocate()
+    for seq in (first, second):
+        cache.fit(seq, len(tokens))
+    assert cache.num_free_blocks == 8 - 6
+    for seq in (first, second):
+        cache.cache_prefix(seq, tokens, 9)
+    assert cache.block_tables[second][:2] == cache.block_tables[first][:2]
+    assert cache.num_free_blocks == 8 - 4
+    cache.free(first)
+    cache.free(second)
+    assert cache.num_free_blocks == 8 and _reuse(cache, tokens)[1] == 8
+
+
+def _serve_in_24_blocks(pair, mode: str, prompts: list[list[int]], max_tokens: int,
+                        enable: bool) -> tuple[list[list[int]], int, LLMEngine]:
+    """Serve `prompts` at once with a verifier pool of 24 blocks of 8 tokens: (outputs, the most requests that
+    ran at once, the engine). No request fails, and every block is free at the end."""
+    config = ModelRunner(pair[0], max_seq_len=8).config
+    per_block = bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 8, torch.float32)
+    base = {"max_num_seqs": 8, "block_size": 8, "kv_cache_memory_bytes": 24 * per_block}
+    engine = LLMEngine.local(tiny_config(pair, SPECS[mode], enable_prefix_caching=enable, **base), max_in_flight=2)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        requests = [engine.add_request(p, params) for p in prompts]
+        most = 0
+        while engine.has_unfinished() or engine.in_flight:
+            engine.advance()
+            most = max(most, engine.pipeline.batches.num_running)
+        assert all(r.finish_reason == "length" for r in requests), [r.error for r in requests]
+        verifier = engine.executor.verifier.runner.kv_cache
+        assert verifier.num_free_blocks == verifier.num_blocks
+        return [r.output_ids for r in requests], most, engine
+    finally:
+        engine.executor.close()
+
+
+def _shared_system_prompt(pair, n: int) -> list[list[int]]:
+    vocab = ModelRunner(pair[0], max_seq_len=8).config.vocab_size
+    rng = random.Random(3)
+    system = [rng.randrange(vocab) for _ in range(64)]
+    return [system + [rng.randrange(vocab) for _ in range(6)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["ar", "minedraft"])
+def test_admission_charges_a_shared_prompt_once(pair, mode: str) -> None:
+    """A pool that holds two of these conversations charged in full: sharing their system prompt, more run
+    at once, and outputs equal those without caching."""
+    prompts = _shared_system_prompt(pair, 8)
+    expected, alone, _ = _serve_in_24_blocks(pair, mode, prompts, 16, enable=False)
+    got, shared, _ = _serve_in_24_blocks(pair, mode, prompts, 16, enable=True)
+    assert got == expected
+    assert alone <= 2 and shared >= 4, (alone, shared)
+
+
+def test_requests_admitted_together_grow_into_the_blocks_their_shared_prompt_frees(pair) -> None:
+    """Two requests that computed the same system prompt in one step: once it is indexed they hold it once,
+    and admission lets them grow into what that freed (28 blocks in full, 20 shared) with no preemption."""
+    prompts = _shared_system_prompt(pair, 2)
+    expected, _, alone = _serve_in_24_blocks(pair, "ar", prompts, 40, enable=False)
+    got, _, shared = _serve_in_24_blocks(pair, "ar", prompts, 40, enable=True)
+    assert got == expected
+    assert alone.num_preemptions > 0 and shared.num_preemptions == 0

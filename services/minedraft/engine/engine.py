@@ -62,7 +62,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.pipeline = make_pipeline(config)
         self.speculating = config.speculative_config is not None
-        self.kv_pool: tuple[int, int] | None = None  # the executor's, as of the last (re)start
+        self.kv_pool: tuple[int, int] | None = None  # the smaller worker's pool, as of the last (re)start
         self._budget_blocks(self.pipeline)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # unfinished requests kept out of the workers (see engine/quarantine.py)
@@ -320,12 +320,15 @@ class LLMEngine:
         """Admission by the workers' KV pool (a step of the pipeline can write `lookahead` tokens more), as the
         executor reports it now: a new world may hold another pool (a worker came back with another budget,
         or the drafter left)."""
-        self.kv_pool = self.executor.kv_pool
-        if self.kv_pool is not None:
-            num_blocks, block_size = self.kv_pool
+        self.kv_pool = pool = self.executor.kv_pool
+        if pool is not None:
+            num_blocks, block_size = pool
             # Each step in flight can write `lookahead` tokens that the engine has not seen yet.
             lookahead = pipeline.lookahead * self.max_in_flight
-            pipeline.batches.budget = BlockBudget(num_blocks, block_size, lookahead, self.max_model_len)
+            draft_blocks = self.executor.draft_kv_blocks if self.speculating else None
+            pipeline.batches.budget = BlockBudget(num_blocks, block_size, lookahead, self.max_model_len,
+                                                  draft_blocks, self.config.prefix_caching_in_effect)  # fmt: skip
+            self.kv_pool = min(num_blocks, draft_blocks or num_blocks), block_size
 
     def _release_finished(self) -> list[Request]:
         done = self.pipeline.batches.remove_finished()

@@ -57,8 +57,12 @@ class LocalExecutor:
 
     @property
     def kv_pool(self) -> tuple[int, int]:
-        caches = [w.runner.kv_cache for w in (self.verifier, self.drafter) if w is not None]
-        return min(c.num_blocks for c in caches), self.verifier.runner.kv_cache.block_size
+        cache = self.verifier.runner.kv_cache
+        return cache.num_blocks, cache.block_size
+
+    @property
+    def draft_kv_blocks(self) -> int | None:
+        return self.drafter.runner.kv_cache.num_blocks if self.drafter is not None else None
 
     def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)

@@ -56,7 +56,18 @@ class Pipeline(ABC):
             request.num_prefilled = 0 if len(request.token_ids) > self.max_num_batched_tokens else None
         draft, verify = self._chunk_prefills(draft, verify)
         self.drafted = {t.request_id for t in draft.tasks} if draft else set()
+        self._note_written(verify)
         return admitted, draft, verify
+
+    def _note_written(self, verify: VerifyPlan | None) -> None:
+        """Tell admission which tokens the verifier holds after this step (see BatchManager.note_written)."""
+        if verify is None:
+            return
+        running = {r.request_id: r for batch in self.batches.batches for r in batch}
+        for task in verify.tasks:
+            self.batches.note_written(running[task.request_id], len(running[task.request_id].token_ids))
+        for chunk in verify.prefill:
+            self.batches.note_written(running[chunk.request_id], chunk.num_tokens)
 
     @abstractmethod
     def _schedule(self) -> Schedule:

@@ -145,8 +145,13 @@ class Executor(Protocol):
 
     @property
     def kv_pool(self) -> tuple[int, int] | None:
-        """(blocks, tokens per block) that every worker of the current world holds: the engine admits by it
-        and reads it again whenever it restarts over a new world. None: admit by max_num_seqs only."""
+        """(blocks, tokens per block) of the verifier's pool in the current world: the engine admits by it
+        (and by `draft_kv_blocks`) and reads both again whenever it restarts over a new world. None: admit by
+        max_num_seqs only."""
+
+    @property
+    def draft_kv_blocks(self) -> int | None:
+        """The drafter's blocks (of the same size) when the current world has a drafter."""
 
     def admit(self, seqs: list[Admission]) -> None: ...
 

@@ -83,6 +83,10 @@ class Request:
     batch: int = 0  # which of the engine's batches it runs in
     num_prefilled: int | None = None  # chunked prefill: tokens both workers hold so far (None: not prefilling)
     admitted_in: int = 0  # the engine's step that last admitted it to the workers
+    # Prefix sharing as admission counts it (engine/batch_manager.py): chain keys of the full blocks its tokens
+    # started with when admitted (None: not computed yet), and how many leading ones the verifier shares.
+    prefix_keys: list[bytes] | None = None
+    shared_blocks: int = 0
     _streamed: int = 0  # characters of text already handed to a stream
 
     @classmethod
@@ -206,6 +210,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.pending_drafts = None
         self.num_prefilled = None
+        self.prefix_keys, self.shared_blocks = None, 0
 
     def abort(self) -> None:
         self._finish("abort")

@@ -498,6 +498,12 @@ class VerifyWorker(_Worker):
         for seq, w, result in zip(batch.seqs, batch.windows, results):
             seq.kv_tokens = seq.tokens + w.tokens
             seq.tokens.extend(result.token_ids)
+        # Indexed now, not only at the next admission: admission counts the blocks requests share from the
+        # step after they were written (engine/batch_manager.py).
+        for request_id, *_ in batch.inputs:
+            seq = self.sequences.get(request_id)
+            if seq is not None:
+                self._cache_committed(seq)
 
 
 @dataclass

@@ -15,6 +15,10 @@ never meet). A new sequence takes the longest indexed chain its tokens start wit
 recently used first, only when the free pool is empty. The index compares whole token tuples, so two
 different prefixes can never share a block, whatever their hashes.
 
+Two sequences that computed equal blocks side by side (admitted together, before either was indexed)
+end up sharing the one indexed first: the other's copy goes back to the pool. So every indexed block is
+held once, however many sequences hold it, which is what admission counts on (engine/batch_manager.py).
+
 A shared block is never written again: a sequence takes only full blocks below its last token (whose
 logits must be computed), and a worker indexes only blocks below its last committed token, which no
 rollback reaches.
@@ -121,8 +125,7 @@ class KVCache:
             entry = self.prefix_index.find(parent, token_ids[start : start + size])
             if entry is None:
                 break
-            self.prefix_index.hold(entry.block, first=self._refs[entry.block] == 0)
-            self._refs[entry.block] += 1
+            self._hold_indexed(entry.block)
             table.append(entry.block)
             self._chains[seq_id].append(entry.id)
             parent = entry.id
@@ -138,7 +141,12 @@ class KVCache:
         table, chain, size = self.block_tables[seq_id], self._chains[seq_id], self.block_size
         for i in range(len(chain), min(num_tokens // size, len(table))):
             parent = chain[-1] if chain else PrefixIndex.ROOT
-            chain.append(self.prefix_index.add(parent, token_ids[i * size : (i + 1) * size], table[i]).id)
+            entry = self.prefix_index.add(parent, token_ids[i * size : (i + 1) * size], table[i])
+            if entry.block != table[i]:  # computed beside an equal block that was indexed first: share that one
+                self._hold_indexed(entry.block)
+                self._drop(table[i])
+                table[i] = entry.block
+            chain.append(entry.id)
 
     def cached_tokens(self, seq_id: int) -> int:
         """Tokens at the head of the sequence that sit in indexed blocks: never written again."""
@@ -156,6 +164,10 @@ class KVCache:
     def take_prefix_stats(self) -> tuple[int, int]:
         """(tokens looked up, tokens found) since the last call."""
         return self.prefix_index.take_stats() if self.prefix_index else (0, 0)
+
+    def _hold_indexed(self, block: int) -> None:
+        self.prefix_index.hold(block, first=self._refs[block] == 0)
+        self._refs[block] += 1
 
     def _drop(self, block: int) -> None:
         self._refs[block] -= 1

@@ -96,7 +96,8 @@ class RemoteExecutor:
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
         self.deadline = step_deadline or StepDeadline(floor_s=60.0)
         self.members: list[WorkerClient] = []  # the workers of the current world
-        self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) all members of the world hold
+        self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) of the verifier of the world
+        self.draft_kv_blocks: int | None = None  # the drafter's blocks, when the world has one
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
@@ -125,8 +126,15 @@ class RemoteExecutor:
         self.members = []
         self._close_streams()  # the steps in flight belong to the old world
         infos = self.check_config(config, members)
-        kv_pool = min(i.num_blocks for i in infos.values()), infos["verifier"].block_size
-        check_fits_one_request(*kv_pool, infos["verifier"].max_model_len, "the smallest KV pool in the world")
+        block_size = infos["verifier"].block_size
+        if any(i.block_size != block_size for i in infos.values()):
+            sizes = {role: info.block_size for role, info in infos.items()}
+            raise RuntimeError(f"the workers' KV blocks differ in size: {sizes}")
+        smallest = min(i.num_blocks for i in infos.values())
+        check_fits_one_request(smallest, block_size, infos["verifier"].max_model_len,
+                               "the smallest KV pool in the world")  # fmt: skip
+        kv_pool = infos["verifier"].num_blocks, block_size
+        draft_kv_blocks = infos["drafter"].num_blocks if "drafter" in infos else None
         self.epoch += 1
         join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
         calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
@@ -136,7 +144,7 @@ class RemoteExecutor:
             except grpc.RpcError as exc:
                 raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
         self.members = members
-        self.kv_pool = kv_pool
+        self.kv_pool, self.draft_kv_blocks = kv_pool, draft_kv_blocks
         self._admit, self._release = [], []
         return infos
 
