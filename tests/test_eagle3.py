@@ -161,7 +161,9 @@ def random_head(tmp_path_factory) -> str:
                          ids=["sd", "pearl", "minedraft", "minedraft+tetris", "sd+p-eagle", "pearl+p-eagle",
                               "minedraft+p-eagle"])  # fmt: skip
 def test_every_mode_with_a_random_head_returns_ars_tokens(random_head, spec) -> None:
-    prompts = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Tree:\n    def __init__(self"]
+    # A shared header: the third prompt, admitted after the first two, takes it from the verifier's prefix cache.
+    header = '"""Helpers for the parser, the printer and the tree walker of this module, with tests."""\n\n'
+    prompts = [header + p for p in ("def parse(self, text):\n", "import os\nimport sys\n\n", "class Tree:\n    def")]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = {}
     for name, config in {"ar": None, "eagle3": {"method": "eagle3", "model": random_head, "adaptive": False,
@@ -181,16 +183,18 @@ def test_the_config_reports_the_method(random_head) -> None:
     config = EngineConfig(speculative_config={"method": "eagle3", "model": random_head})
     assert config.speculative_config.draft_method == "eagle3"
     assert config.uses_eagle3 and str(config.draft_path) == random_head
-    assert config.enable_prefix_caching and not config.prefix_caching_in_effect  # no states for a reused prefix
+    assert config.enable_prefix_caching
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["computed", "cached-prefix"])
 def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_committed_position(
-    tmp_path, target
+    tmp_path, target, cached
 ) -> None:
     """The drafter's bookkeeping against a recomputation from scratch: after every step, the window equals
     the reference head run over the target's states of all committed positions (from a fresh target
     forward), then chained on its own outputs. Covers a prompt prefilled in two chunks, windows after
-    rejections, positions caught up over several steps, and PEARL continuations."""
+    rejections, positions caught up over several steps, and PEARL continuations; and a prompt whose first
+    16 tokens the verifier takes from its prefix cache (their states come from the cache too)."""
     from minedraft.engine.eagle_drafter import EagleDraftWorker
     from minedraft.engine.plans import Admission, DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
     from minedraft.engine.workers import VerifyWorker
@@ -201,13 +205,19 @@ def test_each_window_is_what_the_head_drafts_from_the_targets_states_of_every_co
     weights = load_file(str(head / "model.safetensors"))
     config = json.loads((head / "config.json").read_text())
     embedding = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"].float()
-    verifier = VerifyWorker(ModelRunner(target, max_seq_len=128, num_slots=2, aux_hidden_layers=(0, 2, 3)))
+    verifier = VerifyWorker(ModelRunner(target, max_seq_len=128, num_slots=2, aux_hidden_layers=(0, 2, 3),
+                                        block_size=8, enable_prefix_caching=cached))  # fmt: skip
     drafter = EagleDraftWorker(_head_runner(head, target), support_size=4)
     fresh = ModelRunner(target, max_seq_len=128, aux_hidden_layers=(0, 2, 3))
     prompt = [(13 * i + 1) % VOCAB for i in range(21)]
     greedy = SamplingParams(temperature=0)
+    if cached:  # an earlier request with the same first 18 tokens leaves two full blocks in the cache
+        verifier.admit([Admission("earlier", prompt[:18] + [1, 2], greedy, seed=0)])
+        verifier.verify(VerifyPlan([VerifyTask("earlier")]))
+        verifier.release(["earlier"])
     for worker in (verifier, drafter):
         worker.admit([Admission("r", list(prompt), greedy, seed=0)])
+    assert len(verifier.sequences["r"].kv_tokens) == (16 if cached else 0)
 
     def exchange() -> None:
         drafter.receive_features(verifier.take_features())

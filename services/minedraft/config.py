@@ -216,12 +216,6 @@ class EngineConfig(BaseModel):
         return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
 
     @property
-    def prefix_caching_in_effect(self) -> bool:
-        """enable_prefix_caching, except with an EAGLE-3 drafter (the verifier would have no states to send for
-        a reused prefix, so neither worker keeps a cache)."""
-        return self.enable_prefix_caching and not self.uses_eagle3
-
-    @property
     def uses_eagle3(self) -> bool:
         return self.speculative_config is not None and self.speculative_config.method == "eagle3"
 

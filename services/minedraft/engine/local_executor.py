@@ -166,10 +166,11 @@ def build_local_executor(
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
     """The draft model. Its logits need not be batch-shape invariant (whatever it proposes, the output is
     exactly the target's), so it always uses the fast kernels. An EAGLE-3 head reads the target's
-    tokenizer and embedding."""
+    tokenizer and embedding, and keeps no prefix cache: it writes each position from the target's features,
+    which the verifier hands on for every position, those of a prefix it took from its cache included."""
     options = runner_options(config)
     if config.uses_eagle3:
-        options.update(target_path=config.target_path)
+        options.update(target_path=config.target_path, enable_prefix_caching=False)
     return ModelRunner(
         config.draft_path,
         num_slots=num_slots,
@@ -222,7 +223,7 @@ def runner_options(config: EngineConfig) -> dict[str, Any]:
         "block_size": config.block_size,
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "enable_prefix_caching": config.prefix_caching_in_effect,
+        "enable_prefix_caching": config.enable_prefix_caching,
     }
 
 

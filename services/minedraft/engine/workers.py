@@ -49,6 +49,7 @@ class _Sequence:
     # prompt_logprobs: those of prompt tokens 1.. computed so far (rank 0's); None once sent or never asked
     prompt_lps: list[TokenLogprob] | None = None
     prompt_rows_done: int = 0  # prompt tokens 1.. whose rows a forward has produced (every rank counts them)
+    cached_features: int = 0  # a verifier keeping features: positions reused from its cache, not yet handed on
 
     def owed_prompt_rows(self, start: int, num_rows: int) -> int:
         """How many of `num_rows` rows at positions start.. predict a prompt token whose logprob is still owed
@@ -117,6 +118,7 @@ class _Worker:
             # A request asking for prompt logprobs needs logits at every prompt position: it reuses no cached block.
             if admission.params.prompt_logprobs is None:
                 seq.kv_tokens = seq.tokens[: self.runner.kv_cache.reuse_prefix(seq.slot, seq.tokens)]
+                seq.cached_features = len(seq.kv_tokens) if self.runner.kv_cache.features is not None else 0
             else:
                 seq.prompt_lps = []
             if admission.params.structured_outputs is not None:
@@ -385,7 +387,8 @@ class VerifyWorker(_Worker):
     def features(self, batch: VerifyBatch, results: list[Verified]) -> dict[str, tuple[int, torch.Tensor]]:
         """For an EAGLE-3 drafter (a runner with aux_hidden_layers): per request, the first position and the
         target's states [rows, 3 x hidden] of the positions whose tokens are now committed: a window's
-        pending tokens and accepted drafts, a prefill chunk's tokens. Empty without aux_hidden_layers."""
+        pending tokens and accepted drafts, a prefill chunk's tokens, and first of all those of the prefix a
+        request took from the cache. Empty without aux_hidden_layers."""
         aux = batch.aux_hidden
         if aux is None:
             return {}
@@ -394,9 +397,18 @@ class VerifyWorker(_Worker):
         for request_id, start, rows, drafts in batch.inputs:
             keep = rows - drafts + accepted.get(request_id, 0) if drafts >= 0 else rows
             if keep > 0:
-                features[request_id] = (start, aux[offset : offset + keep])
+                features[request_id] = self._after_cached(request_id, start, aux[offset : offset + keep])
             offset += rows
         return features
+
+    def _after_cached(self, request_id: str, start: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """`rows` from `start`, after the features of the cached prefix the request has not handed on yet."""
+        seq = self.sequences[request_id]
+        if not seq.cached_features:
+            return start, rows
+        cached = self.runner.kv_cache.read_features(seq.slot, seq.cached_features)
+        seq.cached_features = 0
+        return 0, torch.cat((cached, rows))
 
     def forward(self, plan: VerifyPlan) -> VerifyBatch:
         """Run the target over every task's pending tokens + drafts (collective under tensor parallelism)."""

@@ -65,7 +65,7 @@ class MineDraftServicer:
             kv_block_size=kv_block_size,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             draft_method=spec.draft_method if spec else "",
-            enable_prefix_caching=self.config.prefix_caching_in_effect,
+            enable_prefix_caching=self.config.enable_prefix_caching,
             quantization=checkpoint_quantization(self.config.target_path),
             draft_quantization=checkpoint_quantization(self.config.draft_path) if spec else "",
         )

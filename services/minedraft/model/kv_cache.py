@@ -40,9 +40,10 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _ZERO_AHEAD = 64  # blocks zeroed at once when the pool's high-water mark moves
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of `block_size` tokens over all layers."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    feature_dim: int = 0) -> int:
+    """Keys and values of `block_size` tokens over all layers (and their features, where the cache keeps them)."""
+    return (2 * num_layers * num_kv_heads * head_dim + feature_dim) * block_size * dtype.itemsize
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -69,8 +70,10 @@ def kv_budget_bytes(device: torch.device, kv_cache_memory_bytes: int | None,
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, enable_prefix_caching: bool = False) -> None:
-        """num_blocks: usable blocks (the zero block comes on top)."""
+                 dtype: torch.dtype, device: torch.device | str, enable_prefix_caching: bool = False,
+                 feature_dim: int = 0) -> None:
+        """num_blocks: usable blocks (the zero block comes on top). feature_dim: a target feeding an EAGLE head
+        also keeps each position's features (`write_features`), so a reused block brings them along."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -82,6 +85,9 @@ class KVCache:
         # zeroed when first handed out (masked-out keys are multiplied by 0, and 0 * NaN = NaN).
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Read only at positions a forward wrote (a reused prefix): never zeroed.
+        self.features = (torch.empty(((num_blocks + 2) * block_size, feature_dim), dtype=dtype, device=device)
+                         if feature_dim else None)  # fmt: skip
         self._zeroed = 0  # blocks [0, _zeroed) have been zeroed
         self._zero_blocks_below(NULL_BLOCK + 1)
         self._free = list(range(1, num_blocks + 1))  # a heap: the lowest free block first keeps the pool compact
@@ -214,6 +220,15 @@ class KVCache:
         """Store k, v ([tokens, kv_heads, head_dim]) at flat pool indices `index` ([tokens])."""
         self.k[layer].view(self.k[layer].shape[0], -1, self.k[layer].shape[-1])[:, index] = k.transpose(0, 1)
         self.v[layer].view(self.v[layer].shape[0], -1, self.v[layer].shape[-1])[:, index] = v.transpose(0, 1)
+
+    def write_features(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store the features of the tokens at flat pool indices `index` ([tokens], as `write` takes)."""
+        self.features[index] = rows
+
+    def read_features(self, seq_id: int, end: int) -> torch.Tensor:
+        """The features of positions [0, end) of a sequence: [end, feature_dim]."""
+        index = torch.tensor(self.token_index(seq_id, 0, end), dtype=torch.long, device=self.features.device)
+        return self.features[index]
 
     def _zero_blocks_below(self, end: int) -> None:
         if end <= self._zeroed:

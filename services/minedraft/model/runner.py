@@ -113,15 +113,18 @@ class ModelRunner:
         self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
         self.head_hidden: torch.Tensor | None = None  # an EAGLE-3 head's output at the last forward's logits rows
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
+        # A target feeding an EAGLE head caches the head's features with its keys and values, so that a request
+        # reusing cached blocks still hands the drafter the features of every position.
+        feature_dim = len(self.aux_hidden_layers) * self.config.hidden_size if enable_prefix_caching else 0
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
-                                    self.dtype)
+                                    self.dtype, feature_dim)
         budget, source = kv_budget_bytes(self.device, kv_cache_memory_bytes, gpu_memory_utilization)
         num_blocks = self._agree(min(budget // per_block, num_slots * blocks_for(max_seq_len, block_size)))
         check_fits_one_request(num_blocks, block_size, max_seq_len, f"{source}; {per_block} bytes per block")
         self.kv_cache = KVCache(
             num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
             num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, feature_dim=feature_dim,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
         eager = enforce_eager or self.config.is_eagle3
@@ -231,6 +234,8 @@ class ModelRunner:
         """float32 logits [sum(num_logits), vocab_size], rows in seqs order, on the runner's device."""
         batch = self.prepare(seqs)
         logits = self.execute(batch)
+        if self.kv_cache.features is not None and len(batch.token_index):
+            self.kv_cache.write_features(batch.token_index.to(self.device), self.aux_hidden)
         for seq in seqs:
             self.kv_cache.lengths[seq.slot] = seq.start_pos + len(seq.token_ids)
         self._work = (self._work[0] + 1, self._work[1] + sum(len(seq.token_ids) for seq in seqs))
