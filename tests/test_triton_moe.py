@@ -92,7 +92,9 @@ def test_grouped_experts_match_the_experts_dequantized_at_load(tmp_path, method:
     x, weights = _inputs(dtype, gen)
     got, expected = kept(x, ROUTED, weights), dense(x, ROUTED, weights)
     largest = expected.abs().max().item()
-    tolerance = (4 * torch.finfo(dtype).eps + 1e-5) * largest  # two GEMMs, each differing in summation order
+    # Two GEMMs in another summation order, and the interpreter (Triton 3.9) rounds to bf16 by truncation:
+    # four units in the last place of the output's dtype at the largest value.
+    tolerance = (4 * torch.finfo(dtype).eps + 1e-5) * largest
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=0)
     # A token's experts only: expert 3 (no tokens) is never read, expert 0's 18 pairs span two tiles.
     assert (torch.bincount(ROUTED.flatten(), minlength=EXPERTS) == torch.tensor([18, 8, 8, 0, 8])).all()

@@ -11,10 +11,13 @@ A checkpoint says how it is quantized in config.json's `quantization_config`. Th
 On CPU every quantized tensor is dequantized once, at load, into the model's dtype: the model then runs
 its ordinary kernels at full weight memory. On CUDA (with triton) the linear layers keep their weights as
 the checkpoint stores them (`QuantizedWeight`: one byte per FP8 weight, half a byte per AWQ weight) and
-multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); a layer whose scale
-blocks or packing do not line up with its tensor-parallel shard or packed q/k/v part, and the MoE experts,
-are dequantized at load as on CPU. Layers a checkpoint leaves unquantized (embeddings, norms, the LM head,
-MoE routers) are read as they are. Any other method is refused by name.
+multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); so do the MoE experts,
+stacked per layer (a `QuantizedWeight` with a leading expert dimension, this rank's slice of each expert)
+and multiplied by grouped GEMMs, one launch for every expert's gate/up and one for down
+(model/triton_moe.py). A layer or expert stack whose scale blocks or packing do not line up with its
+tensor-parallel shard or packed q/k/v or gate/up part is dequantized at load as on CPU (for experts, the
+runner logs which). Layers a checkpoint leaves unquantized (embeddings, norms, the LM head, MoE routers)
+are read as they are. Any other method is refused by name.
 """
 
 from __future__ import annotations

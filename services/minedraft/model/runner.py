@@ -88,9 +88,10 @@ class ModelRunner:
         (see kv_cache.py).
         enforce_eager: no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged
         kernel runs a dense model on one rank.
-        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, Triton GEMMs:
-        model/triton_quant.py), dequantize (dense weights at load) or auto (triton on CUDA where it is
-        installed and the block or group shape suits its tiles, dequantize elsewhere).
+        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, MoE experts
+        included, Triton GEMMs: model/triton_quant.py, model/triton_moe.py), dequantize (dense weights at
+        load) or auto (triton on CUDA where it is installed and the block or group shape suits its tiles,
+        dequantize elsewhere).
         aux_hidden_layers: a target that feeds an EAGLE-3 head keeps, after every forward, the residual stream
         entering these layers for every token (`aux_hidden`), CUDA graphs included.
         target_path: for an EAGLE-3 head (model/eagle.py), the target whose tokenizer it uses and whose

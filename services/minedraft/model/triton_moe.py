@@ -165,12 +165,12 @@ def _grouped_fp8_kernel(
     expert, pairs, row_ok = _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
+    e = expert.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = fp8_tile_product(X + (pairs // x_div) * stride_xm, row_ok, Codes + expert * stride_ce,
-                           Scales + expert * stride_se, stride_cn, stride_sn, cols, col_ok, K, 0, K, B0, B1, BLOCK_M,
-                           BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+    acc = fp8_tile_product(X + (pairs // x_div) * stride_xm, row_ok, Codes + e * stride_ce, Scales + e * stride_se,
+                           stride_cn, stride_sn, cols, col_ok, K, 0, K, B0, B1, BLOCK_M, BLOCK_N, BLOCK_K,
+                           UPCAST)  # fmt: skip
     _store_rows(Y, acc, pairs, row_ok, cols, col_ok, stride_ym)
 
 
@@ -183,13 +183,12 @@ def _grouped_awq_kernel(
     expert, pairs, row_ok = _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
+    e = expert.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = awq_tile_product(X + (pairs // x_div) * stride_xm, row_ok, QWeight + expert * stride_qe,
-                           QZeros + expert * stride_ze, Scales + expert * stride_se, stride_qk, stride_zk, stride_sk,
-                           tl.program_id(1), cols, col_ok, N, K, 0, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                           UPCAST)  # fmt: skip
+    acc = awq_tile_product(X + (pairs // x_div) * stride_xm, row_ok, QWeight + e * stride_qe, QZeros + e * stride_ze,
+                           Scales + e * stride_se, stride_qk, stride_zk, stride_sk, tl.program_id(1), cols, col_ok,
+                           N, K, 0, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
     _store_rows(Y, acc, pairs, row_ok, cols, col_ok, stride_ym)
 
 
