@@ -8,6 +8,9 @@ as stored, against the runner that dequantizes it.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,14 +142,20 @@ def test_routing_pads_each_expert_to_whole_tiles_without_a_host_sync() -> None:
     assert sorted(tiles[tiles < pairs.numel()].tolist()) == list(range(pairs.numel())), "every pair exactly once"
 
 
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE (layer 0: 4 experts of intermediate size 32, top 2) that the runner tests quantize."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "float", "qwen3_moe", seed=4)
+
+
 def _expert_stacks(runner: ModelRunner) -> list[StackedExperts]:
     return [m for m in runner.model.modules() if isinstance(m, StackedExperts)]
 
 
 @pytest.mark.parametrize("method", ["fp8", "awq"])
-def test_the_runner_keeps_quantized_experts_and_gives_the_same_logits(tmp_path, method: str) -> None:
-    source = make_tiny_checkpoint(tmp_path / "float", "qwen3_moe", seed=4)
-    quantized = fp8_pair(source, tmp_path, block=(16, 16))[0] if method == "fp8" else awq_pair(source, tmp_path)[0]
+def test_the_runner_keeps_quantized_experts_and_gives_the_same_logits(tmp_path, moe_source: Path, method: str) -> None:
+    pair = fp8_pair(moe_source, tmp_path, block=(16, 16)) if method == "fp8" else awq_pair(moe_source, tmp_path)
+    quantized = pair[0]
     kept, runner = _logits(quantized, "triton")
     dense, dequantized = _logits(quantized, "dequantize")
     torch.testing.assert_close(kept, dense, atol=1e-4, rtol=1e-4)
@@ -168,10 +177,10 @@ def test_the_runner_keeps_quantized_experts_and_gives_the_same_logits(tmp_path, 
     assert weight_bytes(dequantized.model)[1] == 0 and weight_bytes(runner.model)[1] > 0
 
 
-def test_experts_whose_blocks_do_not_line_up_are_dequantized_and_say_so(tmp_path, caplog) -> None:
+def test_experts_whose_blocks_do_not_line_up_are_dequantized_and_say_so(tmp_path, moe_source: Path, caplog) -> None:
     """48 x 40 blocks: the gate/up stack (up at row 32) cannot be stored as blocks and is dequantized, with
     a warning; the down stack (32 columns, one partial block) stays FP8; the logits stay exact."""
-    quantized = fp8_pair(make_tiny_checkpoint(tmp_path / "float", "qwen3_moe", seed=4), tmp_path)[0]
+    quantized = fp8_pair(moe_source, tmp_path)[0]
     with caplog.at_level(logging.WARNING, logger="minedraft.model.runner"):
         kept, runner = _logits(quantized, "triton")
     torch.testing.assert_close(kept, _logits(quantized, "dequantize")[0], atol=1e-4, rtol=1e-4)
@@ -179,3 +188,41 @@ def test_experts_whose_blocks_do_not_line_up_are_dequantized_and_say_so(tmp_path
     assert all(set(s.quantized) == {"w2"} and s.w13.shape == (4, 64, 64) for s in stacks)
     assert "MoE experts' w13: rank 0's slice (32 rows from 0) or the checkpoint's tensors do not line up with fp8 " \
            "(blocks 48x40) storage: dequantized at load (1 layers)" in caplog.text  # fmt: skip
+
+
+_COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minedraft.model import triton_moe
+
+rows = {"Y": "*bf16", "SortedPairs": "*i32", "TileExperts": "*i32", "num_pairs": "i32", "x_div": "i32", "N": "i32",
+        "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "UPCAST": False}
+kernels = {
+    "fp8": (triton_moe._grouped_fp8_kernel, {"X": "*bf16", "Codes": "*u8", "Scales": "*fp32", **{
+        s: "i32" for s in ("stride_ce", "stride_cn", "stride_se", "stride_sn")}, **rows}, {"B0": 128, "B1": 128}),
+    "awq": (triton_moe._grouped_awq_kernel, {"X": "*bf16", "QWeight": "*i32", "QZeros": "*i32", "Scales": "*bf16", **{
+        s: "i32" for s in ("stride_qe", "stride_ze", "stride_se", "stride_qk", "stride_zk", "stride_sk")}, **rows},
+        {"GROUP": 128, "BLOCK_N": 128, "BLOCK_K": 64}),
+    "dense": (triton_moe._grouped_dense_kernel, {"X": "*bf16", "W": "*bf16", "stride_we": "i32", "stride_wn": "i32",
+                                                **rows}, {"BLOCK_K": 64}),
+}
+for name, (kernel, signature, constants) in kernels.items():
+    constexprs = {**tiles, **constants}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    print(name, "cubin" in compiled.asm)
+"""
+
+
+def test_the_grouped_kernels_compile_for_an_h100(tmp_path) -> None:
+    """The interpreter runs Python, not Triton's compiler: compile each grouped kernel for sm_90 (an H100),
+    down to its cubin, which needs no GPU. Its own process, as the interpreter is on in this one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1] / "services"))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["fp8", "True", "awq", "True", "dense", "True"]
