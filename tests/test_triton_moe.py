@@ -187,7 +187,7 @@ def test_experts_whose_blocks_do_not_line_up_are_dequantized_and_say_so(tmp_path
     stacks = _expert_stacks(runner)
     assert all(set(s.quantized) == {"w2"} and s.w13.shape == (4, 64, 64) for s in stacks)
     assert "MoE experts' w13: rank 0's slice (32 rows from 0) or the checkpoint's tensors do not line up with fp8 " \
-           "(blocks 48x40) storage: dequantized at load (1 layers)" in caplog.text  # fmt: skip
+           "(blocks 48x40) storage: dequantized at load (MoE layers: 1)" in caplog.text  # fmt: skip
 
 
 _COMPILE_FOR_H100 = """

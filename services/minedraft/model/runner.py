@@ -193,7 +193,7 @@ class ModelRunner:
         held, quantized = weight_bytes(model)
         log.info("weights on this rank: %.2f GiB, %.2f GiB of them kept quantized", held / 2**30, quantized / 2**30)
         for reason, layers in Counter(r for m in model.modules() for r in getattr(m, "fallbacks", ())).items():
-            log.warning("%s (%d layers)", reason, layers)
+            log.warning("%s (MoE layers: %d)", reason, layers)
         return model.eval()
 
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
