@@ -5,7 +5,8 @@ Tensor parallelism splits every expert's intermediate dimension across the ranks
 each rank runs every expert on its slice, and one all-reduce sums the partial outputs of all experts. The
 experts' weights are stacked in two parameters, read from the checkpoint's per-expert tensors
 (`mlp.experts.N.gate_proj / up_proj / down_proj`). On CUDA with a quantized checkpoint they stay quantized
-and run as grouped Triton GEMMs (StackedExperts).
+and run as grouped Triton GEMMs (StackedExperts, model/triton_moe.py); otherwise (CPU, unquantized
+checkpoints) they run expert by expert.
 """
 
 from __future__ import annotations
