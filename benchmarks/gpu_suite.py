@@ -10,6 +10,8 @@ Steps:
   numerics   the bundled target on CUDA (bf16) against the CPU float32 reference: logit error, top-1 agreement
   triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32)
   quant      the FP8 and AWQ Triton GEMMs against the dequantized weight, and their time against bf16 GEMMs
+  moe        the grouped expert GEMMs (FP8, AWQ) on Qwen3-235B-A22B's experts at 4-way TP against the experts
+             dequantized to bf16 and run one by one: error, and the time of each at 1 to 256 tokens
   graphs     CUDA graphs against eager steps: the same logits, and the step time of each (decode, verify)
   greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
   bench      the offline benchmark (ar, sd, minedraft, sd+pard, sd+eagle3, minedraft+eagle3), and the services
@@ -146,6 +148,105 @@ def step_quant(args: argparse.Namespace) -> dict:
                                                                                 dense[name])), 4)}  # fmt: skip
     return {"passed": worst < 2e-2, "max_relative_error": round(worst, 5), "interpreted": _INTERPRETED,
             "timings": results}  # fmt: skip
+
+
+def step_moe(args: argparse.Namespace) -> dict:
+    """The grouped expert GEMMs (model/triton_moe.py) on Qwen3-235B-A22B's experts at 4-way tensor
+    parallelism (128 experts, hidden 4096, 384 intermediate rows per rank, top 8; random FP8 and AWQ stacks):
+    a MoE step (gate/up, SiLU x up, down, weighted combine) against the same experts dequantized to bf16 and
+    run expert by expert as the model's unquantized path does (error), and the time of each at 1 to 256
+    tokens: the grouped launches (FP8, AWQ, and bf16 through the same kernel) as CUDA-graph replays, and the
+    expert-by-expert loop, which syncs with the host, by wall clock."""
+    import torch
+
+    from minedraft.model.quantization import QuantConfig
+    from minedraft.model.triton_moe import _INTERPRETED, fused_experts
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    experts, hidden, local, top_k, counts = (128, 4096, 384, 8, (1, 16, 64, 256)) if cuda else (6, 64, 32, 2, (1, 5))
+    gen = torch.Generator().manual_seed(0)
+    stacks = {"fp8": _random_expert_stacks(QuantConfig("fp8", block=(128, 128) if cuda else (16, 16)), experts,
+                                           hidden, local, device, gen),
+              "awq": _random_expert_stacks(QuantConfig("awq", group_size=128 if cuda else 16), experts, hidden, local,
+                                           device, gen)}  # fmt: skip
+    results, worst, loop_worst = {}, 0.0, 0.0
+    for tokens in counts:
+        x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        weights, routed = torch.softmax(torch.randn(tokens, experts, generator=gen), -1).topk(top_k, dim=-1)
+        weights, routed = (weights / weights.sum(-1, keepdim=True)).to(device, torch.bfloat16), routed.to(device)
+        timings = {}
+        for name, (w13, w2) in stacks.items():
+            dense = (w13.dequantize(), w2.dequantize())
+            grouped = partial(fused_experts, x, routed, weights, w13, w2, experts, False)
+            reference = _experts_one_by_one(torch, x.float(), routed, weights.float(), *(w.float() for w in dense))
+            worst = max(worst, _relative_error(grouped(), reference))
+            loop_worst = max(loop_worst, _relative_error(_experts_one_by_one(torch, x, routed, weights, *dense),
+                                                         reference))  # fmt: skip
+            if cuda:
+                from quant_tiles import time_ms  # beside this script: GPU time from CUDA-graph replays
+
+                timings[f"{name}_grouped_ms"] = round(time_ms(grouped), 4)
+                if name == "fp8":
+                    timings["bf16_grouped_ms"] = round(time_ms(partial(fused_experts, x, routed, weights, *dense,
+                                                                       experts, False)), 4)  # fmt: skip
+                    timings["fp8_grouped_eager_ms"] = round(_wall_ms(torch, grouped), 4)
+                    timings["bf16_one_by_one_eager_ms"] = round(_wall_ms(torch, partial(
+                        _experts_one_by_one, torch, x, routed, weights, *dense)), 4)  # fmt: skip
+            del dense
+        results[f"{tokens} tokens"] = timings
+    # Errors against float32 products of the same bf16 weights. The interpreter (Triton 3.9) rounds float32
+    # to bf16 by truncation, not to nearest, so interpreted the grouped path's error is about twice a GPU's.
+    return {"passed": worst < (4e-2 if _INTERPRETED else 2e-2), "max_relative_error": round(worst, 5),
+            "bf16_one_by_one_max_relative_error": round(loop_worst, 5), "interpreted": _INTERPRETED,
+            "timings": results}  # fmt: skip
+
+
+def _random_expert_stacks(quant, experts: int, hidden: int, local: int, device, gen) -> tuple:
+    """Random stacked gate/up [experts, 2 x local, hidden] and down [experts, hidden, local] weights as the
+    checkpoint would store them (model/quantization.py's QuantizedWeight), scaled like real weights."""
+    import torch
+
+    from minedraft.model.quantization import QuantizedWeight
+
+    stacks = []
+    for out, inp in ((2 * local, hidden), (hidden, local)):
+        with torch.device(device):
+            stack = QuantizedWeight(quant, out, inp, torch.bfloat16, experts=experts)
+        for name, part in stack.parts.items():
+            if part.dtype == torch.float8_e4m3fn:
+                part.copy_((torch.randn(part.shape, generator=gen) * 40).to(torch.float8_e4m3fn))
+            elif part.dtype == torch.int32:
+                part.copy_(torch.randint(-(2**31), 2**31 - 1, part.shape, generator=gen, dtype=torch.int32))
+            else:  # fp8 block scales, awq group scales: weights of about 0.02
+                part.copy_(torch.rand(part.shape, generator=gen) * (1e-3 if name == "scale" else 5e-3))
+        stacks.append(stack)
+    return tuple(stacks)
+
+
+def _experts_one_by_one(torch, x, routed, weights, w13, w2):
+    """The model's unquantized MoE path (StackedExperts on CPU): expert by expert, dense weights."""
+    out = torch.zeros_like(x)
+    for expert in routed.unique().tolist():
+        tokens, slots = (routed == expert).nonzero(as_tuple=True)
+        gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out
+
+
+def _relative_error(got, reference) -> float:
+    return ((got.float() - reference).abs().max() / reference.abs().max()).item()
+
+
+def _wall_ms(torch, fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def step_graphs(args: argparse.Namespace) -> dict:
@@ -306,7 +407,7 @@ def _device(args: argparse.Namespace) -> str:
 
 
 STEPS: dict[str, Callable[[argparse.Namespace], dict]] = {
-    "numerics": step_numerics, "triton": step_triton, "quant": step_quant, "graphs": step_graphs,
+    "numerics": step_numerics, "triton": step_triton, "quant": step_quant, "moe": step_moe, "graphs": step_graphs,
     "greedy": step_greedy,
     "bench": step_bench,
     "floor": step_floor,

@@ -22,7 +22,8 @@ def test_dry_run_runs_what_it_can_and_names_what_it_skips(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = json.loads(out.with_suffix(".json").read_text())["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {
-        "numerics": "skipped", "triton": "passed", "quant": "passed", "graphs": "skipped", "greedy": "passed",
+        "numerics": "skipped", "triton": "passed", "quant": "passed", "moe": "passed", "graphs": "skipped",
+        "greedy": "passed",
         "bench": "passed", "floor": "skipped",
     }  # fmt: skip
     assert steps["numerics"]["reason"] == steps["floor"]["reason"] == steps["graphs"]["reason"] == "dry run"

@@ -160,6 +160,11 @@ def quantized_linears(quant: QuantConfig | None) -> Iterator[None]:
         _QUANTIZED.reset(token)
 
 
+def current_quantization() -> QuantConfig | None:
+    """The quantization whose weights layers built now keep as stored (quantized_linears), or None."""
+    return _QUANTIZED.get()
+
+
 class LinearBase(nn.Module):
     def __init__(self, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
@@ -171,7 +176,7 @@ class LinearBase(nn.Module):
     def _weight(self, shape: tuple[int, int]) -> nn.Parameter:
         """The weight parameter; inside quantized_linears, an empty one beside the quantized storage (it is
         filled only if the checkpoint stores this layer's weight in a way the storage cannot take)."""
-        quant = _QUANTIZED.get()
+        quant = current_quantization()
         if quant is None or not QuantizedWeight.can_hold(quant, *shape):
             return _param(shape, self.weight_loader)
         self.quantized = QuantizedWeight(quant, *shape, torch.get_default_dtype())
@@ -197,7 +202,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
-            y = self.quantized.matmul(x)
+            y = self.quantized.matmul(x, self.batch_invariant)
             return y if bias is None else y + bias
         return linear(x, self.weight, bias, self.batch_invariant, self.packed)
 

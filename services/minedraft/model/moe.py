@@ -4,7 +4,9 @@ experts, then the top k, renormalised when `norm_topk_prob`); each expert is a S
 Tensor parallelism splits every expert's intermediate dimension across the ranks (as vLLM does by default):
 each rank runs every expert on its slice, and one all-reduce sums the partial outputs of all experts. The
 experts' weights are stacked in two parameters, read from the checkpoint's per-expert tensors
-(`mlp.experts.N.gate_proj / up_proj / down_proj`).
+(`mlp.experts.N.gate_proj / up_proj / down_proj`). On CUDA with a quantized checkpoint they stay quantized
+and run as grouped Triton GEMMs (StackedExperts, model/triton_moe.py); otherwise (CPU, unquantized
+checkpoints) they run expert by expert.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from torch import nn
 
 from minedraft.model.checkpoint import TensorSlice
 from minedraft.model.config import ModelConfig
-from minedraft.model.layers import _load_rows, _param, linear, replicated_loader
+from minedraft.model.layers import _check_shape, _load_rows, _param, current_quantization, linear, replicated_loader
 from minedraft.model.parallel import TensorParallel
+from minedraft.model.quantization import QuantConfig, QuantizedWeight
 
 
 class Router(nn.Module):
@@ -29,7 +32,13 @@ class Router(nn.Module):
 
 class StackedExperts(nn.Module):
     """Every expert's gate/up projection in `w13` [experts, 2 x local, hidden] and down projection in `w2`
-    [experts, hidden, local], local = this rank's share of the intermediate size."""
+    [experts, hidden, local], local = this rank's share of the intermediate size.
+
+    Built inside quantized_linears (CUDA with triton), each stack keeps the checkpoint's storage instead
+    (`quantized["w13"]`, `quantized["w2"]`: FP8 codes and block scales, or AWQ's packed words, zeros and
+    scales, one weight per expert; the parameter stays empty), and the forward runs the grouped Triton
+    GEMMs (model/triton_moe.py) on whatever each stack holds. A stack whose tensor-parallel slice does not
+    line up with the scale blocks or packing is dequantized at load, and says so in `fallbacks`."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel,
                  batch_invariant: bool) -> None:
@@ -37,26 +46,67 @@ class StackedExperts(nn.Module):
         if intermediate % tp.size:
             raise ValueError(f"moe_intermediate_size {intermediate} is not divisible by tensor-parallel size {tp.size}")
         self.tp, self.batch_invariant, self.local = tp, batch_invariant, intermediate // tp.size
-        self.w13 = _param((num_experts, 2 * self.local, hidden), self._load_gate_up)
+        self.num_experts = num_experts
+        quant = current_quantization()
+        self.grouped = quant is not None
+        self.quantized: dict[str, QuantizedWeight] = {}
+        self.fallbacks: list[str] = []  # why a stack was dequantized at load (the runner logs it)
+        self.w13 = self._stack("w13", (2 * self.local, hidden), quant, self._load_gate_up)
         self.w13.checkpoint_parts = [  # type: ignore[attr-defined]
             (f"{e}.{name}.weight", (e, slot))
             for e in range(num_experts)
             for slot, name in enumerate(("gate_proj", "up_proj"))
         ]
-        self.w2 = _param((num_experts, hidden, self.local), self._load_down)
+        self.w2 = self._stack("w2", (hidden, self.local), quant, self._load_down)
         self.w2.checkpoint_parts = [(f"{e}.down_proj.weight", e) for e in range(num_experts)]  # type: ignore[attr-defined]
+
+    def _stack(self, name: str, shape: tuple[int, int], quant: QuantConfig | None, loader) -> nn.Parameter:
+        """The stack's parameter: dense, or empty beside quantized storage (filled only on a fallback)."""
+        if quant is None or not QuantizedWeight.can_hold(quant, *shape):
+            return _param((self.num_experts, *shape), loader)
+        self.quantized[name] = QuantizedWeight(quant, *shape, torch.get_default_dtype(), experts=self.num_experts)
+        return _param((0,), loader)
 
     def _load_gate_up(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
         expert, slot = shard_id  # type: ignore[misc]
-        dst = param.data[expert].narrow(0, slot * self.local, self.local)
-        _load_rows(dst, source, self.local * self.tp.size, self.tp.rank * self.local)
+        self._place("w13", source, expert, 0, slot * self.local)
 
     def _load_down(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
-        _load_rows(param.data[shard_id], source, self.local * self.tp.size, self.tp.rank * self.local, dim=1)
+        self._place("w2", source, shard_id, 1, 0)  # type: ignore[arg-type]
+
+    def _place(self, name: str, source: TensorSlice, expert: int, dim: int, offset: int) -> None:
+        """This rank's slice of `source` along `dim` into expert `expert` of stack `name`, at `offset`."""
+        full, start = self.local * self.tp.size, self.tp.rank * self.local
+        stored = self.quantized.get(name)
+        if stored is not None:
+            if stored.can_place(source, dim, offset, self.local, full, start):
+                _check_shape(source, tuple(full if d == dim else n for d, n in enumerate(stored.shape)))
+                stored.place(source, dim, offset, self.local, start, expert)  # type: ignore[arg-type]
+                return
+            self._dequantize(name, dim, start)
+        dst = getattr(self, name).data[expert].narrow(dim, offset, self.local)
+        _load_rows(dst, source, full, start, dim)
+
+    def _dequantize(self, name: str, dim: int, start: int) -> None:
+        """Hold stack `name` densely from now on (the experts loaded so far included)."""
+        stored = self.quantized.pop(name)
+        getattr(self, name).data = stored.dequantize()
+        self.fallbacks.append(f"MoE experts' {name}: rank {self.tp.rank}'s slice ({self.local} "
+                              f"{'rows' if dim == 0 else 'columns'} from {start}) or the checkpoint's tensors do "
+                              f"not line up with {stored.quant.describe()} storage: dequantized at load")  # fmt: skip
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum over each token's experts ([tokens, k] ids and weights), expert by expert
-        in ascending order: a token's result depends on its own experts only, whatever else is in the batch."""
+        """This rank's partial sum over each token's experts ([tokens, k] ids and weights)."""
+        if self.grouped:
+            from minedraft.model.triton_moe import fused_experts
+
+            return fused_experts(x, experts, weights, self.quantized.get("w13", self.w13),
+                                 self.quantized.get("w2", self.w2), self.num_experts, self.batch_invariant)  # fmt: skip
+        return self._expert_by_expert(x, experts, weights)
+
+    def _expert_by_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert by expert in ascending order: a token's result depends on its own experts only, whatever
+        else is in the batch."""
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             tokens, slots = (experts == expert).nonzero(as_tuple=True)

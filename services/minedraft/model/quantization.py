@@ -11,10 +11,13 @@ A checkpoint says how it is quantized in config.json's `quantization_config`. Th
 On CPU every quantized tensor is dequantized once, at load, into the model's dtype: the model then runs
 its ordinary kernels at full weight memory. On CUDA (with triton) the linear layers keep their weights as
 the checkpoint stores them (`QuantizedWeight`: one byte per FP8 weight, half a byte per AWQ weight) and
-multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); a layer whose scale
-blocks or packing do not line up with its tensor-parallel shard or packed q/k/v part, and the MoE experts,
-are dequantized at load as on CPU. Layers a checkpoint leaves unquantized (embeddings, norms, the LM head,
-MoE routers) are read as they are. Any other method is refused by name.
+multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); so do the MoE experts,
+stacked per layer (a `QuantizedWeight` with a leading expert dimension, this rank's slice of each expert)
+and multiplied by grouped GEMMs, one launch for every expert's gate/up and one for down
+(model/triton_moe.py). A layer or expert stack whose scale blocks or packing do not line up with its
+tensor-parallel shard or packed q/k/v or gate/up part is dequantized at load as on CPU (for experts, the
+runner logs which). Layers a checkpoint leaves unquantized (embeddings, norms, the LM head, MoE routers)
+are read as they are. Any other method is refused by name.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """int32 [n, m] holding eight 4-bit values each (AWQ's order) -> int32 [n, 8 m] in column order."""
     import torch
 
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed[:, :, None] >> shifts) & 0xF  # [n, m, 8]: nibble i holds column AWQ_PACK_ORDER[i]
     columns = torch.empty_like(nibbles)
     columns[:, :, list(AWQ_PACK_ORDER)] = nibbles
@@ -146,25 +149,33 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
 
 class QuantizedWeight:
-    """A linear layer's [out, in] weight kept as its checkpoint stores it, for the Triton GEMMs.
+    """A linear layer's [out, in] weight kept as its checkpoint stores it, for the Triton GEMMs; with
+    `experts`, one such weight per expert, stacked (every part gets a leading expert dimension).
 
     Filled part by part as the layer's loader places checkpoint tensors (a tensor-parallel shard, a q/k/v
     or gate/up part at an offset): `can_place` says whether a part's scale blocks (fp8) or packing and
     groups (awq) line up with where it goes; where they do not, the layer dequantizes instead."""
 
-    def __init__(self, quant: QuantConfig, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, quant: QuantConfig, out_features: int, in_features: int, dtype: torch.dtype,
+                 experts: int | None = None) -> None:
         import torch
 
-        self.quant, self.shape, self.dtype = quant, (out_features, in_features), dtype
+        self.quant, self.shape, self.dtype, self.experts = quant, (out_features, in_features), dtype, experts
+        lead = () if experts is None else (experts,)
         if quant.method == "fp8":
             b0, b1 = quant.block
-            self.parts = {"weight": torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
-                          "scale": torch.zeros(-(-out_features // b0), -(-in_features // b1))}  # fmt: skip
+            self.parts = {"weight": torch.zeros(*lead, out_features, in_features, dtype=torch.float8_e4m3fn),
+                          "scale": torch.zeros(*lead, -(-out_features // b0), -(-in_features // b1))}  # fmt: skip
         else:
             group = quant.group_size
-            self.parts = {"qweight": torch.zeros(in_features, out_features // 8, dtype=torch.int32),
-                          "qzeros": torch.zeros(in_features // group, out_features // 8, dtype=torch.int32),
-                          "scales": torch.zeros(in_features // group, out_features, dtype=dtype)}  # fmt: skip
+            self.parts = {"qweight": torch.zeros(*lead, in_features, out_features // 8, dtype=torch.int32),
+                          "qzeros": torch.zeros(*lead, in_features // group, out_features // 8, dtype=torch.int32),
+                          "scales": torch.zeros(*lead, in_features // group, out_features, dtype=dtype)}  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the stored parts."""
+        return sum(part.numel() * part.element_size() for part in self.parts.values())
 
     @staticmethod
     def can_hold(quant: QuantConfig, out_features: int, in_features: int) -> bool:
@@ -183,37 +194,55 @@ class QuantizedWeight:
         unit = 8 if dim == 0 else self.quant.group_size
         return offset % unit == 0 and start % unit == 0 and length % unit == 0
 
-    def place(self, source: DequantizedTensor, dim: int, offset: int, length: int, start: int) -> None:
-        """Copy the stored tensors of source[start : start + length] along `dim` (after can_place)."""
+    def place(self, source: DequantizedTensor, dim: int, offset: int, length: int, start: int,
+              expert: int | None = None) -> None:
+        """Copy the stored tensors of source[start : start + length] along `dim` (after can_place), into
+        expert `expert`'s weight where they are stacked."""
+        copy = lambda part, d, at, n, first: self._copy(part, expert, source, d, at, n, first)  # noqa: E731
         if self.quant.method == "fp8":
             unit = self.quant.block[dim]
-            self._copy("weight", source, dim, offset, length, start)
-            self._copy("scale", source, dim, offset // unit, -(-length // unit), start // unit)
+            copy("weight", dim, offset, length, start)
+            copy("scale", dim, offset // unit, -(-length // unit), start // unit)
         elif dim == 0:  # output features: columns of the packed tensors, eight per int32
-            self._copy("qweight", source, 1, offset // 8, length // 8, start // 8)
-            self._copy("qzeros", source, 1, offset // 8, length // 8, start // 8)
-            self._copy("scales", source, 1, offset, length, start)
+            copy("qweight", 1, offset // 8, length // 8, start // 8)
+            copy("qzeros", 1, offset // 8, length // 8, start // 8)
+            copy("scales", 1, offset, length, start)
         else:  # input features: rows, one zero and one scale row per group
             group = self.quant.group_size
-            self._copy("qweight", source, 0, offset, length, start)
-            self._copy("qzeros", source, 0, offset // group, length // group, start // group)
-            self._copy("scales", source, 0, offset // group, length // group, start // group)
+            copy("qweight", 0, offset, length, start)
+            copy("qzeros", 0, offset // group, length // group, start // group)
+            copy("scales", 0, offset // group, length // group, start // group)
 
-    def _copy(self, part: str, source: DequantizedTensor, dim: int, offset: int, length: int, start: int) -> None:
-        self.parts[part].narrow(dim, offset, length).copy_(source.parts[part].read(dim, start, length))
+    def _copy(self, part: str, expert: int | None, source: DequantizedTensor, dim: int, offset: int, length: int,
+              start: int) -> None:
+        dst = self.parts[part] if expert is None else self.parts[part][expert]
+        dst.narrow(dim, offset, length).copy_(source.parts[part].read(dim, start, length))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """x @ W.T for one (unstacked) weight; stacked experts go through model/triton_moe.py."""
         from minedraft.model.triton_quant import awq_matmul, fp8_block_matmul
 
         if self.quant.method == "fp8":
-            return fp8_block_matmul(x, self.parts["weight"], self.parts["scale"], self.quant.block)
-        return awq_matmul(x, self.parts["qweight"], self.parts["qzeros"], self.parts["scales"], self.quant.group_size)
+            return fp8_block_matmul(x, self.parts["weight"], self.parts["scale"], self.quant.block,
+                                    batch_invariant=batch_invariant)  # fmt: skip
+        return awq_matmul(x, self.parts["qweight"], self.parts["qzeros"], self.parts["scales"], self.quant.group_size,
+                          batch_invariant=batch_invariant)  # fmt: skip
 
     def dequantize(self) -> torch.Tensor:
-        """The dense [out, in] weight in the layer's dtype (what the CPU path would have loaded)."""
+        """The dense [out, in] weight in the layer's dtype (what the CPU path would have loaded); stacked
+        experts: [experts, out, in], one expert at a time (the float32 temporaries are one expert's)."""
+        if self.experts is None:
+            return self._dequantize_one(self.parts)
+        first = next(iter(self.parts.values()))
+        dense = first.new_empty((self.experts, *self.shape), dtype=self.dtype)
+        for e in range(self.experts):
+            dense[e] = self._dequantize_one({name: part[e] for name, part in self.parts.items()})
+        return dense
+
+    def _dequantize_one(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.quant.method == "fp8":
-            weight = dequantize_fp8(self.parts["weight"], self.parts["scale"], self.quant.block)
+            weight = dequantize_fp8(parts["weight"], parts["scale"], self.quant.block)
         else:
-            weight = dequantize_awq(self.parts["qweight"], self.parts["qzeros"], self.parts["scales"],
-                                    self.quant.group_size, "a quantized layer")  # fmt: skip
+            weight = dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"], self.quant.group_size,
+                                    "a quantized layer")  # fmt: skip
         return weight.to(self.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minedraft.config import check_fits_one_request
 from minedraft.model.attention import plan_attention
@@ -86,9 +88,10 @@ class ModelRunner:
         (see kv_cache.py).
         enforce_eager: no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged
         kernel runs a dense model on one rank.
-        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, Triton GEMMs:
-        model/triton_quant.py), dequantize (dense weights at load) or auto (triton on CUDA where it is
-        installed and the block or group shape suits its tiles, dequantize elsewhere).
+        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, MoE experts
+        included, Triton GEMMs: model/triton_quant.py, model/triton_moe.py), dequantize (dense weights at
+        load) or auto (triton on CUDA where it is installed and the block or group shape suits its tiles,
+        dequantize elsewhere).
         aux_hidden_layers: a target that feeds an EAGLE-3 head keeps, after every forward, the residual stream
         entering these layers for every token (`aux_hidden`), CUDA graphs included.
         target_path: for an EAGLE-3 head (model/eagle.py), the target whose tokenizer it uses and whose
@@ -118,6 +121,8 @@ class ModelRunner:
         feature_dim = len(self.aux_hidden_layers) * self.config.hidden_size if enable_prefix_caching else 0
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
                                     self.dtype, feature_dim)
+        if self.device.type == "cuda":  # what loading freed (dequantized fallbacks) is not the weights'
+            torch.cuda.empty_cache()
         budget, source = kv_budget_bytes(self.device, kv_cache_memory_bytes, gpu_memory_utilization)
         num_blocks = self._agree(min(budget // per_block, num_slots * blocks_for(max_seq_len, block_size)))
         check_fits_one_request(num_blocks, block_size, max_seq_len, f"{source}; {per_block} bytes per block")
@@ -188,6 +193,10 @@ class ModelRunner:
             finally:
                 reader.close()
         model.pack_weights()
+        held, quantized = weight_bytes(model)
+        log.info("weights on this rank: %.2f GiB, %.2f GiB of them kept quantized", held / 2**30, quantized / 2**30)
+        for reason, layers in Counter(r for m in model.modules() for r in getattr(m, "fallbacks", ())).items():
+            log.warning("%s (MoE layers: %d)", reason, layers)
         return model.eval()
 
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -336,6 +345,21 @@ class ModelRunner:
             logits, self.head_hidden = self.model(batch.input_ids, ctx, batch.logits_indices, batch.hidden)
             return logits
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the weights a model holds as they are stored, bytes of those kept quantized): parameters,
+    oneDNN-packed copies, and the quantized storage of linear layers and MoE experts (QuantizedWeight)."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantized = 0
+    for module in model.modules():
+        held = getattr(module, "quantized", None)  # LinearBase: one or None; StackedExperts: a dict
+        for stored in held.values() if isinstance(held, dict) else () if held is None else (held,):
+            quantized += stored.nbytes
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            dense += packed.numel() * packed.element_size()
+    return dense + quantized, quantized
 
 
 @torch.no_grad()

@@ -59,15 +59,19 @@ def supports_awq(group: int) -> bool:
 
 
 def pick_tiles(m: int, n: int, k: int, granularity: int, device: torch.device, block_n: int = 64,
-               block_k: int = MAX_BLOCK_K) -> GemmTiles:
+               block_k: int = MAX_BLOCK_K, batch_invariant: bool = False) -> GemmTiles:
     """Tiles for an [m, k] x [k, n] product, K steps within one scale. On a GPU K is split (in powers of
     two, up to 8) until there are about four programs per SM, each slice keeping 8 K steps or more: a
     decode GEMM has few rows, so without it a narrow projection runs on a fraction of the SMs. The
-    defaults of each kernel (block_n, block_k) are those benchmarks/quant_tiles.py found best on an H100."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    defaults of each kernel (block_n, block_k) are those benchmarks/quant_tiles.py found best on an H100.
+    With `batch_invariant` the tiles do not depend on m (16 rows, K never split): a row's result then
+    depends on that row alone, as the strict mode promises."""
+    block_m = 16 if m <= 16 or batch_invariant else 32 if m <= 32 else 64
     if device.type != "cuda":
         return GemmTiles(block_m, 64, k_tile(granularity))
     block_k = k_tile(granularity, block_k)
+    if batch_invariant:
+        return GemmTiles(block_m, block_n, block_k)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
     wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -93,22 +97,23 @@ def _run_split(kernel, grid_args: tuple, x: torch.Tensor, n: int, tiles: GemmTil
 
 
 def fp8_block_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
-                     tiles: GemmTiles | None = None) -> torch.Tensor:
+                     tiles: GemmTiles | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x [M, K] @ (codes [N, K] x block scales).T -> [M, N] in x's dtype."""
     x = x.contiguous()
     n = codes.shape[0]
-    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], block[1], x.device)
+    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], block[1], x.device, batch_invariant=batch_invariant)
     _check_k_tile(tiles, block[1])
     return _run_split(_fp8_kernel, (codes.view(torch.uint8), scales, codes.stride(0), scales.stride(0)), x, n, tiles,
                       B0=block[0], B1=block[1])  # fmt: skip
 
 
 def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               group: int, tiles: GemmTiles | None = None) -> torch.Tensor:
+               group: int, tiles: GemmTiles | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x [M, K] @ AWQ's dequantized W.T -> [M, N] in x's dtype."""
     x = x.contiguous()
     n = scales.shape[1]
-    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], group, x.device, block_n=128, block_k=64)
+    tiles = tiles or pick_tiles(x.shape[0], n, x.shape[1], group, x.device, block_n=128, block_k=64,
+                                batch_invariant=batch_invariant)  # fmt: skip
     _check_k_tile(tiles, group)
     return _run_split(_awq_kernel, (qweight, qzeros, scales, qweight.stride(0), qzeros.stride(0), scales.stride(0)),
                       x, n, tiles, GROUP=group)  # fmt: skip
@@ -129,18 +134,8 @@ def _fp8_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     k_start = tl.program_id(2) * K_PER_SPLIT
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        raw = tl.load(Codes + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)
-        scale = tl.load(Scales + (cols // B0) * stride_sn + group // B1, mask=col_ok, other=0.0)
-        w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(X.dtype.element_ty)
-        if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
+    acc = fp8_tile_product(X + rows * stride_xm, row_ok, Codes, Scales, stride_wn, stride_sn, cols, col_ok, K,
+                           k_start, k_start + K_PER_SPLIT, B0, B1, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
     _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT)
 
 
@@ -153,30 +148,69 @@ def _awq_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    # Each int32 holds eight columns; column c of a group of eight sits in nibble c // 2 + 4 * (c % 2)
-    # (AWQ's order 0, 2, 4, 6, 1, 3, 5, 7). A tile loads each int32 once and unpacks it into its eight.
-    packs = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    pack_ok = packs < tl.cdiv(N, 8)
-    within = tl.arange(0, 8)
-    shifts = ((within // 2) + 4 * (within % 2)) * 4
     k_start = tl.program_id(2) * K_PER_SPLIT
+    acc = awq_tile_product(X + rows * stride_xm, row_ok, QWeight, QZeros, Scales, stride_qk, stride_zk, stride_sk,
+                           tl.program_id(1), cols, col_ok, N, K, k_start, k_start + K_PER_SPLIT, GROUP, BLOCK_M,
+                           BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+    _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT)
+
+
+# The products of one [BLOCK_M, BLOCK_N] output tile over K in [k_start, k_stop), shared by the dense GEMMs
+# here and the grouped expert GEMMs (model/triton_moe.py): `x_rows` points at each row of X (rows need not
+# be contiguous), the weight pointers at one [N, K] matrix. Each K step dequantizes its weight tile in
+# float32, rounds it to X's dtype, and accumulates the product in float32.
+
+
+@triton.jit
+def fp8_tile_product(
+    x_rows, row_ok, Codes, Scales, stride_wn, stride_sn, cols, col_ok, K, k_start, k_stop,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        raw = tl.load(Codes + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)
+        scale = tl.load(Scales + (cols // B0) * stride_sn + group // B1, mask=col_ok, other=0.0)
+        w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(x.dtype)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def awq_tile_product(
+    x_rows, row_ok, QWeight, QZeros, Scales, stride_qk, stride_zk, stride_sk, col_tile, cols, col_ok, N, K,
+    k_start, k_stop, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    # Each int32 holds eight columns; column c of a group of eight sits in nibble c // 2 + 4 * (c % 2)
+    # (AWQ's order 0, 2, 4, 6, 1, 3, 5, 7). A tile loads each int32 once and unpacks it into its eight.
+    packs = col_tile * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    pack_ok = packs < tl.cdiv(N, 8)
+    within = tl.arange(0, 8)
+    shifts = ((within // 2) + 4 * (within % 2)) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
+        x = tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         packed = tl.load(QWeight + ks[:, None] * stride_qk + packs[None, :], mask=k_ok[:, None] & pack_ok[None, :],
                          other=0)  # fmt: skip
         q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
         zeros = tl.load(QZeros + (group // GROUP) * stride_zk + packs, mask=pack_ok, other=0)
         zero = tl.reshape((zeros[:, None] >> shifts[None, :]) & 0xF, [BLOCK_N])
         scale = tl.load(Scales + (group // GROUP) * stride_sk + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(X.dtype.element_ty)
+        w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(x.dtype)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, w, input_precision="ieee")
-    _store(Y, acc, rows, cols, row_ok, col_ok, M, stride_ym, SPLIT)
+    return acc
 
 
 @triton.jit
