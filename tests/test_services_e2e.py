@@ -277,7 +277,7 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     [
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
         ('{"draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size\n  Input should be 1"),
-        ('{"method": "medusa"}', "Input should be 'draft_model' or 'eagle3'"),
+        ('{"method": "medusa"}', "Input should be 'draft_model', 'eagle' or 'eagle3'"),
     ],
     ids=["unknown-key", "draft-tp", "unknown-method"],
 )

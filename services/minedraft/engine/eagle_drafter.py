@@ -16,8 +16,8 @@ PEARL drafts a window's continuation while the window is verified: it goes on fr
 drafted token and the head's output that proposed it (`_tails`), over the window's own positions in the
 head's cache, exactly as the window's next step would have.
 
-P-EAGLE (`parallel`, EAGLE-3 heads only): one forward per window. After the window's first input come k -
-1 masked positions (the mask token, and fc of the head's `mask_hidden` as hidden input); row j of the
+P-EAGLE (`parallel`, EAGLE-3 heads only): one forward per window. After the window's first input come
+k - 1 masked positions (the mask token, and fc of the head's `mask_hidden` as hidden input); row j of the
 forward gives draft token j + 1, each from its own q, as PARD does. The masked positions' KV is
 overwritten by the next forward, like any drafted position's.
 """
