@@ -221,7 +221,9 @@ def check_eagle_head(config: EngineConfig) -> ModelConfig:
     kind = eagle_head_kind(resolve_checkpoint_dir(config.draft_path), head)
     if kind != method:
         name = {EAGLE: "EAGLE-1", EAGLE3: "EAGLE-3"}
-        what = f"an {name[kind]} head (use method {kind})" if kind else f"a {head.architecture} without fc.weight"
+        layout = {EAGLE: "LlamaForCausalLM, fc.weight, no model.* weights", EAGLE3: "LlamaForCausalLMEagle3"}
+        what = (f"an {name[kind]} head (use method {kind})" if kind else
+                f"a {head.architecture} checkpoint without that layout ({layout.get(method, '')})")  # fmt: skip
         raise ValueError(f"method {method} needs an {name.get(method, method)} head: {config.draft_path} is {what}")
     return head
 

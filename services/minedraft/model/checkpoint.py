@@ -217,7 +217,8 @@ class _PickledSlice:
         import torch
 
         names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                 torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+                 torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+                 torch.bool: "BOOL"}  # fmt: skip
         return names.get(self.tensor.dtype, str(self.tensor.dtype))
 
     def __getitem__(self, index: Any) -> torch.Tensor:

@@ -64,6 +64,8 @@ def eagle_head_kind(folder: Path, config: ModelConfig) -> str | None:
     weights have `fc.weight` and no `model.*` decoder), None for anything else."""
     if config.is_eagle3:
         return EAGLE3
+    if config.architecture != "LlamaForCausalLM":
+        return None
     return EAGLE if is_eagle1_checkpoint(find_weight_files(folder)) else None
 
 

@@ -179,7 +179,9 @@ class ModelRunner:
                 raise ValueError(f"{self.path} is an EAGLE-1 head: use it with method eagle (it runs beside its "
                                  "target)")  # fmt: skip
             return None
-        kind = eagle_head_kind(self.path, self.config) if self.load_format == "auto" or self.config.is_eagle3 else EAGLE
+        if self.load_format == "dummy" and not self.config.is_eagle3:
+            return EAGLE  # no weights to tell: a LlamaConfig beside a target is an EAGLE-1 head
+        kind = eagle_head_kind(self.path, self.config)
         if kind is None:
             raise ValueError(f"{self.path} is not an EAGLE head: its checkpoint has no fc.weight (or has a model.* "
                              "decoder, as a draft model does)")  # fmt: skip
