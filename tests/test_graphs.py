@@ -39,12 +39,13 @@ def test_pick_bucket(tokens: int, bucket: int | None) -> None:
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory) -> tuple[ModelRunner, ModelRunner, StaticForward]:
-    """Two runners over one checkpoint with the paged kernel, keeping the states an EAGLE-3 head reads; the
-    second runs every step it can through the fixed-shape forward (buckets up to 24 tokens)."""
+    """Two runners over one checkpoint with the paged kernel, keeping the features EAGLE heads read (layer
+    inputs for EAGLE-3, the final normed state, 2, for EAGLE-1); the second runs every step it can through the
+    fixed-shape forward (buckets up to 24 tokens)."""
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", hidden_size=64, num_layers=2,
                                 seed=6)  # fmt: skip
-    eager, padded = (ModelRunner(path, max_seq_len=96, num_slots=4, attention_kernel="triton", aux_hidden_layers=(1, 0))
-                     for _ in range(2))  # fmt: skip
+    eager, padded = (ModelRunner(path, max_seq_len=96, num_slots=4, attention_kernel="triton",
+                                 aux_hidden_layers=(1, 0, 2)) for _ in range(2))  # fmt: skip
     padded.graphs = StaticForward(padded.model, padded.kv_cache, padded.max_seq_len, padded.device, max_tokens=24)
     return eager, padded, padded.graphs
 

@@ -14,7 +14,9 @@ letter's range depends on the first): the exact joint masks each position with t
 
 With an EAGLE-3 head (random, its draft vocabulary the target's twelve likeliest tokens so that drafts
 are both accepted and rejected) the first token is always the target's own (the head needs the target's
-states of the prompt first), so those requests sample three tokens and the joint is over three.
+states of the prompt first), so those requests sample three tokens and the joint is over three. The same
+with an EAGLE-1 head (random, over the full vocabulary, its fc.bias and LM head set so that those twelve
+tokens hold most of its probability).
 
 Threshold: p-value > 1e-3. Seeds are fixed, so the test is deterministic; with a correct sampler the
 chance of a fixed seed landing below 1e-3 is 0.1% per test, and a wrong rule (for example sampling from
@@ -38,7 +40,7 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.penalties import History, apply_penalties
 
 from conftest import make_pair, pard_draft, target_probs
-from tiny_models import make_eagle3_head
+from tiny_models import make_eagle3_head, make_eagle_head, read_head_weights
 
 PROMPT = [5, 17, 42]
 NUM_SAMPLES = 3000
@@ -116,6 +118,22 @@ def _likely_tokens(joint: dict[tuple[int, ...], float], count: int = 12) -> list
     return sorted(token for token, _ in mass.most_common(count))
 
 
+def _eagle1_head_favouring(path, tokens: list[int]):
+    """A random EAGLE-1 head for the 64-wide target whose output is nearly fc.bias (small weights), a direction
+    its LM head's rows of `tokens` point along: they get most of its probability, roughly evenly."""
+    head = make_eagle_head(path, hidden_size=64, vocab_size=320, head_dim=16, with_lm_head=True, init_std=0.01)
+    weights = read_head_weights(head)
+    direction = torch.nn.functional.normalize(torch.randn(64, generator=torch.Generator().manual_seed(3)), dim=0)
+    weights["fc.bias"] = 3 * direction
+    lm_head = torch.zeros_like(weights["lm_head.weight"])
+    lm_head[tokens] = direction + 0.05 * torch.randn(len(tokens), 64, generator=torch.Generator().manual_seed(4))
+    weights["lm_head.weight"] = lm_head
+    from safetensors.torch import save_file
+
+    save_file(weights, str(head / "model.safetensors"))
+    return head
+
+
 def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, int]:
     """The sampled outputs' counts, and the draft tokens proposed and accepted on the way."""
     engine = LLMEngine.local(config)
@@ -143,9 +161,10 @@ def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, in
         {"num_speculative_tokens": 2, "is_parallel": True, "force_pearl": True, "method": "eagle3", "adaptive": False},
         {"num_speculative_tokens": 2, "is_parallel": True, "method": "eagle3", "adaptive": False},
         {"num_speculative_tokens": 2, "method": "eagle3", "parallel_drafting": True, "adaptive": False},
+        {"num_speculative_tokens": 2, "is_parallel": True, "method": "eagle", "adaptive": False},
     ],
     ids=["ar", "sd", "pearl", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3", "pearl+eagle3",
-         "minedraft+eagle3", "sd+p-eagle"],
+         "minedraft+eagle3", "sd+p-eagle", "minedraft+eagle"],
 )
 @pytest.mark.parametrize("options", ["plain", "penalty+bias", "grammar"])
 def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_path) -> None:
@@ -156,6 +175,9 @@ def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_p
     if spec and spec.get("parallel_drafting"):
         draft = pard_draft(draft, tmp_path)
     params_kwargs = {"plain": PARAMS, "grammar": _grammar_params()}.get(options) or _penalized_params(target)
+    if spec and spec.get("method") == "eagle":  # as EAGLE-3's below: three tokens
+        params_kwargs = {**params_kwargs, "max_tokens": 3}
+        draft = _eagle1_head_favouring(tmp_path / "head", _likely_tokens(_exact_joint(target, params_kwargs)))
     if spec and spec.get("method") == "eagle3":  # its first token is always the target's own: sample three
         # P-EAGLE: four, so that a window holds a masked position (drafts 2 and 3 come from one pass); the grammar
         # ends after three letters.
@@ -176,7 +198,7 @@ def test_sampled_pairs_follow_the_target_distribution(pair, spec, options, tmp_p
     counts, drafted, accepted = _sample(config, params_kwargs)
     # Both sides of the rule ran: drafts accepted and drafts rejected. (Not in the plain case of the random draft
     # model, whose top-3 never meets the target's top-6 after this prompt: it accepts nothing there.)
-    if spec and (spec.get("method") == "eagle3" or options != "plain"):
+    if spec and (spec.get("method") in ("eagle", "eagle3") or options != "plain"):
         assert 0 < accepted < drafted, (accepted, drafted)
     assert set(counts) <= set(joint), f"sampled pairs the target cannot produce: {set(counts) - set(joint)}"
     cells = sorted(joint, key=joint.get, reverse=True)

@@ -14,7 +14,7 @@ from minedraft.model.checkpoint import CheckpointError, CheckpointNotFoundError
 from minedraft.model.config import load_model_config, parse_model_config
 from minedraft.model.layers import QKVParallelLinear
 from minedraft.model.parallel import TensorParallel
-from minedraft.model.runner import ModelRunner
+from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.model.tokenizer import load_tokenizer
 
 from tiny_models import BOS_ID, EOS_ID, make_tiny_checkpoint, torch_threads
@@ -153,11 +153,39 @@ def test_unsupported_architecture(ckpt):
 def test_missing_weights(ckpt):
     path = ckpt()
     (path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointNotFoundError, match="no safetensors weights in .*model.safetensors.index.json"):
+    with pytest.raises(CheckpointNotFoundError, match="no weights in .*model.safetensors.index.json, pytorch_model"):
+        load(path)
+    (path / "model.pt").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="found model.pt; of pickled weights only pytorch_model.bin is read"):
         load(path)
     (path / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(CheckpointError, match="found pytorch_model.bin; pickled weights are not loaded"):
+    with pytest.raises(CheckpointError, match="corrupt, unreadable or unsafe pickled weights .*pytorch_model.bin"):
         load(path)
+
+
+class _RunsCode:
+    """Unpickling this calls a function: what a hostile checkpoint would do."""
+
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def test_pytorch_model_bin_gives_the_safetensors_logits_and_refuses_code(ckpt, capsys):
+    """pytorch_model.bin (as published EAGLE heads ship) is read with torch's restricted unpickler: the same
+    tensors as safetensors give, and a pickle that would call a function is refused without running it."""
+    path = ckpt("llama")
+    tokens = [5, 9, 2, 7]
+    reference = load(path)
+    expected = reference.forward([SeqInput(reference.allocate_slot(), tokens, 0, num_logits=4)])
+    torch.save(load_file(str(path / "model.safetensors")), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    runner = load(path)
+    torch.testing.assert_close(runner.forward([SeqInput(runner.allocate_slot(), tokens, 0, num_logits=4)]), expected,
+                               atol=0, rtol=0)  # fmt: skip
+    torch.save({"model.norm.weight": _RunsCode()}, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="unsafe pickled weights"):
+        load(path)
+    assert "unpickled code ran" not in capsys.readouterr().out
 
 
 def test_missing_shard(ckpt):

@@ -30,7 +30,7 @@ from minedraft.sampling.params import SamplingParams
 
 from conftest import pard_draft, tiny_config
 from services import children, serving, wait_serving, worker_info
-from tiny_models import make_eagle3_head
+from tiny_models import make_eagle3_head, make_eagle_head
 
 MAX_MODEL_LEN = 128
 MODES = {
@@ -116,15 +116,21 @@ def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str
     assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft", "minedraft+p-eagle"])
-def test_eagle3_over_grpc_with_two_verifier_ranks_equals_offline_ar(pair, expected, mode: str, tmp_path) -> None:
-    """EAGLE-3 across the services: verifier rank 0 sends the target's states of every committed position to
-    the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans. P-EAGLE: the
-    same head drafting each window in one pass."""
+@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft", "minedraft+p-eagle", "minedraft+eagle"])
+def test_eagle_heads_over_grpc_with_two_verifier_ranks_equal_offline_ar(pair, expected, mode: str, tmp_path) -> None:
+    """EAGLE across the services: verifier rank 0 sends the target's features of every committed position to
+    the drafter over the tensor channel (gloo here, NCCL on GPUs); rank 1 follows the plans. An EAGLE-3 head
+    (P-EAGLE: the same head drafting each window in one pass), and an EAGLE-1 head (+eagle), which reads the
+    target's final normed state."""
     target_hidden = json.loads(Path(pair[0], "config.json").read_text())["hidden_size"]
-    head = make_eagle3_head(tmp_path / "head", hidden_size=target_hidden, vocab_size=320, head_dim=16,
-                            aux_layers=[0, 1, 1], init_std=0.4, mask_token_id=7)  # fmt: skip
-    spec = {**MODES[mode.split("+")[0]], "method": "eagle3", "parallel_drafting": mode.endswith("p-eagle")}
+    method = "eagle" if mode.endswith("+eagle") else "eagle3"
+    if method == "eagle":
+        head = make_eagle_head(tmp_path / "head", hidden_size=target_hidden, vocab_size=320, head_dim=16,
+                               init_std=0.4, file_format="bin")  # fmt: skip
+    else:
+        head = make_eagle3_head(tmp_path / "head", hidden_size=target_hidden, vocab_size=320, head_dim=16,
+                                aux_layers=[0, 1, 1], init_std=0.4, mask_token_id=7)  # fmt: skip
+    spec = {**MODES[mode.split("+")[0]], "method": method, "parallel_drafting": mode.endswith("p-eagle")}
     config = _config((pair[0], str(head)), spec, tensor_parallel_size=2)
     work = _workload()
     with LocalStack(config) as stack:
@@ -132,7 +138,8 @@ def test_eagle3_over_grpc_with_two_verifier_ranks_equals_offline_ar(pair, expect
         with Client(stack.address) as client:
             info = client.server_info()
             drafted = client.generate(work[3][0], max_tokens=12, temperature=0).spec_decode_stats.num_draft_tokens
-        assert (info.mode, info.draft_method) == (mode.split("+")[0], "p-eagle" if "p-eagle" in mode else "eagle3")
+        reported = "p-eagle" if "p-eagle" in mode else method
+        assert (info.mode, info.draft_method) == (mode.split("+")[0], reported)
         assert drafted > 0, "the head drafted nothing: its features never reached the drafter"
         _assert_idle(stack)
     assert got == expected
@@ -277,7 +284,7 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     [
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
         ('{"draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size\n  Input should be 1"),
-        ('{"method": "medusa"}', "Input should be 'draft_model' or 'eagle3'"),
+        ('{"method": "medusa"}', "Input should be 'draft_model', 'eagle' or 'eagle3'"),
     ],
     ids=["unknown-key", "draft-tp", "unknown-method"],
 )

@@ -218,3 +218,87 @@ def make_eagle3_head(
                   "transformer_layer_config": {**fields, "architectures": ["LlamaForCausalLM"]}, **extra}  # fmt: skip
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def make_eagle_head(
+    path: str | Path,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    num_layers: int = 1,
+    fc_bias: bool = True,
+    with_embedding: bool = False,
+    with_lm_head: bool = False,
+    para_norm: bool = False,
+    file_format: str = "safetensors",
+    seed: int = 0,
+    init_std: float = 0.05,
+) -> Path:
+    """Write a random EAGLE-1 head as the published ones are: a plain LlamaConfig, `fc.weight` [hidden,
+    2 x hidden] (and `fc.bias` by default, as EAGLE's reference has it), Llama decoder layers `layers.N.*`
+    whose layer 0 has no input_layernorm, no final norm; optionally its own `embed_tokens.weight` and
+    `lm_head.weight`, and the HASS norms (`add_para_norm`). file_format: safetensors (model.safetensors) or
+    bin (pytorch_model.bin, a torch.save'd state dict)."""
+    if file_format not in ("safetensors", "bin"):
+        raise ValueError("file_format must be safetensors or bin")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = head_dim or hidden_size // num_heads
+    inter = intermediate_size or 2 * hidden_size
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * init_std  # noqa: E731
+    norm = lambda: 1 + torch.randn(hidden_size, generator=gen) * 0.1  # noqa: E731
+    tensors = {"fc.weight": rand(hidden_size, 2 * hidden_size)}
+    if fc_bias:
+        tensors["fc.bias"] = rand(hidden_size)
+    for i in range(num_layers):
+        layer = f"layers.{i}"
+        if i > 0:
+            tensors[f"{layer}.input_layernorm.weight"] = norm()
+        tensors.update({
+            f"{layer}.self_attn.q_proj.weight": rand(num_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.k_proj.weight": rand(num_kv_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.v_proj.weight": rand(num_kv_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.o_proj.weight": rand(hidden_size, num_heads * head_dim),
+            f"{layer}.post_attention_layernorm.weight": norm(),
+            f"{layer}.mlp.gate_proj.weight": rand(inter, hidden_size),
+            f"{layer}.mlp.up_proj.weight": rand(inter, hidden_size),
+            f"{layer}.mlp.down_proj.weight": rand(hidden_size, inter),
+        })  # fmt: skip
+    if with_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab_size, hidden_size) * 20
+    if with_lm_head:
+        tensors["lm_head.weight"] = rand(vocab_size, hidden_size) * 20
+    if para_norm:
+        tensors["embedding_layernorm.weight"] = norm()
+        tensors["hidden_states_layernorm.weight"] = norm()
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if file_format == "bin":
+        torch.save(tensors, path / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden_size,
+        "intermediate_size": inter, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": num_layers, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 1024, "vocab_size": vocab_size, "hidden_act": "silu", "bias": fc_bias,
+        **({"add_para_norm": True} if para_norm else {}),
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def read_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a head written by make_eagle_head or make_eagle3_head, whichever file it has."""
+    path = Path(path)
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", weights_only=True)
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))

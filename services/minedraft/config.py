@@ -36,13 +36,15 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    method: Literal["draft_model", "eagle3"] = Field(
-        "draft_model", description="Proposal method: draft_model (a separate small causal LM) or eagle3 (an "
-        "EAGLE-3 head fed with the target's hidden states)."
+    method: Literal["draft_model", "eagle", "eagle3"] = Field(
+        "draft_model", description="Proposal method: draft_model (a separate small causal LM), eagle (an EAGLE-1 "
+        "head fed with the target's last hidden state) or eagle3 (an EAGLE-3 head fed with three of the target's "
+        "hidden states)."
     )
     model: str | None = Field(
-        None, description="Draft checkpoint folder (HF format) or EAGLE-3 head; None = the bundled draft (its PARD "
-        "version with parallel_drafting; with method eagle3 the bundled EAGLE-3 head, or its P-EAGLE version)."
+        None, description="Draft checkpoint folder (HF format) or EAGLE head; None = the bundled draft (its PARD "
+        "version with parallel_drafting; with method eagle3 the bundled EAGLE-3 head, or its P-EAGLE version). "
+        "Method eagle needs it: no EAGLE-1 head is bundled."
     )
     parallel_drafting: bool = Field(
         False, description="Draft all k tokens in one forward (PARD: the draft checkpoint names its mask token "
@@ -72,6 +74,11 @@ class SpeculativeConfig(BaseModel):
     def _check_combinations(self) -> SpeculativeConfig:
         if self.force_pearl and not self.is_parallel:
             raise ValueError("force_pearl requires is_parallel: true")
+        if self.method == "eagle" and self.parallel_drafting:
+            raise ValueError("parallel_drafting (P-EAGLE) needs an EAGLE-3 head (method eagle3): an EAGLE-1 head "
+                             "(method eagle) drafts token by token")  # fmt: skip
+        if self.method == "eagle" and not self.model:
+            raise ValueError("method eagle needs model: the folder of an EAGLE-1 head for the target (none is bundled)")
         return self
 
     @property
@@ -82,11 +89,16 @@ class SpeculativeConfig(BaseModel):
 
     @property
     def draft_method(self) -> str:
-        """How drafts are proposed, as the server reports it: draft_model or eagle3 (k forwards per window), pard
-        or p-eagle (one)."""
-        if self.method == "eagle3":
-            return "p-eagle" if self.parallel_drafting else "eagle3"
-        return "pard" if self.parallel_drafting else self.method
+        """How drafts are proposed, as the server reports it: draft_model, eagle or eagle3 (k forwards per
+        window), pard or p-eagle (one)."""
+        if self.parallel_drafting:
+            return "p-eagle" if self.method == "eagle3" else "pard"
+        return self.method
+
+    @property
+    def uses_eagle_head(self) -> bool:
+        """An EAGLE head of either kind drafts (model/eagle.py), fed with the target's features."""
+        return self.method in ("eagle", "eagle3")
 
     @property
     def max_draft_len(self) -> int:
@@ -216,8 +228,8 @@ class EngineConfig(BaseModel):
         return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
 
     @property
-    def uses_eagle3(self) -> bool:
-        return self.speculative_config is not None and self.speculative_config.method == "eagle3"
+    def uses_eagle_head(self) -> bool:
+        return self.speculative_config is not None and self.speculative_config.uses_eagle_head
 
     def target_only(self) -> EngineConfig:
         """This config without speculation, for a group whose drafter is gone: the same requests run at

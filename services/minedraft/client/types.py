@@ -130,7 +130,7 @@ class ServerInfo:
     num_kv_blocks: int = 0  # KV-cache blocks the server admits requests by
     kv_block_size: int = 0  # tokens per block
     max_num_batched_tokens: int = 0  # a step's token budget; longer prompts are prefilled in chunks
-    draft_method: str = ""  # draft_model | pard | eagle3; empty for ar
+    draft_method: str = ""  # draft_model | pard | eagle | eagle3 | p-eagle; empty for ar
     enable_prefix_caching: bool = False  # workers reuse the KV blocks of prompts they have seen
     quantization: str = ""  # how the target checkpoint stores its weights, e.g. "fp8 (blocks 128x128)"; "": floats
     draft_quantization: str = ""  # the same for the draft checkpoint

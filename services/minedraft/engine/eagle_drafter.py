@@ -1,8 +1,9 @@
-"""The drafter with an EAGLE-3 head (model/eagle.py): drafts from the target's hidden states.
+"""The drafter with an EAGLE head of either kind (model/eagle.py): drafts from the target's hidden states.
 
 Head position p takes the token t_{p+1} and a hidden input, so the head can run up to position n - 1
 once the target has verified up to t_n and sent its features of positions 0 .. n - 1 (they arrive with
-each step's results: `receive_features`). A window then takes k forwards: the first writes every position
+each step's results: `receive_features`; EAGLE-3's are fused by the head's fc on arrival, EAGLE-1's are the
+hidden inputs themselves). A window then takes k forwards: the first writes every position
 whose features came since the last window (a new request's whole prompt included) and drafts from the
 output at n - 1; each next one feeds the drafted token and the head's own output at the position before.
 
@@ -15,10 +16,10 @@ PEARL drafts a window's continuation while the window is verified: it goes on fr
 drafted token and the head's output that proposed it (`_tails`), over the window's own positions in the
 head's cache, exactly as the window's next step would have.
 
-P-EAGLE (`parallel`): one forward per window. After the window's first input come k - 1 masked positions
-(the mask token, and fc of the head's `mask_hidden` as hidden input); row j of the forward gives draft
-token j + 1, each from its own q, as PARD does. The masked positions' KV is overwritten by the next
-forward, like any drafted position's.
+P-EAGLE (`parallel`, EAGLE-3 heads only): one forward per window. After the window's first input come
+k - 1 masked positions (the mask token, and fc of the head's `mask_hidden` as hidden input); row j of the
+forward gives draft token j + 1, each from its own q, as PARD does. The masked positions' KV is
+overwritten by the next forward, like any drafted position's.
 """
 
 from __future__ import annotations
@@ -29,19 +30,19 @@ import torch
 
 from minedraft.engine.plans import DraftPlan, Drafts, DraftTask
 from minedraft.engine.workers import DraftWorker, _Sequence
-from minedraft.model.eagle import Eagle3Head
+from minedraft.model.eagle import EAGLE3, EagleHead
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.sampler import draft_sample
 from minedraft.sampling.tetris import tetris_select
 
-Features = dict[str, tuple[int, torch.Tensor]]  # request -> (first position, [rows, 3 x hidden] target states)
+Features = dict[str, tuple[int, torch.Tensor]]  # request -> (first position, [rows, width] target features)
 
 
 @dataclass
 class _HeadState:
     written: int = 0  # head positions 0 .. written - 1 hold the target's features (their KV is final)
     start: int = 0  # the position of features' first row (== written)
-    features: torch.Tensor | None = None  # fused features (fc applied) of positions start .. start + rows - 1
+    features: torch.Tensor | None = None  # hidden inputs (EAGLE-3: fc applied) of positions start .. start + rows - 1
 
     @property
     def end(self) -> int:
@@ -50,14 +51,17 @@ class _HeadState:
 
 class EagleDraftWorker(DraftWorker):
     def __init__(self, runner: ModelRunner, support_size: int, parallel: bool = False) -> None:
-        if not isinstance(runner.model, Eagle3Head):
-            raise ValueError(f"{runner.path} is not an EAGLE-3 head")
+        if not isinstance(runner.model, EagleHead):
+            raise ValueError(f"{runner.path} is not an EAGLE head")
+        if parallel and runner.model.kind != EAGLE3:
+            raise ValueError(f"parallel_drafting (P-EAGLE) needs an EAGLE-3 head (method eagle3): {runner.path} is an "
+                             "EAGLE-1 head, which drafts token by token")  # fmt: skip
         mask_token = runner.config.pard_token if parallel else None
         if parallel and (runner.model.mask_hidden is None or mask_token is None):
             raise ValueError(f"parallel_drafting with method eagle3 needs a P-EAGLE head: {runner.path} has "
                              f"{'no mask_hidden tensor' if runner.model.mask_hidden is None else 'no mask_token_id'}")
         super().__init__(runner, support_size, mask_token)
-        self.head: Eagle3Head = runner.model
+        self.head: EagleHead = runner.model
         self._states: dict[str, _HeadState] = {}
         # request -> the input after each drafted token of its last window: (position, token, head output)
         self._tails: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
@@ -75,8 +79,8 @@ class EagleDraftWorker(DraftWorker):
 
     @torch.inference_mode()
     def receive_features(self, features: Features) -> None:
-        """Keep the target's states of the positions the head has not written yet (fc applied to all of
-        them in one product)."""
+        """Keep the target's features of the positions the head has not written yet, as hidden inputs (an
+        EAGLE-3 head's fc applied to all of them in one product)."""
         new: list[tuple[_HeadState, torch.Tensor]] = []
         for request_id, (start, rows) in features.items():
             state = self._states.get(request_id)

@@ -15,8 +15,9 @@ from minedraft.config import EngineConfig
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
+from minedraft.model.checkpoint import resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
-from minedraft.model.eagle import default_aux_layers
+from minedraft.model.eagle import EAGLE, EAGLE3, default_aux_layers, eagle_head_kind
 from minedraft.model.runner import ModelRunner
 
 T = TypeVar("T")
@@ -165,11 +166,13 @@ def build_local_executor(
 
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
     """The draft model. Its logits need not be batch-shape invariant (whatever it proposes, the output is
-    exactly the target's), so it always uses the fast kernels. An EAGLE-3 head reads the target's
-    tokenizer and embedding, and keeps no prefix cache: it writes each position from the target's features,
-    which the verifier hands on for every position, those of a prefix it took from its cache included."""
+    exactly the target's), so it always uses the fast kernels. An EAGLE head reads the target's
+    tokenizer and embedding (an EAGLE-1 head: and LM head), and keeps no prefix cache: it writes each
+    position from the target's features, which the verifier hands on for every position, those of a prefix
+    it took from its cache included."""
     options = runner_options(config)
-    if config.uses_eagle3:
+    if config.uses_eagle_head:
+        check_eagle_head(config)
         options.update(target_path=config.target_path, enable_prefix_caching=False)
     return ModelRunner(
         config.draft_path,
@@ -184,7 +187,7 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
 
 def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
     """The drafter's worker; with parallel_drafting, it drafts with the mask token the checkpoint names."""
-    if config.uses_eagle3:
+    if config.uses_eagle_head:
         parallel = config.speculative_config is not None and config.speculative_config.parallel_drafting
         return EagleDraftWorker(runner, support_size=config.draft_support_size, parallel=parallel)
     mask_token = None
@@ -199,20 +202,36 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
 
 
 def target_options(config: EngineConfig) -> dict[str, Any]:
-    """The target's runner: with an EAGLE-3 drafter it keeps the states the head reads."""
+    """The target's runner: with an EAGLE drafter it keeps the features the head reads."""
     options = runner_options(config)
-    if config.uses_eagle3:
+    if config.uses_eagle_head:
         options.update(aux_hidden_layers=eagle_aux_layers(config))
     return options
 
 
 def eagle_aux_layers(config: EngineConfig) -> tuple[int, ...]:
-    """The target layers whose input the EAGLE-3 head reads: its config's, else the usual three."""
-    head = load_model_config(config.draft_path)
-    if not head.is_eagle3:
-        raise ValueError(f"method eagle3 needs an EAGLE-3 head: {config.draft_path} is a {head.architecture}")
+    """The target's hidden states the EAGLE head reads (ModelRunner's aux_hidden_layers): an EAGLE-1 head the
+    last one after the final norm; an EAGLE-3 head the inputs of the layers its config names, else the usual
+    three."""
+    head = check_eagle_head(config)
     target_layers = load_model_config(config.target_path).num_hidden_layers
+    if config.speculative_config.method == EAGLE:  # type: ignore[union-attr] (checked above)
+        return (target_layers,)
     return head.aux_hidden_layers or default_aux_layers(target_layers)
+
+
+def check_eagle_head(config: EngineConfig) -> ModelConfig:
+    """The head's config, once its folder shows the kind of head the method names (model/eagle.py)."""
+    assert config.speculative_config is not None
+    head, method = load_model_config(config.draft_path), config.speculative_config.method
+    kind = eagle_head_kind(resolve_checkpoint_dir(config.draft_path), head)
+    if kind != method:
+        name = {EAGLE: "EAGLE-1", EAGLE3: "EAGLE-3"}
+        layout = {EAGLE: "LlamaForCausalLM, fc.weight, no model.* weights", EAGLE3: "LlamaForCausalLMEagle3"}
+        what = (f"an {name[kind]} head (use method {kind})" if kind else
+                f"a {head.architecture} checkpoint without that layout ({layout.get(method, '')})")  # fmt: skip
+        raise ValueError(f"method {method} needs an {name.get(method, method)} head: {config.draft_path} is {what}")
+    return head
 
 
 def runner_options(config: EngineConfig) -> dict[str, Any]:

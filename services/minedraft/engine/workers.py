@@ -385,8 +385,8 @@ class VerifyWorker(_Worker):
         return features
 
     def features(self, batch: VerifyBatch, results: list[Verified]) -> dict[str, tuple[int, torch.Tensor]]:
-        """For an EAGLE-3 drafter (a runner with aux_hidden_layers): per request, the first position and the
-        target's states [rows, 3 x hidden] of the positions whose tokens are now committed: a window's
+        """For an EAGLE drafter (a runner with aux_hidden_layers): per request, the first position and the
+        target's features [rows, feature_width] of the positions whose tokens are now committed: a window's
         pending tokens and accepted drafts, a prefill chunk's tokens, and first of all those of the prefix a
         request took from the cache. Empty without aux_hidden_layers."""
         aux = batch.aux_hidden
@@ -531,4 +531,4 @@ class VerifyBatch:
     prompt_rows: list[tuple[_Sequence, int, int, int]] = field(default_factory=list)
     # Per input of the forward: its request, start position, tokens, and draft tokens among them (-1: a chunk).
     inputs: list[tuple[str, int, int, int]] = field(default_factory=list)
-    aux_hidden: torch.Tensor | None = None  # [tokens, 3 x hidden]: the target's states for an EAGLE-3 drafter
+    aux_hidden: torch.Tensor | None = None  # [tokens, feature_width]: the target's features for an EAGLE drafter

@@ -1,7 +1,10 @@
 """Checkpoint folders: finding and validating files, lazy safetensors reads (single or sharded).
 
 Tensors are read through ``safe_open(...).get_slice`` so a tensor-parallel rank reads only its shard.
-Pickled weights (.bin/.pt) are refused: loading them would execute code from the checkpoint.
+A folder without safetensors may hold ``pytorch_model.bin`` (single or sharded by its index), as published
+EAGLE heads do: it is read with ``torch.load(weights_only=True)``, torch's restricted unpickler, which builds
+tensors and plain containers only and refuses anything that would run code. Other pickles (.pt, .pth) are
+refused.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PICKLE_FILE = "pytorch_model.bin"
+PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 class CheckpointError(ValueError):
@@ -114,7 +119,7 @@ class CheckpointReader:
 
     def _open(self, file: Path) -> Any:
         if file not in self._handles:
-            self._handles[file] = open_safetensors(file)
+            self._handles[file] = _PickledTensors(file) if file.suffix == ".bin" else open_safetensors(file)
         return self._handles[file]
 
     def close(self) -> None:
@@ -131,31 +136,39 @@ def open_safetensors(file: Path) -> Any:
 
 
 def find_weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> file, from model.safetensors, the shard index, or every *.safetensors present."""
+    """Tensor name -> file, from model.safetensors, the shard index, or every *.safetensors present; else
+    from pytorch_model.bin or its shard index."""
     if (folder / SINGLE_FILE).is_file():
         return _names_in(folder / SINGLE_FILE)
     if (folder / INDEX_FILE).is_file():
-        return _weight_map_from_index(folder)
+        return _weight_map_from_index(folder, INDEX_FILE)
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return {name: f for f in files for name in _names_in(f)}
+    if (folder / PICKLE_FILE).is_file():
+        return _names_in(folder / PICKLE_FILE)
+    if (folder / PICKLE_INDEX_FILE).is_file():
+        return _weight_map_from_index(folder, PICKLE_INDEX_FILE)
     pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-    hint = f" (found {', '.join(sorted(pickles))}; pickled weights are not loaded, convert to safetensors)"
+    hint = f" (found {', '.join(sorted(pickles))}; of pickled weights only {PICKLE_FILE} is read)"
     raise CheckpointNotFoundError(
-        f"no safetensors weights in {folder}: expected {SINGLE_FILE} or {INDEX_FILE}" + (hint if pickles else "")
+        f"no weights in {folder}: expected {SINGLE_FILE}, {INDEX_FILE}, {PICKLE_FILE} or {PICKLE_INDEX_FILE}"
+        + (hint if pickles else "")
     )
 
 
 def _names_in(file: Path) -> dict[str, Path]:
+    if file.suffix == ".bin":
+        return dict.fromkeys(_PickledTensors(file).tensors, file)
     with open_safetensors(file) as handle:
         return dict.fromkeys(handle.keys(), file)
 
 
-def _weight_map_from_index(folder: Path) -> dict[str, Path]:
-    index = read_json(folder / INDEX_FILE, required=True) or {}
+def _weight_map_from_index(folder: Path, index_file: str) -> dict[str, Path]:
+    index = read_json(folder / index_file, required=True) or {}
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{folder / INDEX_FILE} has no weight_map")
+        raise CheckpointError(f"{folder / index_file} has no weight_map")
     files = {name: folder / str(fname) for name, fname in weight_map.items()}
     for file in sorted(set(files.values())):
         listed = {n for n, f in files.items() if f == file}
@@ -163,3 +176,50 @@ def _weight_map_from_index(folder: Path) -> dict[str, Path]:
         if missing:
             raise CheckpointError(f"{file} lacks tensors its index lists, e.g. {sorted(missing)[0]}")
     return files
+
+
+class _PickledTensors:
+    """A pytorch_model.bin opened like a safetensors file (`get_slice`), loaded with torch's restricted
+    unpickler (weights_only=True) and memory-mapped where the file's format allows."""
+
+    def __init__(self, file: Path) -> None:
+        import pickle
+
+        import torch
+
+        if not file.is_file():
+            raise CheckpointNotFoundError(f"weights file not found: {file}")
+        try:
+            try:
+                loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+                loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as exc:
+            raise CheckpointError(f"corrupt, unreadable or unsafe pickled weights {file}: {exc}") from exc
+        if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
+            raise CheckpointError(f"{file} does not hold a state dict (tensor names -> tensors)")
+        self.tensors: dict[str, torch.Tensor] = loaded
+
+    def get_slice(self, name: str) -> _PickledSlice:
+        return _PickledSlice(self.tensors[name])
+
+
+class _PickledSlice:
+    """One tensor of a pickled state dict, answering as a safetensors slice does."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        import torch
+
+        names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                 torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+                 torch.bool: "BOOL"}  # fmt: skip
+        return names.get(self.tensor.dtype, str(self.tensor.dtype))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index].clone()

@@ -59,6 +59,8 @@ class ModelConfig:
     # eagle.default_aux_layers of the target).
     draft_vocab_size: int = 0
     aux_hidden_layers: tuple[int, ...] | None = None
+    # EAGLE-1 heads of the HASS variant: RMSNorm on the embedding and on the hidden input before fc.
+    add_para_norm: bool = False
 
     @property
     def is_eagle3(self) -> bool:
@@ -124,6 +126,7 @@ def parse_model_config(
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         pard_token=_pard_token(raw, source),
         quantization=parse_quant_config(raw, source),
+        add_para_norm=bool(raw.get("add_para_norm", False)),
         **(_moe_fields(raw, layers, source) if arch == "Qwen3MoeForCausalLM" else {}),
         **(_eagle3_fields(raw, source) if arch == EAGLE3 else {}),
     )

@@ -12,8 +12,9 @@ Padding must not change any real token's result:
 - sequences past the real ones have no tokens and no blocks (their programs in the paged kernel exit);
 - logits rows past the real ones read token 0's row and are dropped.
 
-A target that feeds an EAGLE-3 head also has its states of three layers captured: each bucket keeps the
-buffer its replays write them to, and a step reads the rows of its real tokens.
+A target that feeds an EAGLE head also has the head's features captured (EAGLE-3: its states of three
+layers; EAGLE-1: its final normed state): each bucket keeps the buffer its replays write them to, and a step
+reads the rows of its real tokens.
 
 Only steps the static shapes cover use a graph: the paged (Triton) attention kernel, dense models (MoE
 routing has data-dependent shapes), at most `max_tokens` tokens, and every sequence's query at most
@@ -116,7 +117,7 @@ class StaticForward:
         buffers.fill(batch, self.scratch_slot)
         logits = self._forward(size, buffers)[: len(batch.logits_indices)]
         decoder = self.model.model
-        if decoder.aux_layers:  # a target feeding an EAGLE-3 head: its states of the real tokens (the first rows)
+        if decoder.aux_layers:  # a target feeding an EAGLE head: the features of the real tokens (the first rows)
             decoder.aux_hidden = self._aux_output(size)[: len(batch.input_ids)].clone()
         return logits
 

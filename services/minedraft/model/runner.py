@@ -23,7 +23,7 @@ from minedraft.config import check_fits_one_request
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
-from minedraft.model.eagle import Eagle3Head
+from minedraft.model.eagle import EAGLE, EagleHead, eagle_head_kind
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.layers import quantized_linears
@@ -47,7 +47,7 @@ class SeqInput:
     token_ids: list[int]  # tokens to write into the cache starting at start_pos
     start_pos: int  # tokens already valid in the cache; later ones are overwritten (rollback = smaller start_pos)
     num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts; 0: none)
-    hidden: torch.Tensor | None = None  # an EAGLE-3 head's hidden input, one row per token ([tokens, hidden])
+    hidden: torch.Tensor | None = None  # an EAGLE head's hidden input, one row per token ([tokens, hidden])
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ForwardBatch:
     query_lens: torch.Tensor  # [seqs]
     logits_indices: torch.Tensor  # [rows] indices into the flattened tokens
     block_tables: torch.Tensor  # [seqs, width] each sequence's blocks, padded with the zero block
-    hidden: torch.Tensor | None = None  # [tokens, hidden] an EAGLE-3 head's hidden inputs (float)
+    hidden: torch.Tensor | None = None  # [tokens, hidden] an EAGLE head's hidden inputs (float)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         moved = (getattr(self, f.name) for f in fields(self))
@@ -92,10 +92,12 @@ class ModelRunner:
         included, Triton GEMMs: model/triton_quant.py, model/triton_moe.py), dequantize (dense weights at
         load) or auto (triton on CUDA where it is installed and the block or group shape suits its tiles,
         dequantize elsewhere).
-        aux_hidden_layers: a target that feeds an EAGLE-3 head keeps, after every forward, the residual stream
-        entering these layers for every token (`aux_hidden`), CUDA graphs included.
-        target_path: for an EAGLE-3 head (model/eagle.py), the target whose tokenizer it uses and whose
-        embedding it reads where its own checkpoint has none."""
+        aux_hidden_layers: a target that feeds an EAGLE head keeps, after every forward, these hidden states
+        for every token (`aux_hidden`), CUDA graphs included, counted as transformers' output_hidden_states
+        counts them: i < num_hidden_layers the residual stream entering layer i (EAGLE-3), num_hidden_layers
+        the last one after the final norm (EAGLE-1).
+        target_path: the model is an EAGLE head (model/eagle.py) of the target there, whose tokenizer it uses
+        and whose embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -105,7 +107,8 @@ class ModelRunner:
         if self.config.is_eagle3 and target_path is None:
             raise ValueError(f"{self.path} is an EAGLE-3 head: use it with method eagle3 (it runs beside its target)")
         self.target_path = resolve_checkpoint_dir(target_path) if target_path is not None else None
-        self.tokenizer: Tokenizer = load_tokenizer(self.target_path if self.config.is_eagle3 else self.path)
+        self.head_kind = self._head_kind()
+        self.tokenizer: Tokenizer = load_tokenizer(self.target_path or self.path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.tp = TensorParallel.from_group(tp_group)
@@ -114,11 +117,11 @@ class ModelRunner:
         self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
         self.model = self._load_model()  # first: on CUDA the KV budget is what the weights leave
         self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
-        self.head_hidden: torch.Tensor | None = None  # an EAGLE-3 head's output at the last forward's logits rows
+        self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
         # A target feeding an EAGLE head caches the head's features with its keys and values, so that a request
         # reusing cached blocks still hands the drafter the features of every position.
-        feature_dim = len(self.aux_hidden_layers) * self.config.hidden_size if enable_prefix_caching else 0
+        feature_dim = self.feature_width if enable_prefix_caching else 0
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
                                     self.dtype, feature_dim)
         if self.device.type == "cuda":  # what loading freed (dequantized fallbacks) is not the weights'
@@ -132,7 +135,7 @@ class ModelRunner:
             enable_prefix_caching=enable_prefix_caching, feature_dim=feature_dim,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
-        eager = enforce_eager or self.config.is_eagle3
+        eager = enforce_eager or self.head_kind is not None
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
@@ -176,22 +179,33 @@ class ModelRunner:
         return kernel == "triton" or (supports_fp8(quant.block) if quant.method == "fp8" else
                                       supports_awq(quant.group_size))
 
-    def _load_model(self) -> CausalLM | Eagle3Head:
+    def _head_kind(self) -> str | None:
+        """With target_path: the head's kind (model/eagle.py), which its folder must show. Without: None, and
+        never a head (an EAGLE-1 head's config.json is a plain LlamaConfig: its weights tell)."""
+        if self.target_path is None:
+            if self.load_format == "auto" and eagle_head_kind(self.path, self.config) == EAGLE:
+                raise ValueError(f"{self.path} is an EAGLE-1 head: use it with method eagle (it runs beside its "
+                                 "target)")  # fmt: skip
+            return None
+        if self.load_format == "dummy" and not self.config.is_eagle3:
+            return EAGLE  # no weights to tell: a LlamaConfig beside a target is an EAGLE-1 head
+        kind = eagle_head_kind(self.path, self.config)
+        if kind is None:
+            raise ValueError(f"{self.path} is not an EAGLE head: its checkpoint has no fc.weight (or has a model.* "
+                             "decoder, as a draft model does)")  # fmt: skip
+        return kind
+
+    def _load_model(self) -> CausalLM | EagleHead:
+        if self.head_kind is not None:
+            return self._load_head()
         quant = self.config.quantization if self.quantized_kernels else None
-        kind = Eagle3Head if self.config.is_eagle3 else CausalLM
         with torch.device(self.device), _default_dtype(self.dtype), quantized_linears(quant):
-            model = kind(self.config, self.max_seq_len, self.tp, self.batch_invariant)
+            model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
         if self.load_format == "dummy":
             _random_weights(model)
-        elif isinstance(model, Eagle3Head):
-            with closing(CheckpointReader(self.path)) as reader, closing(CheckpointReader(self.target_path)) as target:
-                model.load_weights(reader, target)
         else:
-            reader = CheckpointReader(self.path, self.config.quantization)
-            try:
+            with closing(CheckpointReader(self.path, self.config.quantization)) as reader:
                 model.load_weights(reader)
-            finally:
-                reader.close()
         model.pack_weights()
         held, quantized = weight_bytes(model)
         log.info("weights on this rank: %.2f GiB, %.2f GiB of them kept quantized", held / 2**30, quantized / 2**30)
@@ -199,22 +213,40 @@ class ModelRunner:
             log.warning("%s (MoE layers: %d)", reason, layers)
         return model.eval()
 
+    def _load_head(self) -> EagleHead:
+        if self.load_format == "dummy":
+            return _random_weights(self._new_head(fc_bias=False)).eval()
+        with closing(CheckpointReader(self.path)) as reader, closing(CheckpointReader(self.target_path)) as target:
+            head = self._new_head(fc_bias="fc.bias" in reader)
+            head.load_weights(reader, target)
+        return head.eval()
+
+    def _new_head(self, fc_bias: bool) -> EagleHead:
+        with torch.device(self.device), _default_dtype(self.dtype):
+            return EagleHead(self.config, self.max_seq_len, self.tp, self.batch_invariant, self.head_kind, fc_bias)
+
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         layers = tuple(layers)
         if layers:
             if not isinstance(self.model, CausalLM) or self.config.moe_layers:
                 raise ValueError("aux_hidden_layers is for a dense target model")
-            bad = [i for i in layers if not 0 <= i < self.config.num_hidden_layers]
+            bad = [i for i in layers if not 0 <= i <= self.config.num_hidden_layers]
             if bad:
-                raise ValueError(f"aux_hidden_layers {list(layers)}: layer(s) {bad} outside the target's "
-                                 f"{self.config.num_hidden_layers} layers")  # fmt: skip
+                raise ValueError(f"aux_hidden_layers {list(layers)}: {bad} outside the target's hidden states 0 .. "
+                                 f"{self.config.num_hidden_layers} (its {self.config.num_hidden_layers} layers' inputs "
+                                 "and its final normed state)")  # fmt: skip
             self.model.model.aux_layers = layers
         return layers
 
     @property
     def aux_hidden(self) -> torch.Tensor | None:
-        """After a forward with aux_hidden_layers: [tokens, 3 x hidden], the flattened batch's tokens in order."""
+        """After a forward with aux_hidden_layers: [tokens, feature_width], the flattened batch's tokens in order."""
         return self.model.model.aux_hidden if self.aux_hidden_layers else None
+
+    @property
+    def feature_width(self) -> int:
+        """Values per token of `aux_hidden`."""
+        return len(self.aux_hidden_layers) * self.config.hidden_size
 
     def _agree(self, num_blocks: int) -> int:
         """Tensor-parallel ranks take the same decisions on blocks: all take the smallest rank's pool."""
@@ -279,13 +311,13 @@ class ModelRunner:
                             self._head_inputs(seqs))  # fmt: skip
 
     def _head_inputs(self, seqs: list[SeqInput]) -> torch.Tensor | None:
-        """An EAGLE-3 head's hidden inputs, one row per token in batch order (every input brings them)."""
-        if not self.config.is_eagle3:
+        """An EAGLE head's hidden inputs, one row per token in batch order (every input brings them)."""
+        if self.head_kind is None:
             return None
         for seq in seqs:
             if seq.hidden is None or tuple(seq.hidden.shape) != (len(seq.token_ids), self.config.hidden_size):
                 got = None if seq.hidden is None else tuple(seq.hidden.shape)
-                raise ValueError(f"sequence {seq.slot}: an EAGLE-3 head needs hidden inputs of shape "
+                raise ValueError(f"sequence {seq.slot}: an EAGLE head needs hidden inputs of shape "
                                  f"({len(seq.token_ids)}, {self.config.hidden_size}), got {got}")  # fmt: skip
         return torch.cat([seq.hidden.to(self.device) for seq in seqs]) if seqs else None
 
@@ -341,7 +373,7 @@ class ModelRunner:
         batch = batch.to(self.device)
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)
-        if isinstance(self.model, Eagle3Head):
+        if isinstance(self.model, EagleHead):
             logits, self.head_hidden = self.model(batch.input_ids, ctx, batch.logits_indices, batch.hidden)
             return logits
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
@@ -363,7 +395,7 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _random_weights(model: CausalLM) -> CausalLM:
+def _random_weights(model: torch.nn.Module) -> torch.nn.Module:
     """Matrices ~ N(0, 0.02), norm weights 1: activations stay in range, so timings are those of real weights."""
     for param in model.parameters():
         if param.dim() >= 2:

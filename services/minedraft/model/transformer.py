@@ -116,7 +116,9 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, tp, batch_invariant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE-3: the residual stream entering these layers, every token, concatenated in this order.
+        # EAGLE heads' features, every token, concatenated in this order: hidden state i as transformers'
+        # output_hidden_states counts them (i < layers: the residual stream entering layer i, EAGLE-3; i ==
+        # layers: the last one after the final norm, EAGLE-1).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
@@ -129,6 +131,8 @@ class DecoderModel(nn.Module):
                 captured[i] = x
             x = layer(x, ctx)
         if self.aux_layers:
+            if len(self.layers) in self.aux_layers:
+                captured[len(self.layers)] = self.norm(x)
             self.aux_hidden = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
         return x  # the final norm is applied by CausalLM to the rows that need logits only
 

@@ -15,7 +15,7 @@ Layouts (n = number of request ids of the transfer, S = support size):
 - drafts:  sizes [n, ids_hash, total, S, count * n], count = -1 for a dropped window
            payload int64 [total * (1 + S)]: all draft tokens, then all q id rows
            probs float32 [total * S]: all q probability rows
-- features (verifier rank 0 -> an EAGLE-3 drafter, after the results):
+- features (verifier rank 0 -> an EAGLE drafter, after the results):
            sizes [n, ids_hash, total_rows, width, dtype code, (first position, rows) * n]
            payload [total_rows, width] in the target's dtype: the target's states of the committed positions
 
@@ -139,7 +139,7 @@ class StepChannel:
             offset += length
         return verified
 
-    # -- features: verifier rank 0 -> an EAGLE-3 drafter ------------------------------------------
+    # -- features: verifier rank 0 -> an EAGLE drafter --------------------------------------------
 
     def send_features(self, request_ids: list[str], features: dict[str, tuple[int, torch.Tensor]],
                       width: int) -> None:  # fmt: skip

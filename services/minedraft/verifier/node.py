@@ -124,9 +124,9 @@ class VerifierNode:
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
                     self.channel.send_results(results)
-                    if self._has_drafter and self.config.uses_eagle3:  # what the EAGLE-3 head reads
-                        width = 3 * self.runner.config.hidden_size
-                        self.channel.send_features(verify.request_ids(), self.worker.features(batch, results), width)
+                    if self._has_drafter and self.config.uses_eagle_head:  # what the EAGLE head reads
+                        features = self.worker.features(batch, results)
+                        self.channel.send_features(verify.request_ids(), features, self.runner.feature_width)
                 else:
                     results = self.channel.recv_results([t.request_id for t in verify.tasks])
             self.worker.commit(batch, results)
