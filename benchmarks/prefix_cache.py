@@ -284,7 +284,9 @@ def measure(servers: dict[str, OfflineServer | HttpServer], args: argparse.Names
         for load, workload in build_workloads(args, round_).items():
             if load not in args.loads:
                 continue
-            for name, server in servers.items():
+            # Alternate which setting goes first (A B, then B A): a run's place after the other load counts too.
+            order = list(servers.items())[:: -1 if round_ % 2 else 1]
+            for name, server in order:
                 time.sleep(args.settle)
                 run = asyncio.run(server.run(workload))
                 results.add(name, load, run)
