@@ -4,6 +4,7 @@ ours and (with --vllm) vLLM's.
     python benchmarks/prefix_cache.py                        # ours: offline and served, 3 rounds
     python benchmarks/prefix_cache.py --vllm                 # and `vllm serve` with its cache on and off
     python benchmarks/prefix_cache.py --where offline --rounds 1 --out /tmp/prefix
+    python benchmarks/prefix_cache.py --where offline --loads chat --kv-cache-memory-bytes 29491200
 
 Every conversation opens with the same system prompt (--system-tokens of the bundled held-out prompts) and
 adds a user turn (--user-tokens, a held-out prompt's start) per turn; each turn's prompt is the whole
@@ -273,7 +274,7 @@ def engine_config(args: argparse.Namespace, cache: bool) -> EngineConfig:
     spec = mode_configs({"num_speculative_tokens": args.k})[args.mode]
     batches = 2 if spec and spec.get("is_parallel") and not spec.get("force_pearl") else 1
     return EngineConfig(speculative_config=spec, max_num_seqs=args.conversations // batches, device="cpu",
-                        enable_prefix_caching=cache)  # fmt: skip
+                        enable_prefix_caching=cache, kv_cache_memory_bytes=args.kv_cache_memory_bytes)  # fmt: skip
 
 
 def measure(servers: dict[str, OfflineServer | HttpServer], args: argparse.Namespace, results: Results) -> None:
@@ -324,6 +325,9 @@ def main() -> int:
     parser.add_argument("--user-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48, help="answer length per turn (greedy, EOS ignored)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="each offline engine's KV budget per worker (default: the CPU default, 4 GiB); a tight "
+                             "one shows admission counting shared blocks once")
     parser.add_argument("--loads", type=lambda v: v.split(","), default=["chat", "no shared prefix"],
                         help="comma-separated, of: chat, no shared prefix")
     parser.add_argument("--settle", type=float, default=2.0,
