@@ -45,6 +45,8 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "sd": ("ours", {}),
     "pearl": ("ours", {"is_parallel": True, "force_pearl": True}),
     "minedraft": ("ours", {"is_parallel": True}),
+    "sd+eagle3": ("ours", {"method": "eagle3"}),
+    "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
 }
 METRICS = [  # (vllm bench serve's result key, column)
     ("output_throughput", "out tok/s"),
@@ -101,7 +103,7 @@ def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Pa
     caching = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
     if kind == "ours":
         spec_json = json.dumps({"num_speculative_tokens": args.k, **spec}) if spec is not None else "null"
-        two_batches = name == "minedraft"  # as many running at once as the others, in two batches
+        two_batches = name.startswith("minedraft")  # as many running at once as the others, in two batches
         batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),

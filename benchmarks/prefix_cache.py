@@ -317,7 +317,8 @@ def main() -> int:
     parser.add_argument("--where", choices=["offline", "served", "both"], default="both")
     parser.add_argument("--vllm", action="store_true", help="serve vLLM's CPU build too (its venv: vs_vllm.py)")
     parser.add_argument("--venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
-    parser.add_argument("--mode", default="minedraft", choices=["ar", "sd", "pearl", "minedraft"])
+    parser.add_argument("--mode", default="minedraft",
+                        choices=["ar", "sd", "pearl", "minedraft", "sd+eagle3", "minedraft+eagle3"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the most, with adaptive k)")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)

@@ -7,6 +7,7 @@ checkpoint names to parameters, and the parameter itself knows which part of the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,9 +55,22 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     2-2.5x faster than torch's BLAS GEMM (MKL) in our measurements on an AVX-512 EPYC (MKL takes slower
     paths on AMD), which is how vLLM's CPU build runs its linear layers too."""
     usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-    if not usable or not torch.backends.mkldnn.is_available():
+    if not usable or not _onednn_packs(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN prepacks weights of `dtype`: bf16 needs AVX-512 (bw, vl, dq) or
+    AVX-NE-CONVERT, and on a CPU without them (an AVX2 laptop) the layers keep torch's own GEMM."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_shape(source: TensorSlice, expected: tuple[int, ...]) -> None:
