@@ -147,9 +147,11 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, 
 
 @pytest.mark.parametrize("victim", ["drafter", "verifier"])
 def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
-    """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout and the group goes on as
-    if it had died (target-only, or held requests); after SIGCONT it is taken back."""
-    with LocalStack(_config(pair), worker=WorkerSettings(dist_timeout=4)) as stack:
+    """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout (a hung drafter: the
+    scheduler, after the step deadline) and the group goes on as if it had died (target-only, or held
+    requests); after SIGCONT it is taken back."""
+    scheduler = scheduler_settings(step_deadline_floor=8)  # steps here take milliseconds; the default is 60 s
+    with LocalStack(_config(pair), worker=WorkerSettings(dist_timeout=4), scheduler=scheduler) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         process = stack.process(victim)
