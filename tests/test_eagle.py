@@ -44,19 +44,9 @@ def reference_head(weights: dict[str, torch.Tensor], config: dict, embedding: to
     definition: token t at position p with hidden input h; attention over positions <= p."""
     w = {k.replace("layers.0.", "midlayer."): v.float() for k, v in weights.items()}
     heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    n = len(tokens)
     x = torch.cat((_rms(embedding[tokens], w["midlayer.input_layernorm.weight"]),
                    _rms(hidden, w["midlayer.hidden_norm.weight"])), -1)  # fmt: skip
-    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, dim)
-    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, dim)
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, dim)
-    positions = torch.arange(n)
-    q, k = _rope(q, positions), _rope(k, positions)
-    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * dim)
-    h = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    h = hidden + _attention(x, w, "midlayer.self_attn", heads, kv_heads, dim)
     m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
     gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
     out = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T

@@ -145,7 +145,7 @@ class BatchManager:
             request.shared_blocks = written
 
     def _unshare(self, request: Request) -> None:
-        for key in request.prefix_keys[: request.shared_blocks] if request.shared_blocks else []:
+        for key in (request.prefix_keys or [])[: request.shared_blocks]:
             self._shared[key] -= 1
             if not self._shared[key]:
                 del self._shared[key]
@@ -182,6 +182,7 @@ class BatchManager:
         request.batch = index
         if self.budget is not None and self.budget.shares_prefixes:
             request.shared_blocks = self._reusable(request)
-            self._shared.update(request.prefix_keys[: request.shared_blocks] if request.shared_blocks else [])
+            if request.shared_blocks:
+                self._shared.update(request.prefix_keys[: request.shared_blocks])
         self.batches[index].append(request)
         return request
