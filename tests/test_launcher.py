@@ -1,7 +1,10 @@
 """How the local stack shares one machine's cores among its model processes."""
 
+import torch
+
 from minedraft.config import EngineConfig
-from minedraft.launcher import threads_per_worker
+from minedraft.engine.threads import StepThreads
+from minedraft.launcher import threads_beside, threads_per_worker
 
 
 def test_workers_that_take_turns_use_every_core() -> None:
@@ -9,10 +12,27 @@ def test_workers_that_take_turns_use_every_core() -> None:
     assert threads_per_worker(EngineConfig(speculative_config={"num_speculative_tokens": 4}), 8) == 8
 
 
-def test_overlapped_stages_and_tensor_parallel_ranks_split_the_cores() -> None:
+def test_tensor_parallel_ranks_split_the_cores_and_overlapped_parts_take_a_share() -> None:
     minedraft = {"num_speculative_tokens": 4, "is_parallel": True}
     pearl = {**minedraft, "force_pearl": True}
-    assert threads_per_worker(EngineConfig(speculative_config=minedraft), 8) == 4
-    assert threads_per_worker(EngineConfig(speculative_config=pearl), 8) == 4
-    assert threads_per_worker(EngineConfig(speculative_config=minedraft, tensor_parallel_size=2), 8) == 2
+    assert threads_per_worker(EngineConfig(speculative_config=minedraft), 8) == 8  # a part alone: every core
+    assert threads_beside(EngineConfig(speculative_config=minedraft), 8) == 4  # beside the other part: a share
+    assert threads_beside(EngineConfig(speculative_config=pearl), 8) == 4
+    assert threads_beside(EngineConfig(speculative_config={"num_speculative_tokens": 4}), 8) == 0  # sd: turns
+    assert threads_per_worker(EngineConfig(speculative_config=minedraft, tensor_parallel_size=2), 8) == 4
+    assert threads_beside(EngineConfig(speculative_config=minedraft, tensor_parallel_size=2), 8) == 2
     assert threads_per_worker(EngineConfig(tensor_parallel_size=4), 2) == 1
+
+
+def test_a_worker_takes_its_share_beside_the_other_and_every_thread_alone() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        threads = StepThreads("cpu", beside=1)
+        threads.use(together=True)
+        assert torch.get_num_threads() == 1
+        threads.use(together=False)
+        assert torch.get_num_threads() == 4
+        assert StepThreads("cuda", beside=1).beside == 4  # a GPU worker's host threads are left alone
+    finally:
+        torch.set_num_threads(before)

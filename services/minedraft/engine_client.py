@@ -68,9 +68,11 @@ class RequestFailed(RuntimeError):
 
 
 class EngineClient(Protocol):
-    """An engine the frontends can submit to. `failed` is why it cannot run requests now (None: it can)."""
+    """An engine the frontends can submit to. `failed` is why it cannot run requests now (None: it can);
+    `speculation` what adaptive speculation measured and chose, as of the last second (None: not known here)."""
 
     failed: str | None
+    speculation: dict | None
 
     @property
     def max_model_len(self) -> int: ...

@@ -70,14 +70,16 @@ def engine_flags(config: EngineConfig) -> list[str]:
 
 
 def threads_per_worker(config: EngineConfig, cores: int) -> int:
-    """Intra-op threads of each model process when all of them share one machine's cores.
+    """Intra-op threads of each model process when all of them share one machine's cores: the verifier ranks
+    always compute at the same time, so they split the cores; a drafter may use as many as one rank."""
+    return max(1, cores // config.tensor_parallel_size)
 
-    The verifier ranks always compute at the same time, and so does the drafter in the overlapped modes
-    (pearl, minedraft): they split the cores, since thread pools that oversubscribe them spin against
-    each other. In ar and sd the drafter and the verifier take turns, so each may use every core.
-    """
-    overlapped = config.mode in (Mode.PEARL, Mode.MINEDRAFT)
-    return max(1, cores // (config.tensor_parallel_size + overlapped))
+
+def threads_beside(config: EngineConfig, cores: int) -> int:
+    """Threads of a worker's step part that runs beside the other worker's (MineDraft's and PEARL's overlapped
+    steps): the drafter takes a share of the cores beside the verifier ranks' (WorkerSettings.cpu_threads_beside)."""
+    overlaps = config.mode in (Mode.PEARL, Mode.MINEDRAFT)
+    return max(1, cores // (config.tensor_parallel_size + 1)) if overlaps else 0
 
 
 def scheduler_settings(**fields) -> SchedulerSettings:
@@ -120,6 +122,9 @@ class LocalStack:
         self.config = config
         self.scheduler = scheduler or scheduler_settings()
         self.worker = worker or WorkerSettings()
+        if not self.worker.cpu_threads_beside:
+            beside = threads_beside(config, os.cpu_count() or 1)
+            self.worker = self.worker.model_copy(update={"cpu_threads_beside": beside})
         self.port = port or free_port()
         self.metrics_port = self.scheduler.metrics_port  # 0 = not served
         self.address = f"{host}:{self.port}"

@@ -16,7 +16,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from minedraft.engine.adaptive import SpeculationController
+from minedraft.engine.adaptive import Shape, SpeculationController
+from minedraft.engine.pipelines import Pipeline
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 from minedraft.settings import ListenError
@@ -35,6 +36,7 @@ NUM_REQUESTS_WAITING = "minedraft:num_requests_waiting"
 NUM_REQUESTS_RUNNING = "minedraft:num_requests_running"
 CHOSEN_K = "minedraft:spec_decode_chosen_k"
 PLAIN_STEPS = "minedraft:spec_decode_plain_steps"
+STEPS_BY_SHAPE = "minedraft:spec_decode_steps_by_shape"
 PREFIX_CACHE_QUERIES = "minedraft:prefix_cache_queries"  # the verifier's (the target model's), as vLLM's
 PREFIX_CACHE_HITS = "minedraft:prefix_cache_hits"
 DRAFT_PREFIX_CACHE_QUERIES = "minedraft:draft_prefix_cache_queries"
@@ -173,7 +175,12 @@ class Metrics:
         self.plain_steps = Counter(
             PLAIN_STEPS, "Decisions of adaptive speculation to draft nothing in a step (plain decoding)", registry=r
         )
+        self.steps_by_shape = Counter(
+            STEPS_BY_SHAPE, "Steps planned, by shape: plain (nothing drafted), sd (one batch drafts, then is "
+            "verified; both halves count), overlap (drafting beside verification)", ["shape"], registry=r,
+        )  # fmt: skip
         self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
+        self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
         self.prefix_cache = {  # role -> (queries, hits), both in prompt tokens
             "verifier": (
                 Counter(PREFIX_CACHE_QUERIES, "Prompt tokens the verifier looked up in its prefix cache", registry=r),
@@ -235,8 +242,16 @@ class Metrics:
                 for pos in range(verified.num_accepted):
                     self.accepted_per_pos.labels(position=str(pos)).inc()
 
-    def record_choices(self, controller: SpeculationController | None) -> None:
-        """The adaptive controller's decisions since the last call (a restarted engine brings a new one)."""
+    def record_choices(self, pipeline: Pipeline) -> None:
+        """The pipeline's steps by shape and its adaptive controller's decisions since the last call (a restarted
+        engine brings a new pipeline)."""
+        seen_pipeline, shapes = self._shapes_seen
+        shapes = shapes if seen_pipeline is pipeline else {}
+        for shape, count in pipeline.steps_by_shape.items():
+            if count > shapes.get(shape, 0):
+                self.steps_by_shape.labels(shape=shape.value).inc(count - shapes.get(shape, 0))
+        self._shapes_seen = (pipeline, dict(pipeline.steps_by_shape))
+        controller = pipeline.controller
         if controller is None:
             return
         seen, windows, plain = self._choices_seen

@@ -125,6 +125,11 @@ class WorkerSettings(ServiceSettings):
         30.0, ge=0, description="On SIGTERM: wait up to this many seconds for the scheduler to stop sending steps "
         "(it drains its requests first), then stop.",
     )  # fmt: skip
+    cpu_threads_beside: int = Field(
+        0, ge=0, le=4096, description="On CPU: intra-op threads of a step part that runs while the other worker "
+        "computes too, when both share one machine's cores (a part that runs alone uses every thread the process "
+        "has); 0 = as many as alone. `minedraft up` sets it to the worker's share.",
+    )  # fmt: skip
 
 
 class GatewaySettings(PublicApiSettings):

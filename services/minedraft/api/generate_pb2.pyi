@@ -153,7 +153,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization")
+    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization", "speculation_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ServerInfo(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_JSON_FIELD_NUMBER: _ClassVar[int]
     version: str
     target_model: str
     draft_model: str
@@ -188,4 +189,5 @@ class ServerInfo(_message.Message):
     enable_prefix_caching: bool
     quantization: str
     draft_quantization: str
-    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ...) -> None: ...
+    speculation_json: str
+    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ..., speculation_json: _Optional[str] = ...) -> None: ...

@@ -8,6 +8,7 @@ from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.local_executor import draft_runner, draft_worker
+from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import plan_from_proto
@@ -15,7 +16,7 @@ from minedraft.worker_node import check_epoch, join_world, max_model_len_of, top
 
 
 class DrafterNode:
-    def __init__(self, config: EngineConfig, dist: DistributedConfig) -> None:
+    def __init__(self, config: EngineConfig, dist: DistributedConfig, threads_beside: int = 0) -> None:
         if config.speculative_config is None:
             raise ValueError("the drafter needs a speculative config (plain autoregressive decoding has no drafter)")
         self.config = config
@@ -23,6 +24,7 @@ class DrafterNode:
         self.device = _drafter_device(config)
         self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), self.device)
         self.worker = draft_worker(config, self.runner)
+        self.threads = StepThreads(self.device, threads_beside)
         self.rank = topology_of(config).drafter_rank
         self.groups: WorldGroups | None = None
         self.channel: StepChannel | None = None
@@ -54,6 +56,7 @@ class DrafterNode:
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id)
         if draft is not None:
+            self.threads.use(together=verify is not None)
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start

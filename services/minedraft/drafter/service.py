@@ -19,7 +19,7 @@ def serve_drafter(
         raise ValueError("the drafter needs --speculative-config (plain autoregressive decoding has no drafter)")
     servicer = NodeServicer()
     server, health, bound = start_worker_server(servicer, host, port)
-    servicer.start_loading(lambda: DrafterNode(config, dist), health)
+    servicer.start_loading(lambda: DrafterNode(config, dist, settings.cpu_threads_beside), health)
     log.info(
         "drafter listening on %s:%d, joining the verifier at %s:%d", host, bound, dist.master_addr, dist.master_port
     )

@@ -1,4 +1,5 @@
-"""Adaptive speculation: how many tokens each request drafts in each step, from what was measured here.
+"""Adaptive speculation: the shape of each step and how many tokens each request drafts in it, from what was
+measured here.
 
 Two online models (docs/engine.md, "Adaptive speculation"):
 
@@ -6,32 +7,37 @@ Two online models (docs/engine.md, "Adaptive speculation"):
   from decayed counts over all verifications, scaled per request by its own acceptance so far (shrunk
   towards the global figure while it has few verifications);
 - cost: the seconds of a verify part as a + c x requests + b x target tokens, of a draft part as
-  c' x draft forwards + d x draft tokens, and each step's overhead beyond its slower part (planning,
-  transport, the engine's bookkeeping: the time between two steps' ends less the slower part); least
-  squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one machine.
+  c' x draft forwards + d x draft tokens, each fitted twice: for a part that ran alone (plain steps, the
+  halves of a one-batch step) and for one that ran beside the other part (overlapped steps; on one CPU the two
+  share its cores), and each step's overhead beyond its parts (planning, transport, the engine's bookkeeping);
+  least squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one
+  machine.
 
-Each time a batch is drafted the controller takes the k in 0..max that maximises expected tokens per
-second for the mode's step shape, then trims each request's window where its next token is expected to
-be worth less than it costs. k = 0 is plain decoding. The choice reads only verifications already made,
-never the token about to be sampled, so every output stays exactly the target's. Requests that sample with
-a seed keep the fixed k, so that their text is the same on every run.
+Each decision compares the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
+drafting beside verification) and, for each speculative shape, the k in 1..max with the most expected tokens
+per second, then trims each request's window where its next token is expected to be worth less than it costs.
+Until a shape's fits have data it is tried as it is; now and then (more rarely while it changes nothing) the
+option tried longest ago is probed. The choice reads only verifications already made, never the token about to
+be sampled, so every output stays exactly the target's. Requests that sample with a seed keep the mode's own
+shape and the fixed k, so that their text is the same on every run.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
 
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 
 _DECAY = 0.98  # forgetting per step: the last ~50 steps carry the fits
-_WARMUP_STEPS = 4  # draft and verify parts seen before the cost fits are trusted (until then: k = max)
-# One decision in this many drafts the most it may or nothing, in turn: the two ends of the range keep the
-# cost fits anchored (a fit fed only the shape it chose extrapolates badly, and would stay where it is).
-_PROBE_EVERY = 16
+_WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (until then the shape runs as it is)
+# One decision in this many (16, doubling up to 128 while probes change nothing) takes the option tried longest
+# ago instead of the best: see SpeculationController._probe.
+_PROBE_EVERY, _PROBE_MAX = 16, 128
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
 
@@ -39,7 +45,10 @@ _MAX_ACCEPT = 0.995
 class _Fit:
     """y ~ w . x by least squares on relative error (weight 1 / y^2) with exponential forgetting, every weight
     kept >= 0. Relative error, so that a long step does not outweigh the short ones the choice of k is about;
-    a touch of ridge, so that features that have not varied apart yet share their cost instead of failing."""
+    a touch of ridge on every feature but the first (the fixed cost of a step or a forward), so that a feature
+    that has not varied apart from it yet leaves it the cost: a cost is taken as fixed until the steps show that it
+    grows with the requests or tokens (a ridge on all would split it among features that never varied, and a
+    prediction for fewer requests than were ever seen would shrink with it)."""
 
     def __init__(self, features: int) -> None:
         self.xx = [[0.0] * features for _ in range(features)]
@@ -58,7 +67,8 @@ class _Fit:
         """Non-negative least squares by elimination: drop the most negative weight and solve again."""
         active = list(range(len(self.xy)))
         while active:
-            solution = _solve([[self.xx[i][j] for j in active] for i in active], [self.xy[i] for i in active])
+            solution = _solve([[self.xx[i][j] for j in active] for i in active], [self.xy[i] for i in active],
+                              [i > 0 for i in active])
             if solution is not None and min(solution) >= 0:
                 weights = [0.0] * len(self.xy)
                 for i, value in zip(active, solution):
@@ -68,16 +78,20 @@ class _Fit:
         return [0.0] * len(self.xy)
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """(A + ridge) w = b by Gaussian elimination with partial pivoting; None if A is empty or zero."""
+def _solve(a: list[list[float]], b: list[float], penalized: list[bool]) -> list[float] | None:
+    """(A + ridge on the penalized features) w = b by Gaussian elimination with partial pivoting; None if A is
+    empty, zero or singular."""
     n = len(b)
     ridge = 1e-6 * sum(a[i][i] for i in range(n))
     if ridge <= 0:
         return None
-    m = [[a[i][j] + (ridge if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    m = [[a[i][j] + (ridge if i == j and (penalized[i] or n == 1) else 0.0) for j in range(n)] + [b[i]]
+         for i in range(n)]  # fmt: skip
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0:
+            return None
         for r in range(col + 1, n):
             factor = m[r][col] / m[col][col]
             m[r] = [v - factor * p for v, p in zip(m[r], m[col])]
@@ -85,6 +99,27 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     for i in reversed(range(n)):
         w[i] = (m[i][n] - sum(m[i][j] * w[j] for j in range(i + 1, n))) / m[i][i]
     return w
+
+
+class _Ratio:
+    """How much slower a part runs beside the other part than alone: the decayed seconds of the steps that ran it
+    beside the other over what the fit of the part alone predicts for the same work, with that fit as it is now
+    (the fit is linear, so the decayed sum of the work is all it needs). One number, so that it holds wherever the
+    fit alone holds: a fit of overlapped steps alone would see only the windows chosen, and extrapolate badly."""
+
+    def __init__(self, features: int) -> None:
+        self.work = [0.0] * features
+        self.seconds = 0.0
+        self.count = 0
+
+    def add(self, x: Sequence[float], seconds: float) -> None:
+        self.work = [w * _DECAY + xi for w, xi in zip(self.work, x)]
+        self.seconds = self.seconds * _DECAY + seconds
+        self.count += 1
+
+    def value(self, alone: Sequence[float]) -> float:
+        predicted = sum(w * x for w, x in zip(alone, self.work))
+        return self.seconds / predicted if predicted > 0 else 1.0
 
 
 class Acceptance:
@@ -116,54 +151,96 @@ class Acceptance:
         return (sum(self.accepted) + 1) / (sum(self.reached) + 2)
 
 
+
+class Shape(str, Enum):
+    """How a step runs (docs/engine.md, "Step shapes")."""
+
+    PLAIN = "plain"  # nothing drafted: the target decodes every running request, one token each
+    SPECULATE = "sd"  # one batch: every request drafts its window, then the target verifies them all
+    OVERLAP = "overlap"  # drafting beside verification: MineDraft's two batches, PEARL's continuation
+
+
 @dataclass(frozen=True)
-class Costs:
-    """The fitted cost of one step's parts, in seconds, as of one decision (the fits solved once)."""
+class Decision:
+    shape: Shape
+    windows: list[int]  # draft tokens for each of the shape's candidates (PLAIN: none)
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """The fitted seconds of a step's verify and draft parts, run alone or beside each other."""
 
     verify: list[float]  # a, c, b: seconds per step, per request, per token
     draft: list[float]  # c', d: seconds per forward, per token
-    overhead: float
-    one_forward_drafts: bool  # PARD: a window takes one forward
 
     def verify_seconds(self, requests: float, tokens: float) -> float:
         a, per_request, per_token = self.verify
         return a + per_request * requests + per_token * tokens
 
-    def draft_seconds(self, windows: Sequence[int]) -> float:
+    def scaled(self, verify: float, draft: float) -> PartCosts:
+        return PartCosts([w * verify for w in self.verify], [w * draft for w in self.draft])
+
+    def draft_seconds(self, windows: Sequence[int], one_forward: bool) -> float:
         if not any(windows):
             return 0.0
-        forwards = 1 if self.one_forward_drafts else max(windows)
+        forwards = 1 if one_forward else max(windows)
         drafting = sum(1 for w in windows if w)  # each also feeds the drafter its pending token(s) first
         per_forward, per_token = self.draft
         return per_forward * forwards + per_token * (sum(windows) + drafting)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The cost model as of one decision (the fits solved once)."""
+
+    alone: PartCosts  # a part with the machine to itself (plain steps, SD's halves)
+    together: PartCosts  # both parts at once (on one CPU they share its cores)
+    overhead: float  # seconds per step beyond its slower part
+    one_forward_drafts: bool  # PARD: a window takes one forward
 
 
 def _seeded_sampling(request: Request) -> bool:
     return request.params.seed is not None and request.params.temperature > 0
 
 
+Candidates = Mapping[Shape, tuple[Sequence[Request], Sequence[int]]]
+
+
 class SpeculationController:
-    """Chooses each drafted request's k for one pipeline (see the module docstring).
+    """Chooses each step's shape and each drafted request's k (see the module docstring).
 
-    `overlapped`: drafting runs beside verification (PEARL, MineDraft), so a step costs its slower part;
-    otherwise (SD) a speculative round costs a draft step and a verify step."""
+    `shapes`: the speculative shapes the mode allows, its own (fixed) shape first; PLAIN is always allowed."""
 
-    def __init__(self, max_k: int, overlapped: bool, one_forward_drafts: bool) -> None:
+    def __init__(self, max_k: int, shapes: Sequence[Shape], one_forward_drafts: bool) -> None:
         self.max_k = max_k
-        self.overlapped = overlapped
+        self.shapes = tuple(shapes)
         self.acceptance = Acceptance(max_k)
-        # verify: a + c x requests + b x tokens (a request costs its attention over its context and its
-        # bookkeeping whatever its window); draft: c x forwards + d x tokens.
-        self._verify, self._draft = _Fit(3), _Fit(2)
+        # Per part, and whether the other part ran beside it: verify a + c x requests + b x tokens (a request
+        # costs its attention over its context and its bookkeeping whatever its window); draft c x forwards + d x
+        # tokens.
+        self._verify = {False: _Fit(3), True: _Fit(3)}
+        self._draft = {False: _Fit(2), True: _Fit(2)}
+        # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
+        self._slowdown = {"verify": _Ratio(3), "draft": _Ratio(2)}
         self._overhead_sums = (0.0, 0.0)  # decayed sum of the samples, decayed count
         self._one_forward = one_forward_drafts
         self._last_end: float | None = None
-        self.last_k: list[int] = []  # the windows of the last decision
+        self._last_tried: dict[tuple[Shape, int], int] = {}  # (shape, k) -> the decision that last took it
+        self._probe_every = _PROBE_EVERY
+        self._since_probe = 0
+        self._best_at_probe: Shape | None = None
+        self.last: Decision | None = None
+        self.last_rates: dict[str, float] = {}  # the predicted tokens/second of each option at the last decision
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
-        # decisions, and decisions that drafted nothing (plain decoding).
+        # decisions by shape, decisions, and decisions that drafted nothing (plain decoding).
         self.windows: Counter[int] = Counter()
+        self.chosen: Counter[Shape] = Counter()
         self.num_decisions = 0
         self.num_plain = 0
+
+    @property
+    def last_k(self) -> list[int]:
+        return self.last.windows if self.last else []
 
     def observe(self, result: StepResult) -> None:
         """Learn from one step's results: acceptance per position, and what its parts cost."""
@@ -171,54 +248,122 @@ class SpeculationController:
         for verified in result.verified:
             if verified.num_draft_tokens:
                 self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
+        together = result.draft_seconds > 0 and result.verify_seconds > 0
         # Only decoding steps teach the fits: a step that prefilled a prompt costs what attention over a whole
         # prompt costs, not what the next window will (prompts would pull the per-token cost their way).
         window = 2 * (self.max_k + 1)  # the most tokens a decoding request feeds a model in one step
         decoding_verify = 0 < result.verify_tokens <= window * len(result.verified)
         if decoding_verify and result.verify_seconds > 0:
-            self._verify.add((1.0, len(result.verified), result.verify_tokens), result.verify_seconds)
+            x = (1.0, len(result.verified), result.verify_tokens)
+            self._learn("verify", self._verify, together, x, result.verify_seconds)
         decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
-            self._draft.add((result.draft_forwards, result.draft_tokens), result.draft_seconds)
+            self._learn("draft", self._draft, together, (result.draft_forwards, result.draft_tokens),
+                        result.draft_seconds)
         now, last = time.perf_counter(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
         if last is not None and slower > 0:
             # Capped, so that time the engine sat idle between requests does not count as overhead.
-            between = min(now - last, 2 * max(result.step_seconds, slower))
-            self._overhead_sums = (self._overhead_sums[0] * _DECAY + max(0.0, between - slower),
-                                   self._overhead_sums[1] * _DECAY + 1)
+            parts = result.draft_seconds + result.verify_seconds if not together else slower
+            between = min(now - last, 2 * max(result.step_seconds, parts))
+            self._overhead_sums = (self._overhead_sums[0] * _DECAY + max(0.0, between - parts),
+                                   self._overhead_sums[1] * _DECAY + 1)  # fmt: skip
+
+    def _learn(self, part: str, fits: dict[bool, _Fit], together: bool, x: Sequence[float], seconds: float) -> None:
+        fits[together].add(x, seconds)
+        if together:
+            self._slowdown[part].add(x, seconds)
+
+    def _trusted(self, part: str, together: bool) -> bool:
+        """Whether a part's cost is known well enough: alone, its fit; beside the other, the slowdown over the
+        fit alone (or, where the part never runs alone, as in PEARL's drafting, its own fit)."""
+        fits = self._verify if part == "verify" else self._draft
+        return fits[together].count >= _WARMUP_STEPS and (not together or self._slowdown[part].count >= _WARMUP_STEPS)
+
+    def _alone_known(self, part: str) -> bool:
+        return (self._verify if part == "verify" else self._draft)[False].count >= _WARMUP_STEPS
+
+    def _warm(self, shape: Shape) -> bool:
+        """Whether the costs a shape's rate needs have been seen often enough to be trusted."""
+        if shape is Shape.PLAIN:
+            return self._trusted("verify", False)
+        together = shape is Shape.OVERLAP
+        return self._trusted("verify", together) and self._trusted("draft", together)
 
     @property
     def warmed_up(self) -> bool:
-        return self._verify.count >= _WARMUP_STEPS and self._draft.count >= _WARMUP_STEPS
+        return self._warm(self.shapes[0])
 
-    def choose(self, requests: Sequence[Request], caps: Sequence[int], others: int = 0) -> list[int]:
-        """Draft tokens for each of `requests` (at most its cap); all zero: this step is plain decoding.
-
-        `others`: requests running in the other batch (MineDraft), which a plain step would decode too."""
-        decision = self.num_decisions + 1
-        if not self.warmed_up:
-            windows = list(caps)
-        elif decision % _PROBE_EVERY == 0:
-            windows = [min(self._probe_k(decision), cap) for cap in caps]
+    def decide(self, candidates: Candidates, everyone: int) -> Decision:
+        """The next step's shape and windows. `candidates`: for each speculative shape possible now, the requests
+        it would draft and each one's cap; `everyone`: the requests a plain step would decode."""
+        shapes = [s for s in self.shapes if s in candidates]
+        seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
+        if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
+            shapes = shapes[:1]
+        options = [(s, k) for s in shapes for k in (self.max_k,)] + ([] if seeded else [(Shape.PLAIN, 0)])
+        # Warm-up: the shapes run alone first, since the cost of a part beside the other is measured against it.
+        order = (Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP)
+        cold = sorted(((s, k) for s, k in options if not self._warm(s)), key=lambda o: order.index(o[0]))
+        if cold:
+            decision = self._fixed(cold[0], candidates)  # warm-up: each shape as it is, until its fits have data
         else:
-            costs = self._costs()
-            survival = self._survival(requests)
-            best, rate = self._best_k(costs, survival, caps, others)
-            windows = self._trim(costs, [min(best, cap) for cap in caps], survival, rate) if best else [0] * len(caps)
-        # A seed asks for the same text on every run; a sampled token depends on where its window starts,
-        # and windows chosen from timings differ between runs: seeded sampling keeps the fixed k.
-        windows = [cap if _seeded_sampling(r) else w for r, w, cap in zip(requests, windows, caps)]
-        self.last_k = windows
-        self.windows.update(windows)
-        self.num_decisions += 1
-        self.num_plain += not any(windows)
-        return windows
+            decision = self._best(candidates, shapes, everyone, allow_plain=not seeded)
+            self._since_probe += 1
+            if self._since_probe >= self._probe_every:
+                decision = self._probe(decision, options, candidates)
+        if seeded:
+            requests, caps = candidates[decision.shape]
+            decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
+                                                  for r, w, cap in zip(requests, decision.windows, caps)])
+        return self._record(decision, everyone)
 
-    def _probe_k(self, decision: int) -> int:
-        """The most, or nothing, in turn."""
-        return self.max_k if decision % (2 * _PROBE_EVERY) else 0
+    def _fixed(self, option: tuple[Shape, int], candidates: Candidates) -> Decision:
+        shape, k = option
+        if shape is Shape.PLAIN:
+            return Decision(Shape.PLAIN, [])
+        return Decision(shape, [min(k, cap) for cap in candidates[shape][1]])
+
+    def _best(self, candidates: Candidates, shapes: list[Shape], everyone: int, allow_plain: bool) -> Decision:
+        costs = self._costs()
+        plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead
+        rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)} if allow_plain else {}
+        best = Decision(Shape.PLAIN, []) if allow_plain else None
+        best_rate = rates.get(Shape.PLAIN.value, -1.0)
+        for shape in shapes:
+            requests, caps = candidates[shape]
+            survival = self._survival(requests)
+            k, rate = self._best_k(costs, shape, survival, caps)
+            rates[shape.value] = rate
+            windows = self._trim(costs, shape, [min(k, cap) for cap in caps], survival, rate)
+            if rate > best_rate and any(windows):  # windows trimmed to nothing: a plain step
+                best, best_rate = Decision(shape, windows), rate
+        self.last_rates = rates
+        return best or Decision(shapes[0], [0] * len(candidates[shapes[0]][1]))
+
+    def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates) -> Decision:
+        """Now and then the option tried longest ago instead of the best: the fits stay anchored at each end of
+        what they predict (a fit fed only what it chose extrapolates badly, and would stay where it is). Probes
+        grow rarer while they do not change the choice."""
+        self._since_probe = 0
+        steady = best.shape is self._best_at_probe
+        self._probe_every = min(_PROBE_MAX, 2 * self._probe_every) if steady else _PROBE_EVERY
+        self._best_at_probe = best.shape
+        chosen = (best.shape, max(best.windows, default=0))
+        others = [o for o in options if o != chosen]
+        if not others:
+            return best
+        return self._fixed(min(others, key=lambda o: self._last_tried.get(o, -1)), candidates)
+
+    def _record(self, decision: Decision, everyone: int) -> Decision:
+        self.last = decision
+        self.windows.update(decision.windows if decision.shape is not Shape.PLAIN else [0] * everyone)
+        self.chosen[decision.shape] += 1
+        self.num_decisions += 1
+        self.num_plain += not any(decision.windows)
+        self._last_tried[(decision.shape, max(decision.windows, default=0))] = self.num_decisions
+        return decision
 
     def _survival(self, requests: Sequence[Request]) -> list[list[float]]:
         """For each request, the chance that each of its first max_k draft tokens is accepted."""
@@ -236,42 +381,74 @@ class SpeculationController:
 
     def _costs(self) -> Costs:
         total, count = self._overhead_sums
-        return Costs(self._verify.weights(), self._draft.weights(), total / count if count else 0.0,
-                     self._one_forward)  # fmt: skip
+        alone = PartCosts(self._verify[False].weights(), self._draft[False].weights())
+        fitted = PartCosts(self._verify[True].weights(), self._draft[True].weights())
+        ratio = self._slowdowns(alone)
+        scaled = alone.scaled(ratio["verify"], ratio["draft"])
+        together = PartCosts(scaled.verify if self._alone_known("verify") else fitted.verify,
+                             scaled.draft if self._alone_known("draft") else fitted.draft)  # fmt: skip
+        return Costs(alone, together, total / count if count else 0.0, self._one_forward)
 
-    def _rate(self, costs: Costs, windows: list[int], survival: list[list[float]], others: int) -> float:
-        """Expected tokens per second of a step shape with these windows (all zero: plain decoding)."""
+    def _slowdowns(self, alone: PartCosts) -> dict[str, float]:
+        return {"verify": self._slowdown["verify"].value(alone.verify),
+                "draft": self._slowdown["draft"].value(alone.draft)}
+
+    def _rate(self, costs: Costs, shape: Shape, windows: list[int], survival: list[list[float]]) -> float:
+        """Expected tokens per second of a speculative step of `shape` with these windows."""
         count = len(windows)
-        if not any(windows):
-            everyone = count + others
-            return everyone / max(1e-9, costs.verify_seconds(everyone, everyone) + costs.overhead)
         tokens = count + sum(sum(s[:k]) for s, k in zip(survival, windows))
-        verify = costs.verify_seconds(count, count + sum(windows))
-        draft = costs.draft_seconds(windows)
-        seconds = max(draft, verify) + costs.overhead if self.overlapped else draft + verify + 2 * costs.overhead
+        if shape is Shape.OVERLAP:  # in steady state the batch verified beside this one looks like it
+            part = costs.together
+            verify = part.verify_seconds(count, count + sum(windows))
+            seconds = max(part.draft_seconds(windows, costs.one_forward_drafts), verify) + costs.overhead
+        else:
+            part = costs.alone
+            verify = part.verify_seconds(count, count + sum(windows))
+            seconds = part.draft_seconds(windows, costs.one_forward_drafts) + verify + 2 * costs.overhead
         return tokens / max(1e-9, seconds)
 
-    def _best_k(self, costs: Costs, survival: list[list[float]], caps: Sequence[int],
-                others: int) -> tuple[int, float]:
-        """The uniform k (capped per request) with the most expected tokens per second, and that rate."""
-        rates = [(self._rate(costs, [min(k, cap) for cap in caps], survival, others), -k)
-                 for k in range(self.max_k + 1)]
+    def _best_k(self, costs: Costs, shape: Shape, survival: list[list[float]],
+                caps: Sequence[int]) -> tuple[int, float]:
+        """The uniform k >= 1 (capped per request) with the most expected tokens per second, and that rate."""
+        rates = [(self._rate(costs, shape, [min(k, cap) for cap in caps], survival), -k)
+                 for k in range(1, self.max_k + 1)]  # fmt: skip
         rate, neg_k = max(rates)
         return -neg_k, rate
 
-    def _trim(self, costs: Costs, windows: list[int], survival: list[list[float]], rate: float) -> list[int]:
+    def _trim(self, costs: Costs, shape: Shape, windows: list[int], survival: list[list[float]],
+              rate: float) -> list[int]:
         """Shorten each window while its last token is expected to bring less than its cost at `rate`
         (dropping a token worth s that costs c seconds raises tokens/second exactly when s < rate x c)."""
-        draft_per_token, verify_per_token = costs.draft[1], costs.verify[2]
-        if self.overlapped:  # the slower part is what an extra token lengthens
-            slower_is_draft = costs.draft_seconds(windows) >= costs.verify_seconds(len(windows),
-                                                                                len(windows) + sum(windows))
-            per_token = draft_per_token if slower_is_draft else verify_per_token
+        if shape is Shape.OVERLAP:  # the slower part is what an extra token lengthens
+            part = costs.together
+            draft = part.draft_seconds(windows, costs.one_forward_drafts)
+            slower_is_draft = draft >= part.verify_seconds(len(windows), len(windows) + sum(windows))
+            per_token = part.draft[1] if slower_is_draft else part.verify[2]
         else:
-            per_token = draft_per_token + verify_per_token
+            per_token = costs.alone.draft[1] + costs.alone.verify[2]
         trimmed = []
         for window, chances in zip(windows, survival):
             while window and chances[window - 1] < rate * per_token:
                 window -= 1
             trimmed.append(window)
         return trimmed
+
+    def describe(self) -> dict:
+        """What the controller measured and chose, for operators (GetServerInfo, the debug route)."""
+        costs = self._costs()
+        return {
+            "shapes_allowed": [s.value for s in self.shapes] + [Shape.PLAIN.value],
+            "last_shape": self.last.shape.value if self.last else None,
+            "last_windows": self.last_k,
+            "predicted_tokens_per_second": {k: round(v, 1) for k, v in self.last_rates.items()},
+            "decisions_by_shape": {s.value: n for s, n in self.chosen.items()},
+            "acceptance_by_position": [round(r, 4) for r in self.acceptance.conditional()],
+            "cost_model_seconds": {
+                "verify_alone": costs.alone.verify, "draft_alone": costs.alone.draft,
+                "verify_together": costs.together.verify, "draft_together": costs.together.draft,
+                "overhead": costs.overhead,
+            },
+            "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
+            "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
+            "probe_every": self._probe_every,
+        }

@@ -11,10 +11,11 @@ chunks in the same step); until then it sits in its batch but is neither drafted
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import replace
 
 from minedraft.config import EngineConfig, Mode, SpeculativeConfig
-from minedraft.engine.adaptive import SpeculationController
+from minedraft.engine.adaptive import Shape, SpeculationController
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
 from minedraft.engine.request import Request
@@ -28,8 +29,8 @@ class Pipeline(ABC):
     # Whether the next step can be planned before the last one's results are applied (see
     # `LLMEngine.submit_step`): true where a schedule needs only what it planned itself.
     plans_ahead = True
-    # Whether drafting runs beside verification, so that a step costs its slower part (adaptive k's model).
-    overlapped = False
+    # The speculative step shapes the mode allows, its own (the fixed one) first (adaptive.py).
+    shapes: tuple[Shape, ...] = ()
 
     def __init__(self, config: EngineConfig) -> None:
         self.spec: SpeculativeConfig | None = config.speculative_config
@@ -37,11 +38,11 @@ class Pipeline(ABC):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
         self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
+        self.steps_by_shape: Counter[Shape] = Counter()  # planned steps, for the metrics
         spec = self.spec
         self.controller = (
-            SpeculationController(spec.num_speculative_tokens, overlapped=self.overlapped,
-                                  one_forward_drafts=spec.parallel_drafting)
-            if spec is not None and spec.adaptive else None
+            SpeculationController(spec.num_speculative_tokens, self.shapes, one_forward_drafts=spec.parallel_drafting)
+            if spec is not None and spec.adaptive and self.shapes else None
         )  # fmt: skip
 
     @property
@@ -100,26 +101,26 @@ class Pipeline(ABC):
             new_draft = replace(draft, tasks=draft_tasks, prefill=chunks) if draft else DraftPlan([], prefill=chunks)
         return new_draft, VerifyPlan(verify_tasks, prefill=chunks) if verify_tasks or chunks else None
 
-    def _draft_plan(self, requests: list[Request], continuing: frozenset[str] = frozenset(),
-                    others: int = 0) -> DraftPlan | None:
-        """Draft k tokens per request (k + e and a capacity when Tetris is on for this batch size); with
-        adaptive speculation each request's k is the controller's (`others`: requests of the other batch).
+    def _tetris(self, requests: list[Request]) -> bool:
+        return bool(self.spec and self.spec.tetris and len(requests) >= self.spec.tetris_turn_on_batch_size)
 
-        Requests in `continuing` draft on after the window the verifier holds for them (PEARL).
-        """
-        if not requests or self.spec is None:
-            return None
+    def _caps(self, requests: list[Request], continuing: frozenset[str] = frozenset()) -> list[int]:
+        """The most each request may draft: k (k + e with Tetris), less what would run past its last token (each
+        verification adds one token of its own, and a PEARL continuation follows the window held for it)."""
         spec = self.spec
-        tetris = spec.tetris and len(requests) >= spec.tetris_turn_on_batch_size
-        k = spec.max_draft_len if tetris else spec.num_speculative_tokens
-        # Drafts past the request's last token are wasted: each verification adds one token of its own.
+        k = 0 if spec is None else spec.max_draft_len if self._tetris(requests) else spec.num_speculative_tokens
         carried = [(r.pending_drafts or 0) if r.request_id in continuing else 0 for r in requests]
-        caps = [max(0, min(k, r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
-        if self.controller is not None and not tetris:
-            caps = self.controller.choose(requests, caps, others)
-        tasks = [DraftTask(r.request_id, n, r.request_id in continuing) for r, n in zip(requests, caps)]
-        capacity = (spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs) if tetris else None
-        return DraftPlan(tasks, tetris_capacity=capacity)
+        return [max(0, min(k, r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
+
+    def _draft_plan(self, requests: list[Request], windows: list[int],
+                    continuing: frozenset[str] = frozenset()) -> DraftPlan:
+        """Draft `windows` tokens per request, Tetris choosing what to keep when it is on for this batch size.
+        Requests in `continuing` draft on after the window the verifier holds for them (PEARL)."""
+        tasks = [DraftTask(r.request_id, n, r.request_id in continuing) for r, n in zip(requests, windows)]
+        if not self._tetris(requests):
+            return DraftPlan(tasks)
+        spec = self.spec
+        return DraftPlan(tasks, tetris_capacity=spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs)
 
 
 class AutoregressivePipeline(Pipeline):
@@ -128,54 +129,80 @@ class AutoregressivePipeline(Pipeline):
     def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
+        if batch:
+            self.steps_by_shape[Shape.PLAIN] += 1
         return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in batch]) if batch else None
 
 
 class TwoBatchPipeline(Pipeline):
     """MineDraft: draft batch X while batch Y is verified, then swap roles.
 
-    With one batch (standard SD) the same schedule alternates draft-only and verify-only steps; when
-    one of MineDraft's batches is empty it degrades to exactly that.
+    Every step verifies the requests whose windows the verifier holds (drafted the step before: `pending`) and
+    drafts some of the others (`fresh`), by the step's shape:
+    - overlap: the fresh requests of one batch, beside the verification of the other (MineDraft);
+    - sd: every fresh request (one batch); the step after verifies them all alone. While windows are pending
+      it only verifies them, so the one-batch rhythm starts with every request fresh;
+    - plain: nothing is drafted; every running request is decoded, its pending window verified with it.
+    Fixed speculation runs the mode's own shape; adaptive speculation chooses each step's (adaptive.py). When
+    one batch is empty, overlap degrades to one-batch steps on the other.
     """
 
     num_batches = 2
-    overlapped = True
+    shapes = (Shape.OVERLAP, Shape.SPECULATE)
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._step = 0
+        self._x = 0  # the batch drafted next in the overlapped shape
+        self._shape = self.shapes[0]  # the last step's
 
     def _schedule(self) -> Schedule:
-        x = self._step % 2
-        if self.num_batches == 1 and x == 1:  # SD's verify half-step
-            self._step += 1
-            return [], None, self._verify_drafted(self.batches.batches[0])
         # Requests join the smaller batch, the one drafted next on a tie. (Always "the one drafted next" would
         # let the batches drift apart when steps are planned ahead: a request that ends in the step in flight
         # is replaced while the *other* batch is planned, and synchronised streams would pile into one batch.)
-        admitted = self.batches.admit_balanced(prefer=x) if self.num_batches == 2 else self.batches.admit_into(x)
-        to_draft = self.batches.batches[x]
-        to_verify = self.batches.batches[1 - x] if self.num_batches == 2 else []
-        draft = self._draft_plan(to_draft, others=len(to_verify))
-        if self.controller is not None and draft is not None and not any(t.num_tokens for t in draft.tasks):
-            # Speculation does not pay now: one plain step over every running request (the windows held for
-            # the other batch are verified with it), and the same batch is drafted next time.
-            return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in to_draft + to_verify])
-        self._step += 1
-        return admitted, draft, self._verify_drafted(to_verify)
+        admitted = self.batches.admit_balanced(prefer=self._x) if self.num_batches == 2 else self.batches.admit_into(0)
+        everyone = [r for batch in self.batches.batches for r in batch]
+        pending = [r for r in everyone if r.request_id in self.drafted]
+        fresh = [r for r in everyone if r.request_id not in self.drafted]
+        shape, windows, drafting = self._decide(fresh, everyone) if fresh else (self._shape, [], [])
+        self._shape = shape
+        if everyone:
+            self.steps_by_shape[shape] += 1
+        if shape is Shape.PLAIN:
+            return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in everyone])
+        if not drafting or shape is Shape.SPECULATE and pending:
+            # One-batch steps: the verification half; or its start waits for the windows still held.
+            return admitted, None, self._verify(pending)
+        if shape is Shape.OVERLAP and drafting[0].batch == self._x:
+            self._x = 1 - self._x
+        return admitted, self._draft_plan(drafting, windows), self._verify(pending)
 
-    def _verify_drafted(self, batch: list[Request]) -> VerifyPlan | None:
-        """Verify the requests of `batch` that the previous step drafted (planned, not yet necessarily run:
-        the step protocol keeps the workers' order, so their windows are there when this step runs)."""
-        ready = [VerifyTask(r.request_id) for r in batch if r.request_id in self.drafted]
-        return VerifyPlan(ready) if ready else None
+    def _decide(self, fresh: list[Request], everyone: list[Request]) -> tuple[Shape, list[int], list[Request]]:
+        """The step's shape, the requests it drafts and their windows."""
+        own = [r for r in fresh if r.batch == self._x] or fresh
+        candidates = {Shape.OVERLAP: own, Shape.SPECULATE: fresh}
+        if self.controller is None or self._tetris(candidates[self.shapes[0]]):  # Tetris: its fixed shape, k + e
+            shape = self.shapes[0]
+            requests = candidates[shape]
+            windows = self._caps(requests)
+        else:
+            decision = self.controller.decide({s: (candidates[s], self._caps(candidates[s])) for s in self.shapes},
+                                              everyone=len(everyone))  # fmt: skip
+            shape, windows = decision.shape, decision.windows
+            requests = candidates.get(shape, [])
+        return (shape, windows, requests) if any(windows) else (Shape.PLAIN, [], [])
+
+    @staticmethod
+    def _verify(pending: list[Request]) -> VerifyPlan | None:
+        """Verify the windows the previous step drafted (planned, not yet necessarily run: the step protocol
+        keeps the workers' order, so their windows are there when this step runs)."""
+        return VerifyPlan([VerifyTask(r.request_id) for r in pending]) if pending else None
 
 
 class SequentialPipeline(TwoBatchPipeline):
     """Standard speculative decoding: draft the batch, then verify it."""
 
     num_batches = 1
-    overlapped = False
+    shapes = (Shape.SPECULATE,)
 
 
 class PearlPipeline(Pipeline):
@@ -186,13 +213,20 @@ class PearlPipeline(Pipeline):
     results before planning the next."""
 
     plans_ahead = False
-    overlapped = True
+    shapes = (Shape.OVERLAP,)
 
     def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
         verifying = [r for r in batch if r.pending_drafts is not None]
-        draft = self._draft_plan(batch, continuing=frozenset(r.request_id for r in verifying))
+        continuing = frozenset(r.request_id for r in verifying)
+        windows = self._caps(batch, continuing)
+        if self.controller is not None and not self._tetris(batch):
+            decision = self.controller.decide({Shape.OVERLAP: (batch, windows)}, everyone=len(batch))
+            windows = decision.windows or [0] * len(batch)
+        if batch:
+            self.steps_by_shape[Shape.OVERLAP if any(windows) else Shape.PLAIN] += 1
+        draft = self._draft_plan(batch, windows, continuing) if batch and self.spec else None
         continued = {t.request_id for t in draft.tasks if t.continue_window and t.num_tokens > 0} if draft else set()
         verify = [VerifyTask(r.request_id, keep_bonus=r.request_id not in continued) for r in verifying]
         return admitted, draft, VerifyPlan(verify) if verify else None

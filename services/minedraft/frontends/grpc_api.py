@@ -68,6 +68,7 @@ class MineDraftServicer:
             enable_prefix_caching=self.config.enable_prefix_caching,
             quantization=checkpoint_quantization(self.config.target_path),
             draft_quantization=checkpoint_quantization(self.config.draft_path) if spec else "",
+            speculation_json=json.dumps(engine.speculation) if engine.speculation else "",
         )
 
 

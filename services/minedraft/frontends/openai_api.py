@@ -434,6 +434,7 @@ class OpenAIFrontend:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/debug/speculation", self.speculation, methods=["GET"], dependencies=auth)
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         if self.registry is not None:  # a route, not a mounted app: /metrics answers itself, no redirect
@@ -473,6 +474,10 @@ class OpenAIFrontend:
 
     async def version(self) -> dict:
         return {"version": __version__}
+
+    async def speculation(self) -> dict:
+        """Why the server speculates as it does: GetServerInfo's speculation_json (null when fixed or off)."""
+        return {"speculation": self.generator.check_ready().speculation}
 
     def _check_model_name(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

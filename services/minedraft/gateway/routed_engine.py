@@ -32,6 +32,7 @@ class RoutedEngine:
     """An `engine_client.EngineClient` over the engine groups; `info` is a group's ServerInfo."""
 
     failed: str | None = None  # a request waits for a serving group (up to --placement-timeout), as on gRPC
+    speculation: dict | None = None  # each group's own: ask its scheduler
 
     def __init__(self, router: Router, tokenizer: Tokenizer, info: generate_pb2.ServerInfo) -> None:
         self.router = router

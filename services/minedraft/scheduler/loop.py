@@ -102,6 +102,8 @@ class EngineLoop:
         self._was_busy = False  # requests were running when the last step ended (its successor's wait counts)
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
         self._limit_logged_at = 0.0
+        self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
+        self._speculation_at = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -234,7 +236,8 @@ class EngineLoop:
         self._record_load()
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
-            self.metrics.record_choices(engine.pipeline.controller)
+            self.metrics.record_choices(engine.pipeline)
+        self._note_speculation()
         was_busy, self._was_busy = self._was_busy, engine.has_unfinished()
         outbox = []
         for request in touched:
@@ -244,6 +247,16 @@ class EngineLoop:
                 outbox.append((sink, item))
         send_all(outbox)
         self._log_stats(sum(len(item.token_ids) for _, item in outbox if isinstance(item, StreamItem)), was_busy)
+
+    def _note_speculation(self) -> None:
+        """A snapshot of the controller for the frontends' threads, at most once a second (it solves the fits)."""
+        now = time.monotonic()
+        pipeline = self.engine.pipeline
+        if pipeline.controller is None or now - self._speculation_at < 1.0:
+            return
+        self._speculation_at = now
+        self.speculation = {**pipeline.controller.describe(),
+                            "steps_by_shape": {s.value: n for s, n in pipeline.steps_by_shape.items()}}
 
     def _log_stats(self, generated_tokens: int, was_busy: bool) -> None:
         self.stats_log.record(self.engine.last_step, generated_tokens, was_busy)

@@ -12,6 +12,7 @@ import time
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.local_executor import target_options
+from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
@@ -23,7 +24,7 @@ log = logging.getLogger("minedraft.verifier")
 
 
 class VerifierNode:
-    def __init__(self, config: EngineConfig, dist: DistributedConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, dist: DistributedConfig, rank: int, threads_beside: int = 0) -> None:
         self.config = config
         self.dist = dist
         self.rank = rank
@@ -47,6 +48,7 @@ class VerifierNode:
             **target_options(config),
         )
         self.worker = VerifyWorker(self.runner)
+        self.threads = StepThreads(self.device, threads_beside)
         self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None
         self.epoch: int | None = None
 
@@ -116,6 +118,7 @@ class VerifierNode:
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id)
         if verify is not None:
+            self.threads.use(together=draft is not None and self._has_drafter)
             start = time.perf_counter()
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None

@@ -14,10 +14,11 @@ from minedraft.verifier.node import VerifierNode
 log = logging.getLogger("minedraft.verifier")
 
 
-def _follower_main(config_json: str, dist_json: str, rank: int) -> None:
+def _follower_main(config_json: str, dist_json: str, rank: int, threads_beside: int) -> None:
     die_with_parent()  # a SIGKILLed rank 0 must not leave its followers behind
     node = VerifierNode(
-        EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank
+        EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank,
+        threads_beside,
     )
     try:
         node.follow()
@@ -31,7 +32,7 @@ def serve_verifier(
     followers = [
         mp.get_context("spawn").Process(
             target=_follower_main,
-            args=(config.model_dump_json(), dist.model_dump_json(), rank),
+            args=(config.model_dump_json(), dist.model_dump_json(), rank, settings.cpu_threads_beside),
             name=f"verifier-rank-{rank}",
             daemon=True,
         )
@@ -42,7 +43,7 @@ def serve_verifier(
     holder: dict = {}
 
     def load() -> VerifierNode:
-        holder["node"] = VerifierNode(config, dist, rank=0)
+        holder["node"] = VerifierNode(config, dist, rank=0, threads_beside=settings.cpu_threads_beside)
         return holder["node"]
 
     servicer = NodeServicer()

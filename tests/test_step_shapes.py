@@ -1,0 +1,162 @@
+"""The step-shape controller (engine/adaptive.py) as tables: synthetic machines, no models, milliseconds.
+
+Each row is a machine: what a verify part and a draft part cost (seconds per step, per token, per forward),
+how much slower each part runs beside the other (`beside`: 1.0 when the drafter has compute of its own, about
+2 when the two share one CPU's cores) and how often a draft token is accepted. The controller is fed the
+StepResults such a machine would report for what it chose, as the engine feeds it, and must settle on the shape
+that machine makes fastest: the shares asserted leave room for the warm-up and the probes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from test_pipelines import Letters
+
+from minedraft.engine.adaptive import Shape, SpeculationController
+from minedraft.engine.plans import StepResult, Verified
+from minedraft.engine.request import Request
+from minedraft.sampling.params import SamplingParams
+
+K, PER_BATCH = 4, 8
+
+
+@dataclass(frozen=True)
+class Machine:
+    verify_step: float  # seconds per verify part
+    verify_token: float  # seconds per target token
+    draft_forward: float  # seconds per draft forward
+    draft_token: float  # seconds per draft token
+    beside: float  # how much slower each part runs while the other runs too
+    acceptance: float  # chance each draft token is accepted when those before it were
+
+    def verify(self, tokens: int, together: bool) -> float:
+        return (self.verify_step + self.verify_token * tokens) * (self.beside if together else 1.0)
+
+    def draft(self, windows: list[int], together: bool) -> float:
+        tokens = sum(windows) + sum(1 for w in windows if w)
+        return (self.draft_forward * max(windows) + self.draft_token * tokens) * (self.beside if together else 1.0)
+
+
+def _requests(n: int, seed: int | None = None) -> list[Request]:
+    params = SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=10_000)
+    return [Request.create(str(i), [1, 2], params, seed=0, max_model_len=100_000, eos_token_ids=frozenset(),
+                           tokenizer=Letters()) for i in range(n)]  # fmt: skip
+
+
+def _verified(requests: list[Request], windows: list[int], machine: Machine, rng: random.Random) -> list[Verified]:
+    out = []
+    for request, window in zip(requests, windows):
+        accepted = 0
+        while accepted < window and rng.random() < machine.acceptance:
+            accepted += 1
+        request.stats.record(window, accepted)
+        request.num_rejections += accepted < window
+        out.append(Verified(request.request_id, [3] * (accepted + 1), window, accepted))
+    return out
+
+
+def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: list[int], everyone: list[Request],
+           rng: random.Random) -> list[StepResult]:
+    """What the machine reports for one decision: one step, or a one-batch step's two halves."""
+    n = len(everyone)
+    if shape is Shape.PLAIN:
+        return [StepResult(verified=_verified(everyone, [0] * n, machine, rng), verify_tokens=n,
+                           verify_seconds=machine.verify(n, together=False))]  # fmt: skip
+    tokens = len(windows) + sum(windows)
+    drafted = {r.request_id: w for r, w in zip(drafting, windows)}
+    if shape is Shape.SPECULATE:
+        draft = StepResult(drafted=drafted, draft_forwards=max(windows), draft_tokens=tokens,
+                           draft_seconds=machine.draft(windows, together=False))  # fmt: skip
+        verify = StepResult(verified=_verified(drafting, windows, machine, rng), verify_tokens=tokens,
+                            verify_seconds=machine.verify(tokens, together=False))  # fmt: skip
+        return [draft, verify]
+    # Overlap: this batch drafts while the other, drafted alike the step before, is verified.
+    return [StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, verify_tokens=tokens,
+                       verify_seconds=machine.verify(tokens, together=True), draft_forwards=max(windows),
+                       draft_tokens=tokens, draft_seconds=machine.draft(windows, together=True))]  # fmt: skip
+
+
+def _settle(machine: Machine, shapes: tuple[Shape, ...], decisions: int = 400,
+            seed: int | None = None) -> tuple[SpeculationController, dict[Shape, float]]:
+    """Run the controller against the machine; the share of each shape over the second half of the decisions."""
+    controller = SpeculationController(K, shapes, one_forward_drafts=False)
+    everyone = _requests(2 * PER_BATCH, seed)
+    batches = [everyone[:PER_BATCH], everyone[PER_BATCH:]]
+    rng, late = random.Random(0), []
+    for step in range(decisions):
+        own = batches[step % 2] if Shape.OVERLAP in shapes else everyone
+        candidates = {Shape.OVERLAP: (own, [K] * len(own)), Shape.SPECULATE: (everyone, [K] * len(everyone))}
+        decision = controller.decide({s: candidates[s] for s in shapes}, everyone=len(everyone))
+        drafting = candidates[decision.shape][0] if decision.shape is not Shape.PLAIN else []
+        for result in _steps(machine, decision.shape, drafting, decision.windows, everyone, rng):
+            controller.observe(result)
+        if step >= decisions // 2:
+            late.append(decision.shape)
+    return controller, {shape: late.count(shape) / len(late) for shape in Shape}
+
+
+MS = 1e-3
+# Memory-bound target (extra tokens nearly free), a draft a fifth of its cost.
+CHEAP_TOKENS = dict(verify_step=2 * MS, verify_token=0.02 * MS)
+SHARED_CORES = Machine(**CHEAP_TOKENS, draft_forward=0.4 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.8)
+# The drafter on compute of its own, and drafting as costly per token as verifying: overlap hides it.
+OWN_DRAFTER = Machine(**CHEAP_TOKENS, draft_forward=0.2 * MS, draft_token=0.05 * MS, beside=1.0, acceptance=0.8)
+USELESS_DRAFT = Machine(**CHEAP_TOKENS, draft_forward=0.4 * MS, draft_token=0.01 * MS, beside=1.0, acceptance=0.0)
+# A compute-bound target (each token costs a quarter of a step) and mediocre drafts.
+COMPUTE_BOUND = Machine(verify_step=1 * MS, verify_token=0.5 * MS, draft_forward=0.4 * MS, draft_token=0.02 * MS,
+                        beside=1.0, acceptance=0.6)  # fmt: skip
+BOTH = (Shape.OVERLAP, Shape.SPECULATE)
+
+
+@pytest.mark.parametrize(
+    ("machine", "shapes", "expected"),
+    [
+        (SHARED_CORES, BOTH, Shape.SPECULATE),  # overlap is measured not to pay on shared cores
+        (OWN_DRAFTER, BOTH, Shape.OVERLAP),
+        (USELESS_DRAFT, BOTH, Shape.PLAIN),
+        (USELESS_DRAFT, (Shape.SPECULATE,), Shape.PLAIN),
+        (COMPUTE_BOUND, BOTH, Shape.PLAIN),
+        (SHARED_CORES, (Shape.SPECULATE,), Shape.SPECULATE),
+        (OWN_DRAFTER, (Shape.OVERLAP,), Shape.OVERLAP),  # PEARL's shape
+    ],
+    ids=["shared-cores-sd", "own-drafter-overlap", "useless-plain", "useless-plain-sd-mode", "compute-bound-plain",
+         "sd-mode-sd", "pearl-overlap"],
+)
+def test_the_shape_the_machine_makes_fastest_is_chosen(machine: Machine, shapes, expected: Shape) -> None:
+    controller, share = _settle(machine, shapes)
+    assert share[expected] >= 0.85, (share, controller.describe())
+
+
+def test_one_batch_steps_draft_the_most_when_tokens_are_nearly_free() -> None:
+    good_drafts = Machine(**CHEAP_TOKENS, draft_forward=0.1 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.95)
+    controller, share = _settle(good_drafts, BOTH)
+    assert share[Shape.SPECULATE] >= 0.85, share
+    drafted = sum(n for k, n in controller.windows.items() if k)
+    assert controller.windows[K] >= 0.8 * drafted, controller.windows
+
+
+def test_probes_grow_rare_while_they_change_nothing() -> None:
+    controller, _ = _settle(USELESS_DRAFT, BOTH, decisions=800)
+    assert controller.describe()["probe_every"] == 128
+
+
+def test_seeded_sampling_keeps_the_modes_own_shape_and_k() -> None:
+    controller, share = _settle(USELESS_DRAFT, BOTH, seed=7)  # plain would be faster: a seed forbids it
+    assert share[Shape.OVERLAP] == 1.0
+    assert set(controller.windows) == {K}
+
+
+def test_operators_see_the_choice_and_the_costs_behind_it() -> None:
+    controller, _ = _settle(SHARED_CORES, BOTH)
+    state = controller.describe()
+    assert state["last_shape"] in {"sd", "overlap", "plain"}
+    assert set(state["predicted_tokens_per_second"]) == {"plain", "sd", "overlap"}
+    a, per_request, per_token = state["cost_model_seconds"]["verify_alone"]
+    for tokens in (16, 80):  # a plain step and a window of K per request, 16 requests
+        predicted = a + 16 * per_request + tokens * per_token
+        assert predicted == pytest.approx(SHARED_CORES.verify(tokens, together=False), rel=0.05)
+    assert state["slowdown_beside"]["verify"] == pytest.approx(SHARED_CORES.beside, rel=0.05)
+    assert state["acceptance_by_position"][0] == pytest.approx(0.8, abs=0.1)
