@@ -138,9 +138,9 @@ def _rope_write_kv_kernel(
     ok = dims < HEAD_DIM
     src = QKV + token * stride_qkv + head * HEAD_DIM
     slot = tl.load(TokenIndex + token).to(tl.int64)
+    dtype = QOut.dtype.element_ty
+    rolled = (dims + HEAD_DIM // 2) % HEAD_DIM  # x.roll(head_dim // 2) reads x there
     if head < HEADS + KV_HEADS:  # q or k: normed (Qwen3), then rotated
-        dtype = QOut.dtype.element_ty
-        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM  # x.roll(head_dim // 2) reads x there
         x = tl.load(src + dims, mask=ok, other=0.0).to(tl.float32)
         x_rolled = tl.load(src + rolled, mask=ok, other=0.0).to(tl.float32)
         if NORM:  # weight * (x / rms(x)), each product rounded as the unfused ops round it
