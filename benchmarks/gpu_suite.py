@@ -8,7 +8,8 @@
 
 Steps:
   numerics   the bundled target on CUDA (bf16) against the CPU float32 reference: logit error, top-1 agreement
-  triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32)
+  triton     the paged attention kernel, compiled, against the reference attention (bf16 and fp32); the fused
+             layer kernels (norm, rotary + KV write, SiLU-and-mul) against the torch ops they replace
   quant      the FP8 and AWQ Triton GEMMs against the dequantized weight, and their time against bf16 GEMMs
   moe        the grouped expert GEMMs (FP8, AWQ) on Qwen3-235B-A22B's experts at 4-way TP against the experts
              dequantized to bf16 and run one by one: error, and the time of each at 1 to 256 tokens
@@ -17,7 +18,8 @@ Steps:
   bench      the offline benchmark (ar, sd, minedraft, sd+pard, sd+eagle3, minedraft+eagle3), and the services
              (drafter and verifier processes sharing the one GPU) through `minedraft bench --launch`
   floor      one decode step of a Llama-3-8B-shaped model (random bf16 weights, config written here)
-             against the HBM floor: (weight bytes + KV bytes) / measured copy bandwidth
+             against the HBM floor: (weight bytes + KV bytes) / measured copy bandwidth; with the fused
+             layer kernels (the default) and without them, side by side
 """
 
 from __future__ import annotations
@@ -108,8 +110,46 @@ def step_triton(args: argparse.Namespace) -> dict:
         got = paged_attention(q, cache[0], cache[1], paged_meta(starts, lengths, tables, NULL_BLOCK, device),
                               dim**-0.5)  # fmt: skip
         results[str(dtype).removeprefix("torch.")] = round((got.float() - expected).abs().max().item(), 5)
-    passed = results["float32"] < 1e-3 and results["bfloat16"] < 5e-2
-    return {"passed": passed, "device": device.type, "interpreted": _INTERPRETED, "max_abs_error": results}
+    fused = _fused_kernel_errors(torch, device)
+    passed = results["float32"] < 1e-3 and results["bfloat16"] < 5e-2 and max(fused.values()) < 2e-2
+    return {"passed": passed, "device": device.type, "interpreted": _INTERPRETED, "max_abs_error": results,
+            "fused_kernels_max_relative_error": fused}
+
+
+def _fused_kernel_errors(torch, device) -> dict[str, float]:
+    """The fused layer kernels (model/triton_fused.py) in bf16 against the torch ops they replace on the same
+    device, at Llama-3-8B's shapes on a GPU (smaller, interpreted): the largest difference over the largest
+    value (compiled, the kernels round as torch does; the norms' sums differ in order only)."""
+    import torch.nn.functional as F
+
+    from minedraft.model.config import RopeConfig
+    from minedraft.model.layers import RotaryEmbedding, rms_normalize
+    from minedraft.model.triton_fused import add_rms_norm, rope_write_kv, silu_and_mul
+
+    cuda = device.type == "cuda"
+    hidden, size, heads, kv_heads, dim = (4096, 14336, 32, 8, 128) if cuda else (64, 200, 4, 2, 32)
+    tokens, block, dtype = 7, 16, torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    error = lambda got, ref: ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # noqa: E731
+    x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    normed, stream = add_rms_norm(x, residual, weight, 1e-5)
+    expected = x + residual
+    errors = {"add_rms_norm": max(error(stream, expected), error(normed, weight * rms_normalize(expected, 1e-5)))}
+    gate_up = randn(tokens, 2 * size) * 4
+    errors["silu_and_mul"] = error(silu_and_mul(gate_up), F.silu(gate_up[:, :size]) * gate_up[:, size:])
+    rope = RotaryEmbedding(dim, RopeConfig(theta=500000.0), 4096).to(device).table(
+        torch.tensor([0, 5, 17, 100, 1023, 2000, 4095], device=device), dtype)
+    qkv, norm = randn(tokens, (heads + 2 * kv_heads) * dim), (randn(dim), randn(dim), 1e-6)
+    index = torch.tensor([3 * block + 1, 0, 7 * block + 15, block, 2 * block + 2, 5 * block, 9], device=device)
+    caches = [torch.zeros(kv_heads, 10, block, dim, device=device, dtype=dtype) for _ in range(2)]
+    q = rope_write_kv(qkv, rope, index, caches[0], caches[1], heads, kv_heads, norm)
+    qk, v = qkv.view(tokens, -1, dim).split([heads + kv_heads, kv_heads], dim=1)
+    qk = torch.cat((norm[0].expand(heads, -1), norm[1].expand(kv_heads, -1))) * rms_normalize(qk, 1e-6)
+    q_ref, k_ref = RotaryEmbedding.rotate(qk, rope).split([heads, kv_heads], dim=1)
+    stored = lambda cache: cache.view(kv_heads, -1, dim)[:, index].transpose(0, 1)  # noqa: E731
+    errors["rope_write_kv"] = max(error(q, q_ref), error(stored(caches[0]), k_ref), error(stored(caches[1]), v))
+    return {name: round(value, 5) for name, value in errors.items()}
 
 
 def step_quant(args: argparse.Namespace) -> dict:
@@ -341,36 +381,58 @@ def step_bench(args: argparse.Namespace) -> dict:
 
 
 def step_floor(args: argparse.Namespace) -> dict:
+    """The decode step with the fused layer kernels (the default) and without them (fused_kernels="off"),
+    one model at a time on the same GPU, against the HBM floor."""
     import torch
-
-    from minedraft.model.runner import ModelRunner, SeqInput
 
     device = _cuda(args.dry_run)
     context = 1024
+    runs = {fused: _floor_decode_step(torch, device, context, fused) for fused in ("auto", "off")}
+    weights = runs["auto"]["weight_bytes"]
+    kv = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * context * 2
+    bandwidth = _copy_bandwidth(torch, device)
+    floor = (weights + kv) / bandwidth
+    fused, unfused = runs["auto"]["step_s"], runs["off"]["step_s"]
+    return {"passed": True, "decode_step_ms": round(fused * 1e3, 3), "unfused_decode_step_ms": round(unfused * 1e3, 3),
+            "hbm_floor_ms": round(floor * 1e3, 3), "step_over_floor": round(fused / floor, 2),
+            "unfused_step_over_floor": round(unfused / floor, 2), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+            "weight_bytes": weights, "kv_bytes": kv, "attention_kernel": runs["auto"]["attention_kernel"],
+            "fused_kernels": runs["auto"]["fused_kernels"], "cuda_graphs": runs["auto"]["cuda_graphs"],
+            "top_kernels_ms_per_step": runs["auto"]["kernels"],
+            "unfused_top_kernels_ms_per_step": runs["off"]["kernels"]}  # fmt: skip
+
+
+def _floor_decode_step(torch, device, context: int, fused_kernels: str) -> dict:
+    """One runner of the Llama-3-8B shape (random weights): its median decode step after `context` tokens,
+    and its top kernels. The runner is dropped before returning, so the next one has the memory."""
+    import gc
+
+    from minedraft.model.runner import ModelRunner, SeqInput
+
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(LLAMA3_8B))
         shutil.copy(REPO / "models" / "minedraft-target" / "tokenizer.json", folder)  # never used to encode
         runner = ModelRunner(folder, max_seq_len=context + 8, device=str(device), dtype=torch.bfloat16,
-                             load_format="dummy", kv_cache_memory_bytes=4 << 30)  # fmt: skip
+                             load_format="dummy", kv_cache_memory_bytes=4 << 30,
+                             fused_kernels=fused_kernels)  # fmt: skip
     slot = runner.allocate_slot()
     runner.forward([SeqInput(slot, [1] * context, 0, num_logits=1)])
+    decode = partial(runner.forward, [SeqInput(slot, [2], context, num_logits=1)])
     times = []
     for _ in range(30):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        runner.forward([SeqInput(slot, [2], context, num_logits=1)])
+        decode()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    kernels = _top_kernels(torch, lambda: runner.forward([SeqInput(slot, [2], context, num_logits=1)]))
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * context * 2
-    bandwidth = _copy_bandwidth(torch, device)
-    floor = (weights + kv) / bandwidth
-    step = statistics.median(times[5:])
-    return {"passed": True, "decode_step_ms": round(step * 1e3, 3), "hbm_floor_ms": round(floor * 1e3, 3),
-            "step_over_floor": round(step / floor, 2), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-            "weight_bytes": weights, "kv_bytes": kv, "attention_kernel": "triton" if runner.paged_kernel else "torch",
-            "cuda_graphs": runner.graphs is not None, "top_kernels_ms_per_step": kernels}
+    result = {"step_s": statistics.median(times[5:]), "kernels": _top_kernels(torch, decode),
+              "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+              "attention_kernel": "triton" if runner.paged_kernel else "torch", "fused_kernels": runner.fused_kernels,
+              "cuda_graphs": runner.graphs is not None}  # fmt: skip
+    del runner, decode
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def _top_kernels(torch, step: Callable[[], object], steps: int = 5, top: int = 10) -> dict[str, float]:

@@ -76,7 +76,7 @@ class ModelRunner:
                  attention_kernel: str = "auto", load_format: str = "auto",
                  enable_prefix_caching: bool = False, enforce_eager: bool = False,
                  quantized_kernel: str = "auto", aux_hidden_layers: tuple[int, ...] = (),
-                 target_path: str | Path | None = None) -> None:
+                 target_path: str | Path | None = None, fused_kernels: str = "auto") -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
@@ -97,7 +97,10 @@ class ModelRunner:
         counts them: i < num_hidden_layers the residual stream entering layer i (EAGLE-3), num_hidden_layers
         the last one after the final norm (EAGLE-1).
         target_path: the model is an EAGLE head (model/eagle.py) of the target there, whose tokenizer it uses
-        and whose embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none."""
+        and whose embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none.
+        fused_kernels: the layers' norms (with the residual add), rotary embedding (with the KV write) and
+        SiLU-and-mul as Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default
+        mode where triton is installed; never in the strict mode, nor for an EAGLE head)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -135,6 +138,9 @@ class ModelRunner:
             enable_prefix_caching=enable_prefix_caching, feature_dim=feature_dim,
         )
         self.paged_kernel = self._use_triton(attention_kernel)
+        self.fused_kernels = self._use_fused(fused_kernels)
+        if self.fused_kernels:  # before the graphs capture the forward
+            self.model.model.fused_kernels = True
         eager = enforce_eager or self.head_kind is not None
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
@@ -163,6 +169,23 @@ class ModelRunner:
         if kernel == "triton" and self.batch_invariant:
             raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
         return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
+
+    def _use_fused(self, kernel: str) -> bool:
+        if kernel not in ("auto", "on", "off"):
+            raise ValueError(f"fused_kernels {kernel!r}: use auto, on or off")
+        if kernel == "on" and self.batch_invariant:
+            raise ValueError("fused_kernels on is not for the strict mode (batch_invariant), which keeps torch's ops")
+        if kernel == "off" or self.batch_invariant or self.head_kind is not None:
+            return False
+        if kernel == "auto" and self.device.type != "cuda":
+            return False
+        try:
+            import minedraft.model.triton_fused  # noqa: F401
+        except ImportError as exc:
+            if kernel == "on":
+                raise ValueError(f"fused_kernels on needs the triton package: {exc}") from exc
+            return False
+        return True
 
     def _use_quantized_kernels(self, kernel: str) -> bool:
         if kernel not in ("auto", "triton", "dequantize"):

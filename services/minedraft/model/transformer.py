@@ -64,20 +64,37 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, fused: bool = False) -> torch.Tensor:
+        """fused: q/k norm, rotation and the KV write in one kernel (triton_fused.rope_write_kv)."""
         tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
+        q = self._fused_inputs(qkv, ctx) if fused else self._inputs(qkv, ctx)
+        out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+    def _inputs(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q normed (Qwen3) and rotated; k likewise, written to the cache with v."""
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # q and k heads side by side: their norms and rotation run as one op each.
-        qk, v = self.qkv_proj(x).view(tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], dim=1)
+        qk, v = qkv.view(qkv.shape[0], -1, self.head_dim).split([heads + kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             weight = torch.cat((self.q_norm.weight.expand(heads, -1), self.k_norm.weight.expand(kv_heads, -1)))
             qk = weight * rms_normalize(qk, self.q_norm.eps)
         assert ctx.rope is not None
         q, k = RotaryEmbedding.rotate(qk, ctx.rope).split([heads, kv_heads], dim=1)
         ctx.kv_cache.write(self.layer, ctx.token_index, k, v)
-        k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
-        out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return q
+
+    def _fused_inputs(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        from minedraft.model.triton_fused import rope_write_kv  # triton is imported only where it runs
+
+        assert ctx.rope is not None
+        norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return rope_write_kv(qkv, ctx.rope, ctx.token_index, ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer],
+                             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, norm)  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -88,8 +105,14 @@ class MLP(nn.Module):
                                                        batch_invariant)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp, batch_invariant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """fused: SiLU(gate) * up in one kernel (triton_fused.silu_and_mul)."""
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            from minedraft.model.triton_fused import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -106,6 +129,21 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused kernels' form (vLLM's): x is the last sublayer's output, not yet added to the residual
+        stream (None: x is the stream), so each add is fused with the norm after it. Returns the same pair."""
+        h, residual = _add_norm(self.input_layernorm, x, residual)
+        h, residual = _add_norm(self.post_attention_layernorm, self.self_attn(h, ctx, fused=True), residual)
+        return self.mlp(h, fused=True) if isinstance(self.mlp, MLP) else self.mlp(h), residual
+
+
+def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) in one kernel; residual None: (norm(x), x)."""
+    from minedraft.model.triton_fused import add_rms_norm
+
+    return add_rms_norm(x, residual, norm.weight, norm.eps)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel, batch_invariant: bool) -> None:
@@ -121,20 +159,40 @@ class DecoderModel(nn.Module):
         # layers: the last one after the final norm, EAGLE-1).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # The Triton kernels of model/triton_fused.py for the norms, rotary + KV write and SiLU-and-mul (the
+        # runner decides at start-up: CUDA, the default mode). Off, the layers run torch's ops.
+        self.fused_kernels = False
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         ctx = replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
         captured: dict[int, torch.Tensor] = {}
+        x = self._fused_layers(x, ctx, captured) if self.fused_kernels else self._layers(x, ctx, captured)
+        if self.aux_layers:
+            if len(self.layers) in self.aux_layers:
+                captured[len(self.layers)] = self.final_norm(x)
+            self.aux_hidden = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
+        return x  # the final norm is applied by CausalLM to the rows that need logits only
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _add_norm(self.norm, x, None)[0] if self.fused_kernels else self.norm(x)
+
+    def _layers(self, x: torch.Tensor, ctx: ForwardContext, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 captured[i] = x
             x = layer(x, ctx)
-        if self.aux_layers:
-            if len(self.layers) in self.aux_layers:
-                captured[len(self.layers)] = self.norm(x)
-            self.aux_hidden = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
-        return x  # the final norm is applied by CausalLM to the rows that need logits only
+        return x
+
+    def _fused_layers(self, x: torch.Tensor, ctx: ForwardContext, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The layers in forward_fused's form; returns the residual stream after the last one."""
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:  # an EAGLE head reads the stream entering layer i: add it here
+                x, residual = x if residual is None else x + residual, None
+                captured[i] = x
+            x, residual = layer.forward_fused(x, residual, ctx)
+        return x + residual
 
 
 class CausalLM(nn.Module):
@@ -147,7 +205,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, ctx)[logits_indices]
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head(self.model.final_norm(hidden))
 
     def pack_weights(self) -> None:
         """Hold every linear layer's weight in oneDNN's layout instead, and the LM head's beside its own,
