@@ -14,7 +14,19 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.sampling.params import SamplingParams, TokenLogprob, check_structured_outputs
+from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
+
+
+def check_structured_outputs(spec: StructuredOutputs) -> None:
+    """ValueError when the grammar library is not installed or the schema or regex is malformed."""
+    try:  # xgrammar is optional (the `structured` extra): sampling.grammar is imported when a request asks
+        from minedraft.sampling.grammar import check_grammar
+    except ModuleNotFoundError as exc:
+        if exc.name != "xgrammar":
+            raise
+        raise ValueError("structured output needs the xgrammar package, which this server does not have "
+                         "(pip install 'minedraft[structured]')") from None  # fmt: skip
+    check_grammar(spec)
 
 
 @dataclass
