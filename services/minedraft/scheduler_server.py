@@ -87,7 +87,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         raise ValueError("a speculative config needs a drafter address (--drafter)")
     settings = api.settings
     tokenizer = load_tokenizer(config.target_path)
-    limits = Limits(max_prompt_bytes=settings.max_prompt_bytes, max_waiting=settings.max_waiting_requests)
+    limits = Limits.of(settings)
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)

@@ -108,7 +108,7 @@ class _Public:
         self.metrics = GatewayMetrics(pool)
         self.router = Router(pool, api.settings.placement_timeout, self.metrics)
         self.health = health_aio.HealthServicer()
-        limits = Limits(max_prompt_bytes=api.settings.max_prompt_bytes, max_waiting=api.settings.max_waiting_requests)
+        limits = Limits.of(api.settings)
         self.generator = Generator(tokenizer, limits)
         self.model_name = api.settings.served_model_name or Path(tokenizer_path).name
         self.tokenizer_path = tokenizer_path
