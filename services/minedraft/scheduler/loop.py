@@ -25,6 +25,7 @@ from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
 from minedraft.scheduler.stats_log import StatsLog
+from minedraft.settings import SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -45,12 +46,16 @@ class _Abort:
 
 @dataclass
 class Recovery:
-    """How the loop re-forms its engine group after a failed step (see `EngineLoop._recover`)."""
+    """How the loop re-forms its world after a failed step (see `EngineLoop._recover`)."""
 
-    worker_wait_s: float = 300.0  # how long requests are held while no verifier is back
-    join_timeout_s: float = 180.0  # how long forming a world may take
-    drafter_check_s: float = 1.0  # how often a group without its drafter looks for it
+    worker_wait_s: float  # how long requests are held while no verifier is back
+    join_timeout_s: float  # how long forming a world may take
+    drafter_check_s: float = 1.0  # how often a world without its drafter looks for it
     max_worlds_per_minute: int = 20  # re-formations; past that the loop waits, never spins
+
+    @classmethod
+    def of(cls, settings: SchedulerSettings) -> Recovery:
+        return cls(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
 
 
 class Draining(EngineFailed):
@@ -58,15 +63,15 @@ class Draining(EngineFailed):
 
 
 class EngineLoop:
-    """Steps the engine; when a step fails, re-forms the group instead of failing requests:
+    """Steps the engine; when a step fails, re-forms the world instead of failing requests:
 
-    - the drafter died: the group goes on target-only at once, and takes the drafter back when it serves
-      again (a new world, requests re-admitted, speculation resumes);
+    - the drafter died: a world without it goes on target-only at once, and takes the drafter back when it
+      serves again (a new world, requests re-admitted, speculation resumes);
     - the verifier died: requests are held until a verifier serves again (at most `worker_wait_s`), then
       re-admitted; past that wait they fail with UNAVAILABLE, and the loop keeps trying for later ones.
 
     Re-admission re-prefills prompt + tokens so far, so no produced token changes. `on_state(serving,
-    reason)` reports when the group can or cannot serve.
+    reason)` reports when the scheduler can or cannot serve.
     """
 
     def __init__(
@@ -83,7 +88,7 @@ class EngineLoop:
         self.world = world  # the engine's executor, seen as the workers it can re-form into a new world
         self.metrics = metrics
         self.failed: str | None = None
-        self.recovery = recovery or Recovery()
+        self.recovery = recovery or Recovery.of(SchedulerSettings())
         self._on_state = on_state
         self._next_drafter_check = 0.0
         self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
