@@ -77,7 +77,7 @@ class PublicApiSettings(ServiceSettings):
 
 class SchedulerSettings(PublicApiSettings):
     """The scheduler: its public APIs (HTTP port, TLS, served name, input limits), metrics, and how it
-    waits for, recovers and drains its engine group."""
+    waits for its workers, re-forms their world and drains its requests."""
 
     json_name = "scheduler_settings"
     deprecated_names = {"drain_timeout": "request_drain_timeout"}

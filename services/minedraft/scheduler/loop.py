@@ -306,7 +306,7 @@ class EngineLoop:
         try:
             fn()
         except Exception as exc:
-            log.warning("engine step failed (%s); re-forming the engine group", exc)
+            log.warning("engine step failed (%s); re-forming the world", exc)
             if workers_answered(exc) and all(w.serving() for w in self.world.members):
                 self._blame(exc)
             self._recover(exc)
@@ -334,16 +334,16 @@ class EngineLoop:
         self.engine.release_held(self.quarantine.may_run)
 
     def _recover(self, cause: BaseException) -> None:
-        """Hold every request until the group is formed again, at most `worker_wait_s`."""
+        """Hold every request until a new world is formed, at most `worker_wait_s`."""
         deadline = time.monotonic() + self.recovery.worker_wait_s
-        self._report(False, f"re-forming the engine group after: {cause}")
+        self._report(False, f"re-forming the world after: {cause}")
         while not self._stopped:
             if self._reform():
                 return
             if time.monotonic() > deadline:
                 address, wait = self.world.verifier.address, self.recovery.worker_wait_s
                 self._fail_all(f"no verifier serves at {address}: requests were held {wait:.0f}s (--worker-wait) "
-                               f"and then given up; the group failed with: {cause}")
+                               f"and then given up; the world failed with: {cause}")
                 return
             if not self._apply_commands(block=False):
                 return
@@ -366,12 +366,12 @@ class EngineLoop:
         try:
             world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
-            log.warning("could not form the engine group: %s", exc)
+            log.warning("could not form a world: %s", exc)
             return False
         self.engine.restart(speculate=world.has_drafter, may_run=self.quarantine.may_run)
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
-        log.info("engine group formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
+        log.info("world formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
                  len(self.engine.requests))
         self._report(True, mode)
         return True
@@ -386,12 +386,12 @@ class EngineLoop:
             return True
         if now - self._limit_logged_at > 10.0:
             self._limit_logged_at = now
-            log.warning("%d engine groups formed in the last minute: waiting before the next",
+            log.warning("%d worlds formed in the last minute: waiting before the next",
                         len(self._formed_at))  # fmt: skip
         return False
 
     def _take_drafter_back(self) -> None:
-        """A group running without its drafter checks now and then whether it serves again. The check runs
+        """A world without its drafter checks now and then whether it serves again. The check runs
         in the background: a hung drafter does not answer, and the loop must not wait for it."""
         world = self.world
         if self.failed is not None or self.engine.speculating or world.drafter is None:

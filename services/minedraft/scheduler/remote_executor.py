@@ -61,8 +61,8 @@ class PlanStream:
 
 
 class WorkerWorld(Protocol):
-    """What the step loop drives to heal a group (scheduler/loop.py): the configured workers, the world they
-    form now, and forming a new one. `RemoteExecutor` is one."""
+    """What the step loop drives to re-form the world (scheduler/loop.py): the configured workers, the world
+    they form now, and forming a new one. `RemoteExecutor` is one."""
 
     verifier: WorkerClient
     drafter: WorkerClient | None
