@@ -17,7 +17,7 @@ from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
 from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 
-def check_structured_outputs(spec: StructuredOutputs) -> None:
+def check_structured_outputs(structured: StructuredOutputs) -> None:
     """ValueError when the grammar library is not installed or the schema or regex is malformed."""
     try:  # xgrammar is optional (the `structured` extra): sampling.grammar is imported when a request asks
         from minedraft.sampling.grammar import check_grammar
@@ -26,7 +26,7 @@ def check_structured_outputs(spec: StructuredOutputs) -> None:
             raise
         raise ValueError("structured output needs the xgrammar package, which this server does not have "
                          "(pip install 'minedraft[structured]')") from None  # fmt: skip
-    check_grammar(spec)
+    check_grammar(structured)
 
 
 @dataclass
