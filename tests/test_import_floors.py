@@ -2,8 +2,9 @@
 
 The floors, lowest first; a module may import its own floor and the ones below, never one above:
 
-0. base: `config` (EngineConfig and the other engine models) and `version`. They import nothing of the
-   package; the core is configured by EngineConfig, so config sits beneath the core, not above it.
+0. base: `config` (EngineConfig and the other engine models), `extras` (the optional packages) and
+   `version`. They import nothing of the package; the core is configured by EngineConfig, so config sits
+   beneath the core, not above it.
 1. core: `engine`, `model`, `sampling`, `transport`: decoding, knowing nothing of the services.
 2. settings: `settings`, the service roles' settings models (and their errors).
 3. services: every module not named elsewhere: frontends, scheduler, gateway, drafter, verifier,
@@ -27,7 +28,7 @@ ROOT = "minedraft"
 
 # (floor, the modules and packages on it); a module not named sits on SERVICES.
 FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "base": (0, ("minedraft.config", "minedraft.version")),
+    "base": (0, ("minedraft.config", "minedraft.extras", "minedraft.version")),
     "core": (1, ("minedraft.engine", "minedraft.model", "minedraft.sampling", "minedraft.transport")),
     "settings": (2, ("minedraft.settings",)),
     "entry points": (4, ("minedraft.__main__", "minedraft.cli", "minedraft.launcher", "minedraft.llm",

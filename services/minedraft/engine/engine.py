@@ -14,18 +14,16 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
+from minedraft.extras import require
 from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 
 def check_structured_outputs(structured: StructuredOutputs) -> None:
     """ValueError when the grammar library is not installed or the schema or regex is malformed."""
-    try:  # xgrammar is optional (the `structured` extra): sampling.grammar is imported when a request asks
-        from minedraft.sampling.grammar import check_grammar
-    except ModuleNotFoundError as exc:
-        if exc.name != "xgrammar":
-            raise
-        raise ValueError("structured output needs the xgrammar package, which this server does not have "
-                         "(pip install 'minedraft[structured]')") from None  # fmt: skip
+    require("xgrammar", "structured output on this server")
+    # xgrammar is optional: sampling.grammar is imported only when a request asks for a grammar
+    from minedraft.sampling.grammar import check_grammar
+
     check_grammar(structured)
 
 
