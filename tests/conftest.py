@@ -81,3 +81,14 @@ def target_probs(logits, params):
     from minedraft.sampling.sampler import processed_probs
 
     return processed_probs(logits, [params] * logits.shape[0])
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, tmp_path_factory):
+    """`minedraft gateway` in front of the scheduler of the module's own `stack` fixture: the public endpoint a
+    cluster has, which parses requests as the scheduler does."""
+    import services  # its minedraft imports wait for the path set above
+
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
+        yield address

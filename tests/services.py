@@ -1,7 +1,9 @@
-"""Helpers for tests that start services as processes: health checks and waits, worker info, children."""
+"""Helpers for tests that start services as processes: health checks and waits, worker info, children,
+HTTP posts and bursts of requests."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
+from minedraft.client import Client
 from minedraft.launcher import free_port
 from minedraft.serving import is_serving
 
@@ -96,3 +100,24 @@ def post_json(url: str, body: bytes, timeout_s: float = 120) -> tuple[int, bytes
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def post_for_json(url: str, body: bytes) -> tuple[int, dict]:
+    """POST a JSON body; (status, the JSON reply) for errors too."""
+    status, raw = post_json(url, body)
+    return status, json.loads(raw)
+
+
+def overload_codes(address: str, n: int = 40) -> list[str]:
+    """`n` long greedy requests at once over gRPC: "ok" for each that ran, else its status code's name."""
+    with Client(address, timeout=120, retries=0) as client:
+
+        def one(_: int) -> str:
+            try:
+                client.generate([9, 9], max_tokens=100, temperature=0, ignore_eos=True)
+                return "ok"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(one, range(n)))

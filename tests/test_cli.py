@@ -61,6 +61,18 @@ def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path) -> None:
+    """matplotlib not importable (as if not installed): `bench --launch --plot` says in one line which extra to
+    install, and exits before it launches a stack or writes a file."""
+    hidden = ("import sys; sys.modules['matplotlib'] = None  # as if not installed\n"
+              "from minedraft.cli import main; sys.exit(main(sys.argv[1:]))")
+    args = ["bench", "--launch", "--log-dir", str(tmp_path / "logs"), "--plot", str(tmp_path / "run.png")]
+    result = subprocess.run([sys.executable, "-c", hidden, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "minedraft bench: --plot needs matplotlib: pip install 'minedraft[bench]'\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -115,13 +115,6 @@ def stack(tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def gateway(stack, tmp_path_factory):
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
-        yield address
-
-
 def _post(url: str, body: dict) -> tuple[int, bytes]:
     return services.post_json(url, json.dumps(body).encode())  # ensure_ascii: lone surrogates go as \udXXX
 

@@ -12,7 +12,7 @@ import pytest
 from minedraft.api import generate_pb2
 from minedraft.config import BUNDLED_TARGET
 from minedraft.engine.request import Request
-from minedraft.gateway.service import Migration
+from minedraft.gateway.router import Migration
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 

@@ -43,26 +43,13 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gateway(stack, tmp_path_factory):
-    """`minedraft gateway` in front of the stack's scheduler: it parses requests as the scheduler does."""
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     with Client(stack.address, retries=0, timeout=300) as c:
         yield c
 
 
 def _post(stack, path: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return services.post_for_json(stack.http_url + path, body)
 
 
 def _declare_body(stack, path: str, size: int) -> tuple[int, dict]:

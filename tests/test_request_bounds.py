@@ -70,17 +70,8 @@ def stack(tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def gateway(stack, tmp_path_factory):
-    """`minedraft gateway` in front of the stack's scheduler: the public endpoint a cluster has."""
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with services.gateway(stack.address, str(stack.config.target_path), log) as address:
-        yield address
-
-
 def _post(stack, path: str, body: bytes) -> tuple[int, dict]:
-    status, raw = services.post_json(stack.http_url + path, body)
-    return status, json.loads(raw)
+    return services.post_for_json(stack.http_url + path, body)
 
 
 def _http_canary(stack) -> None:

@@ -249,4 +249,4 @@ engine.executor.close()
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "needs the xgrammar package" in done.stdout and "minedraft[structured]" in done.stdout
+    assert "needs xgrammar: pip install 'minedraft[structured]'" in done.stdout

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from minedraft.extras import require
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
     GatewaySettings,
@@ -398,6 +399,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if args.plot:
+        require("matplotlib", "--plot")
 
 
 def _bench_requests(args: argparse.Namespace) -> list:

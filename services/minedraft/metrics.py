@@ -94,9 +94,7 @@ class VllmNames(Collector):
 
 
 class Metrics:
-    def __init__(
-        self, registry: CollectorRegistry | None = None, max_positions: int = 32, model_name: str | None = None
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str | None = None) -> None:
         """`model_name` set: also export the vLLM-compatible names (see VllmNames)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry

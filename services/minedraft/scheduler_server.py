@@ -26,7 +26,6 @@ from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
-from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
 from minedraft.settings import SchedulerSettings, served_model_name
 
@@ -47,11 +46,10 @@ class PublicApi:
 def build_engine(
     config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, settings: SchedulerSettings
 ) -> LLMEngine:
-    """Wait for the workers, form the group, then build the engine over them (the scheduler holds no model)."""
+    """Wait for the workers, form their world, then build the engine over them (the scheduler holds no model)."""
     return start_remote_engine(
         config, tokenizer, verifier, drafter, startup_timeout_s=settings.startup_timeout,
-        join_timeout_s=settings.join_timeout, step_deadline=StepDeadline(floor_s=settings.step_deadline_floor),
-        max_in_flight=settings.max_steps_in_flight,
+        join_timeout_s=settings.join_timeout, settings=settings,
     )  # fmt: skip
 
 
@@ -87,7 +85,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         raise ValueError("a speculative config needs a drafter address (--drafter)")
     settings = api.settings
     tokenizer = load_tokenizer(config.target_path)
-    limits = Limits(max_prompt_bytes=settings.max_prompt_bytes, max_waiting=settings.max_waiting_requests)
+    limits = Limits.of(settings)
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
     await state.set(False)
@@ -110,7 +108,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     def report(serving: bool, reason: str) -> None:  # called from the step-loop thread
         asyncio.run_coroutine_threadsafe(state.set(serving), event_loop)
 
-    recovery = Recovery(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
+    recovery = Recovery.of(settings)
     loop = EngineLoop(engine, engine.executor, metrics, on_state=report, recovery=recovery,
                       stats_interval_s=settings.log_stats_interval)  # fmt: skip
     loop.start()

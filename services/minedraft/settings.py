@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
-
 if TYPE_CHECKING:
     from minedraft.config import EngineConfig
 
@@ -60,8 +58,8 @@ class PublicApiSettings(ServiceSettings):
         None, description="PEM certificate (chain) of both public listeners; with tls_key: TLS on."
     )
     tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
-    max_prompt_bytes: int = Field(
-        DEFAULT_MAX_PROMPT_BYTES, ge=1, description="Longer prompts are refused before tokenizing; also bounds "
+    max_prompt_bytes: int = Field(  # 1 MiB: ~250k tokens of English text, beyond any context we serve
+        1024 * 1024, ge=1, description="Longer prompts are refused before tokenizing; also bounds "
         "request sizes.",
     )  # fmt: skip
     max_waiting_requests: int = Field(256, ge=0, description="Queued requests beyond this get RESOURCE_EXHAUSTED.")
@@ -79,7 +77,7 @@ class PublicApiSettings(ServiceSettings):
 
 class SchedulerSettings(PublicApiSettings):
     """The scheduler: its public APIs (HTTP port, TLS, served name, input limits), metrics, and how it
-    waits for, recovers and drains its engine group."""
+    waits for its workers, re-forms their world and drains its requests."""
 
     json_name = "scheduler_settings"
     deprecated_names = {"drain_timeout": "request_drain_timeout"}

@@ -58,11 +58,12 @@ def structured_from_proto(msg: generate_pb2.StructuredOutputs) -> dict:
     return given
 
 
-def structured_to_proto(spec: StructuredOutputs | None) -> generate_pb2.StructuredOutputs | None:
-    if spec is None:
+def structured_to_proto(structured: StructuredOutputs | None) -> generate_pb2.StructuredOutputs | None:
+    if structured is None:
         return None
-    return generate_pb2.StructuredOutputs(json=spec.json_schema, regex=spec.regex, choice=spec.choice or (),
-                                          json_object=spec.json_object)  # fmt: skip
+    return generate_pb2.StructuredOutputs(json=structured.json_schema, regex=structured.regex,
+                                          choice=structured.choice or (),
+                                          json_object=structured.json_object)  # fmt: skip
 
 
 def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters:

@@ -14,7 +14,17 @@ from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.sampling.params import SamplingParams, TokenLogprob, check_structured_outputs
+from minedraft.extras import require
+from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
+
+
+def check_structured_outputs(structured: StructuredOutputs) -> None:
+    """ValueError when the grammar library is not installed or the schema or regex is malformed."""
+    require("xgrammar", "structured output on this server")
+    # xgrammar is optional: sampling.grammar is imported only when a request asks for a grammar
+    from minedraft.sampling.grammar import check_grammar
+
+    check_grammar(structured)
 
 
 @dataclass

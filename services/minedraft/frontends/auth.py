@@ -36,10 +36,6 @@ class ApiKeys:
     def keys(self) -> list[str]:
         return [k.decode() for k in self._keys]
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._keys)
-
     def allows(self, authorization: str | None) -> bool:
         """True if off, or if `authorization` is 'Bearer <a configured key>' (constant-time compare)."""
         if not self._keys:

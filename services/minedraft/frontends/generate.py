@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from minedraft.engine.request import Request
 from minedraft.engine_client import EngineClient, EngineFailed, RequestFailed, Sink, StreamItem
-from minedraft.frontends import DEFAULT_MAX_PROMPT_BYTES
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams, check_unicode
+from minedraft.settings import PublicApiSettings
 
 
 class ErrorKind(enum.Enum):
@@ -37,10 +37,19 @@ class GenerateError(Exception):
         self.message = message
 
 
+_DEFAULTS = PublicApiSettings()
+
+
 @dataclass(frozen=True)
 class Limits:
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-    max_waiting: int = 256
+    """The public APIs' input limits; their defaults are the settings' (the settings model is their source)."""
+
+    max_prompt_bytes: int = _DEFAULTS.max_prompt_bytes
+    max_waiting: int = _DEFAULTS.max_waiting_requests
+
+    @classmethod
+    def of(cls, settings: PublicApiSettings) -> Limits:
+        return cls(max_prompt_bytes=settings.max_prompt_bytes, max_waiting=settings.max_waiting_requests)
 
 
 class Generator:

@@ -15,7 +15,7 @@ from minedraft.api import generate_pb2
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine_client import Sink, StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError
-from minedraft.gateway.service import Migration, Refused, Router
+from minedraft.gateway.router import Migration, Refused, Router
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.wire import logprobs_from_proto

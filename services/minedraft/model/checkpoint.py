@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
+from minedraft.model.errors import CheckpointError, CheckpointNotFoundError
+from minedraft.model.hub import local_folder
+from minedraft.model.quantization import DequantizedTensor, QuantConfig, quantized_tensor
+
 if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
     import torch
-
-    from minedraft.model.quantization import DequantizedTensor, QuantConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,18 +28,8 @@ PICKLE_FILE = "pytorch_model.bin"
 PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder or file is missing, corrupt or unsupported; the message names it."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A required checkpoint folder or file does not exist."""
-
-
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint folder `path` names: a folder, or a hub id resolved to its local snapshot (model/hub.py)."""
-    from minedraft.model.hub import local_folder
-
     folder = local_folder(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"checkpoint folder not found: {folder}")
@@ -99,8 +91,6 @@ class CheckpointReader:
     def tensor(self, name: str) -> TensorSlice | DequantizedTensor:
         """The model's view of tensor `name`: dequantized where the checkpoint stores it quantized."""
         if self.quant is not None:
-            from minedraft.model.quantization import quantized_tensor
-
             view = quantized_tensor(self, name, self.quant)
             if view is not None:
                 return view

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from minedraft.model.checkpoint import CheckpointNotFoundError
+from minedraft.model.errors import CheckpointNotFoundError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 _SERVING_FILES = ["*.json", "*.safetensors", "*.jinja"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minedraft.model.checkpoint import CheckpointError
+from minedraft.model.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minedraft.config import check_fits_one_request
+from minedraft.extras import require
 from minedraft.model.attention import plan_attention
 from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
@@ -104,6 +105,9 @@ class ModelRunner:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
+        for setting, kernel in (("attention_kernel", attention_kernel), ("quantized_kernel", quantized_kernel)):
+            if kernel == "triton":
+                require("triton", f"{setting} triton")
         self._work = (0, 0)  # forwards and tokens since take_work
         self.path = resolve_checkpoint_dir(path)
         self.config: ModelConfig = load_model_config(self.path)

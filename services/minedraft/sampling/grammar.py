@@ -30,10 +30,10 @@ from minedraft.sampling.params import StructuredOutputs
 _COMPILE_THREADS = 2
 
 
-def check_grammar(spec: StructuredOutputs) -> None:
+def check_grammar(structured: StructuredOutputs) -> None:
     """Raise ValueError naming what is wrong with a schema or a regex (no tokenizer needed: the engine
     checks every request before it reaches a worker)."""
-    _check_source(*spec.key)
+    _check_source(*structured.key)
 
 
 @lru_cache(maxsize=256)
@@ -84,8 +84,8 @@ class GrammarBook:
             return self._compiler.compile_regex(source)
         return self._compiler.compile_grammar(_choice_grammar(source))
 
-    def state(self, spec: StructuredOutputs, num_prompt: int) -> GrammarState:
-        return GrammarState(xgr.GrammarMatcher(self.compiled(spec.key)), num_prompt)
+    def state(self, structured: StructuredOutputs, num_prompt: int) -> GrammarState:
+        return GrammarState(xgr.GrammarMatcher(self.compiled(structured.key)), num_prompt)
 
 
 @dataclass

@@ -114,18 +114,6 @@ class StructuredOutputs(BaseModel):
         return self._given()[0]
 
 
-def check_structured_outputs(spec: StructuredOutputs) -> None:
-    """ValueError when the grammar library is not installed or the schema or regex is malformed."""
-    try:
-        from minedraft.sampling.grammar import check_grammar
-    except ModuleNotFoundError as exc:
-        if exc.name != "xgrammar":
-            raise
-        raise ValueError("structured output needs the xgrammar package, which this server does not have "
-                         "(pip install 'minedraft[structured]')") from None  # fmt: skip
-    check_grammar(spec)
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """One output token's log-probability and the `SamplingParams.logprobs` most likely tokens' (best first)."""

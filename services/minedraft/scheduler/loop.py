@@ -25,6 +25,7 @@ from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
 from minedraft.scheduler.stats_log import StatsLog
+from minedraft.settings import SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -45,12 +46,16 @@ class _Abort:
 
 @dataclass
 class Recovery:
-    """How the loop re-forms its engine group after a failed step (see `EngineLoop._recover`)."""
+    """How the loop re-forms its world after a failed step (see `EngineLoop._recover`)."""
 
-    worker_wait_s: float = 300.0  # how long requests are held while no verifier is back
-    join_timeout_s: float = 180.0  # how long forming a world may take
-    drafter_check_s: float = 1.0  # how often a group without its drafter looks for it
+    worker_wait_s: float  # how long requests are held while no verifier is back
+    join_timeout_s: float  # how long forming a world may take
+    drafter_check_s: float = 1.0  # how often a world without its drafter looks for it
     max_worlds_per_minute: int = 20  # re-formations; past that the loop waits, never spins
+
+    @classmethod
+    def of(cls, settings: SchedulerSettings) -> Recovery:
+        return cls(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
 
 
 class Draining(EngineFailed):
@@ -58,15 +63,15 @@ class Draining(EngineFailed):
 
 
 class EngineLoop:
-    """Steps the engine; when a step fails, re-forms the group instead of failing requests:
+    """Steps the engine; when a step fails, re-forms the world instead of failing requests:
 
-    - the drafter died: the group goes on target-only at once, and takes the drafter back when it serves
-      again (a new world, requests re-admitted, speculation resumes);
+    - the drafter died: a world without it goes on target-only at once, and takes the drafter back when it
+      serves again (a new world, requests re-admitted, speculation resumes);
     - the verifier died: requests are held until a verifier serves again (at most `worker_wait_s`), then
       re-admitted; past that wait they fail with UNAVAILABLE, and the loop keeps trying for later ones.
 
     Re-admission re-prefills prompt + tokens so far, so no produced token changes. `on_state(serving,
-    reason)` reports when the group can or cannot serve.
+    reason)` reports when the scheduler can or cannot serve.
     """
 
     def __init__(
@@ -83,7 +88,7 @@ class EngineLoop:
         self.world = world  # the engine's executor, seen as the workers it can re-form into a new world
         self.metrics = metrics
         self.failed: str | None = None
-        self.recovery = recovery or Recovery()
+        self.recovery = recovery or Recovery.of(SchedulerSettings())
         self._on_state = on_state
         self._next_drafter_check = 0.0
         self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
@@ -314,7 +319,7 @@ class EngineLoop:
         try:
             fn()
         except Exception as exc:
-            log.warning("engine step failed (%s); re-forming the engine group", exc)
+            log.warning("engine step failed (%s); re-forming the world", exc)
             if workers_answered(exc) and all(w.serving() for w in self.world.members):
                 self._blame(exc)
             self._recover(exc)
@@ -342,16 +347,16 @@ class EngineLoop:
         self.engine.release_held(self.quarantine.may_run)
 
     def _recover(self, cause: BaseException) -> None:
-        """Hold every request until the group is formed again, at most `worker_wait_s`."""
+        """Hold every request until a new world is formed, at most `worker_wait_s`."""
         deadline = time.monotonic() + self.recovery.worker_wait_s
-        self._report(False, f"re-forming the engine group after: {cause}")
+        self._report(False, f"re-forming the world after: {cause}")
         while not self._stopped:
             if self._reform():
                 return
             if time.monotonic() > deadline:
                 address, wait = self.world.verifier.address, self.recovery.worker_wait_s
                 self._fail_all(f"no verifier serves at {address}: requests were held {wait:.0f}s (--worker-wait) "
-                               f"and then given up; the group failed with: {cause}")
+                               f"and then given up; the world failed with: {cause}")
                 return
             if not self._apply_commands(block=False):
                 return
@@ -374,12 +379,12 @@ class EngineLoop:
         try:
             world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
-            log.warning("could not form the engine group: %s", exc)
+            log.warning("could not form a world: %s", exc)
             return False
         self.engine.restart(speculate=world.has_drafter, may_run=self.quarantine.may_run)
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
-        log.info("engine group formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
+        log.info("world formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
                  len(self.engine.requests))
         self._report(True, mode)
         return True
@@ -394,12 +399,12 @@ class EngineLoop:
             return True
         if now - self._limit_logged_at > 10.0:
             self._limit_logged_at = now
-            log.warning("%d engine groups formed in the last minute: waiting before the next",
+            log.warning("%d worlds formed in the last minute: waiting before the next",
                         len(self._formed_at))  # fmt: skip
         return False
 
     def _take_drafter_back(self) -> None:
-        """A group running without its drafter checks now and then whether it serves again. The check runs
+        """A world without its drafter checks now and then whether it serves again. The check runs
         in the background: a hung drafter does not answer, and the loop must not wait for it."""
         world = self.world
         if self.failed is not None or self.engine.speculating or world.drafter is None:

@@ -19,6 +19,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import grpc_options, is_serving
+from minedraft.settings import SchedulerSettings
 from minedraft.wire import plan_to_proto, result_from_replies
 
 
@@ -60,8 +61,8 @@ class PlanStream:
 
 
 class WorkerWorld(Protocol):
-    """What the step loop drives to heal a group (scheduler/loop.py): the configured workers, the world they
-    form now, and forming a new one. `RemoteExecutor` is one."""
+    """What the step loop drives to re-form the world (scheduler/loop.py): the configured workers, the world
+    they form now, and forming a new one. `RemoteExecutor` is one."""
 
     verifier: WorkerClient
     drafter: WorkerClient | None
@@ -89,12 +90,11 @@ class RemoteExecutor:
     one, so a new scheduler, or one whose worker died and came back, starts from free caches.
     """
 
-    def __init__(self, verifier: str, drafter: str | None, step_deadline: StepDeadline | None = None,
-                 max_in_flight: int = 2) -> None:  # fmt: skip
-        self.max_in_flight = max_in_flight
+    def __init__(self, verifier: str, drafter: str | None, settings: SchedulerSettings) -> None:
+        self.max_in_flight = settings.max_steps_in_flight
         self.verifier = WorkerClient(verifier, "verifier")
         self.drafter = WorkerClient(drafter, "drafter") if drafter else None
-        self.deadline = step_deadline or StepDeadline(floor_s=60.0)
+        self.deadline = StepDeadline(floor_s=settings.step_deadline_floor)
         self.members: list[WorkerClient] = []  # the workers of the current world
         self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) of the verifier of the world
         self.draft_kv_blocks: int | None = None  # the drafter's blocks, when the world has one
@@ -249,13 +249,14 @@ class RemoteExecutor:
 
 def start_remote_engine(
     config: EngineConfig, tokenizer: Decoder, verifier: str, drafter: str | None, *, startup_timeout_s: float,
-    join_timeout_s: float, step_deadline: StepDeadline | None = None, max_in_flight: int = 2,
+    join_timeout_s: float, settings: SchedulerSettings | None = None,
 ) -> LLMEngine:  # fmt: skip
     """An engine over worker services (the scheduler's, and the offline API's with tensor parallelism): wait
     until the workers serve, form a world (a new epoch: they drop whatever an earlier scheduler left), and
-    build the engine over it. The engine holds no model."""
-    executor = RemoteExecutor(verifier, drafter if config.speculative_config is not None else None, step_deadline,
-                              max_in_flight=max_in_flight)  # fmt: skip
+    build the engine over it. The engine holds no model. `settings`: its step deadline and steps in flight
+    (none: the scheduler's defaults)."""
+    drafter = drafter if config.speculative_config is not None else None
+    executor = RemoteExecutor(verifier, drafter, settings or SchedulerSettings())
     try:
         executor.wait_until_serving(startup_timeout_s)
         infos = executor.form_world(config, with_drafter=True, timeout_s=join_timeout_s)

@@ -1,7 +1,7 @@
 """How long the scheduler waits for a step before it counts a worker as hung.
 
 A worker that is stopped (SIGSTOP), deadlocked or cut off never answers, and its peer waits for it in
-the step-end exchange: without a deadline the group would hang. The deadline follows the observed step
+the step-end exchange: without a deadline the world would hang. The deadline follows the observed step
 times, max(floor, factor x a high percentile of the recent steps), so that it is tight on a GPU and
 still generous on a slow CPU; the floor covers the first steps (model warm-up, the first prefill),
 before there is anything to observe.
