@@ -17,6 +17,7 @@ Steps:
   greedy     every decoding mode's greedy output on the bundled pair against ar on the same device
   bench      the offline benchmark (ar, sd, minedraft, sd+pard, sd+eagle3, minedraft+eagle3), and the services
              (drafter and verifier processes sharing the one GPU) through `minedraft bench --launch`
+  shapes     the step shapes adaptive speculation chooses here (offline, 1 and 32 in flight) against each fixed one
   floor      one decode step of a Llama-3-8B-shaped model (random bf16 weights, config written here)
              against the HBM floor: (weight bytes + KV bytes) / measured copy bandwidth; with the fused
              layer kernels (the default) and without them, side by side
@@ -380,6 +381,49 @@ def step_bench(args: argparse.Namespace) -> dict:
     return {"passed": True, **report}
 
 
+def step_shapes(args: argparse.Namespace) -> dict:
+    """The step shapes adaptive speculation chooses on this device (offline, bundled pair), against each fixed
+    shape, at 1 and 32 requests in flight: tok/s (median of 3 rounds) and the steps run by shape."""
+    from minedraft.bench.prompts import load_prompts
+    from minedraft.config import EngineConfig
+    from minedraft.engine.engine import LLMEngine
+    from minedraft.sampling.params import SamplingParams
+
+    device = _device(args)
+    k4 = {"num_speculative_tokens": 4}
+    engines = {"ar": None, "sd-fixed": {**k4, "adaptive": False}, "sd-k2-fixed": {"num_speculative_tokens": 2,
+               "adaptive": False}, "minedraft-fixed": {**k4, "is_parallel": True, "adaptive": False},
+               "sd": k4, "minedraft": {**k4, "is_parallel": True}}  # fmt: skip
+    prompts = load_prompts(limit=96)
+    max_tokens = 8 if args.dry_run else 64
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    report: dict[str, dict] = {}
+    for load in (1, 32):
+        for name, spec in engines.items():
+            two = spec is not None and spec.get("is_parallel")
+            config = EngineConfig(device=device, max_num_seqs=max(1, load // 2) if two else load,
+                                  speculative_config=spec, enable_prefix_caching=False)  # fmt: skip
+            engine = LLMEngine.local(config, max_in_flight=2)
+            size = load if not args.dry_run else 1
+            _engine_round(engine, prompts[:size], params)  # warm-up (CUDA graphs, the controller's fits)
+            rates = [_engine_round(engine, prompts[size * (i + 1): size * (i + 2)], params)
+                     for i in range(1 if args.dry_run else 3)]  # fmt: skip
+            steps = {s.value: n for s, n in engine.pipeline.steps_by_shape.items()}
+            report[f"{name}@{load}"] = {"tok_s": round(statistics.median(rates), 1), "steps_by_shape": steps}
+            engine.executor.close()
+            del engine
+    return {"passed": True, **report}
+
+
+def _engine_round(engine, prompts: list[str], params) -> float:
+    """Output tokens per second of one round over `prompts`, all submitted at once."""
+    start = time.perf_counter()
+    requests = [engine.add_request(engine.tokenizer.encode(p), params) for p in prompts]
+    while engine.has_unfinished():
+        engine.advance()
+    return sum(len(r.output_ids) for r in requests) / (time.perf_counter() - start)
+
+
 def step_floor(args: argparse.Namespace) -> dict:
     """The decode step with the fused layer kernels (the default) and without them (fused_kernels="off"),
     one model at a time on the same GPU, against the HBM floor."""
@@ -472,6 +516,7 @@ STEPS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "numerics": step_numerics, "triton": step_triton, "quant": step_quant, "moe": step_moe, "graphs": step_graphs,
     "greedy": step_greedy,
     "bench": step_bench,
+    "shapes": step_shapes,
     "floor": step_floor,
 }  # fmt: skip
 

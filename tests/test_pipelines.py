@@ -19,11 +19,12 @@ from minedraft.engine.plans import DraftPlan, VerifyPlan
 from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams
 
+# The fixed schedules (adaptive speculation chooses among their shapes: tests/test_step_shapes.py).
 SPECS = {
     "ar": None,
-    "sd": {"num_speculative_tokens": 3},
-    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
-    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
+    "sd": {"num_speculative_tokens": 3, "adaptive": False},
+    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True, "adaptive": False},
+    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False},
 }
 
 
