@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minedraft.config import EngineConfig
-from minedraft.engine.adaptive import Acceptance, SpeculationController
+from minedraft.engine.adaptive import Acceptance, Shape, SpeculationController
 from minedraft.engine.engine import LLMEngine
 from minedraft.sampling.params import SamplingParams
 
@@ -97,3 +97,40 @@ def test_acceptance_is_per_position_and_leans_on_the_position_before() -> None:
     rates = acceptance.conditional()
     assert rates[0] > 0.95 and rates[1] < 0.05
     assert rates[2] == pytest.approx(rates[1], abs=0.01)  # never reached: as the position before
+
+
+@pytest.mark.parametrize("spec", [{"adaptive": False}, {}, {"is_parallel": True, "adaptive": False},
+                                  {"is_parallel": True}], ids=["sd-fixed", "sd", "minedraft-fixed", "minedraft"])
+def test_each_request_drafts_at_most_its_own_num_speculative_tokens(pair, spec) -> None:
+    """Half the requests ask for no speculation: they draft nothing, the others draft, all equal the target."""
+    target, draft = pair
+    prompts = [[5 + i, 17, 33 + 2 * i, 9] for i in range(6)]
+    base = {"model": target, "device": "cpu", "max_num_seqs": 6, "seed": 0}
+    plain, _ = _generate(EngineConfig(**base), prompts)
+    engine = LLMEngine.local(EngineConfig(**base, speculative_config={"model": draft, **spec}))
+    requests = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True,
+                                                     num_speculative_tokens=0 if i % 2 else None))
+                for i, p in enumerate(prompts)]  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in requests] == plain
+    assert all(r.stats.num_draft_tokens == 0 for r in requests[1::2])
+    assert all(r.stats.num_draft_tokens > 0 for r in requests[0::2])
+
+
+def test_a_batch_that_speculates_for_nobody_runs_no_draft_step(pair) -> None:
+    target, draft = pair
+    engine = LLMEngine.local(EngineConfig(model=target, device="cpu", speculative_config={
+        "model": draft, "is_parallel": True, "adaptive": False}))  # fmt: skip
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16, num_speculative_tokens=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert set(engine.pipeline.steps_by_shape) == {Shape.PLAIN}
+    assert engine.step_stats.draft_seconds == 0.0
+
+
+def test_more_than_the_servers_num_speculative_tokens_is_refused(pair) -> None:
+    target, draft = pair
+    engine = LLMEngine.local(EngineConfig(model=target, device="cpu", speculative_config={"model": draft}))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens: must be in \[0, 4\]"):
+        engine.add_request([5, 6], SamplingParams(num_speculative_tokens=5))

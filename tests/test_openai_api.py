@@ -364,6 +364,8 @@ def test_sampling_with_a_seed_is_reproducible(client) -> None:
         ({"prompt": ["a"] * 9, "n": 8}, "more than the 64 choices"),
         ({"logprobs": 21}, "logprobs"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
+        ({"extra_body": {"num_speculative_tokens": 4}}, "num_speculative_tokens: must be in [0, 3]"),
+        ({"extra_body": {"num_speculative_tokens": -1}}, "num_speculative_tokens"),
         ({"prompt": "x " * 2000}, "max_model_len"),
     ],
 )
@@ -499,6 +501,24 @@ def test_malformed_bodies_are_400_with_pydantic_messages(stack, tls, client) -> 
     assert status == 400 and "error" in json.loads(raw)
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+
+
+def test_per_request_speculation_is_honoured_and_the_choice_is_visible(stack, tls, client, expected) -> None:
+    """A request capped at 0 drafts nothing (gRPC stats) and returns the target's text; the controller's state
+    (shapes, costs, acceptance) is served on GetServerInfo and the keyed debug route."""
+    text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"num_speculative_tokens": 0}).choices[0].text  # fmt: skip
+    assert text == expected[PROMPTS[0]]
+    with Client(stack.address, tls=tls[1], token=KEY, retries=0, timeout=120) as grpc_client:
+        plain = grpc_client.generate(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, num_speculative_tokens=0)
+        drafted = grpc_client.generate(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+        state = grpc_client.server_info().speculation
+    assert plain.text == drafted.text == expected[PROMPTS[1]]
+    assert plain.spec_decode_stats.num_draft_tokens == 0
+    assert state["shapes_allowed"] == ["overlap", "sd", "plain"] and "cost_model_seconds" in state
+    status, raw = _https(stack, tls, "/debug/speculation")
+    assert status == 200 and json.loads(raw)["speculation"]["acceptance_by_position"]
+    assert _https(stack, tls, "/debug/speculation", key=None)[0] == 401
 
 
 def test_unknown_model_is_404(client) -> None:

@@ -19,7 +19,8 @@ from minedraft.engine.request import SpecDecodeStats
 from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens", "prompt_logprobs")  # fmt: skip
+           "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens", "prompt_logprobs",
+           "num_speculative_tokens")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -86,6 +87,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         prompt_logprobs=params.prompt_logprobs,
         bad_words=params.bad_words,
         resumed_tokens=params.resumed_tokens,
+        num_speculative_tokens=params.num_speculative_tokens,
         structured_outputs=structured_to_proto(params.structured_outputs),
     )
 

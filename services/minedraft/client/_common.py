@@ -32,7 +32,7 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-            "logprobs", "prompt_logprobs", "bad_words", "structured_outputs")  # fmt: skip
+            "logprobs", "prompt_logprobs", "bad_words", "structured_outputs", "num_speculative_tokens")  # fmt: skip
 
 
 def build_generate_request(
@@ -51,7 +51,8 @@ def build_generate_request(
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-    min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs); an unknown name is a TypeError."""
+    min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens); an unknown
+    name is a TypeError."""
     request = pb.GenerateRequest(request_id=request_id or "")
     _set_prompt(request, prompt)
     sampling = request.sampling

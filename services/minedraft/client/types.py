@@ -134,6 +134,13 @@ class ServerInfo:
     enable_prefix_caching: bool = False  # workers reuse the KV blocks of prompts they have seen
     quantization: str = ""  # how the target checkpoint stores its weights, e.g. "fp8 (blocks 128x128)"; "": floats
     draft_quantization: str = ""  # the same for the draft checkpoint
+    # Adaptive speculation as of the last second: shapes chosen, acceptance, fitted costs (JSON); "": fixed or off
+    speculation_json: str = ""
+
+    @property
+    def speculation(self) -> dict[str, Any]:
+        """What adaptive speculation measured and chose (see speculation_json); empty when fixed or off."""
+        return json.loads(self.speculation_json) if self.speculation_json else {}
 
     @property
     def speculative_config(self) -> dict[str, Any]:
@@ -160,4 +167,5 @@ class ServerInfo:
             enable_prefix_caching=msg.enable_prefix_caching,
             quantization=msg.quantization,
             draft_quantization=msg.draft_quantization,
+            speculation_json=msg.speculation_json,
         )

@@ -155,6 +155,10 @@ class LLMEngine:
         if params.resumed_tokens >= len(prompt_ids):
             raise ValueError(f"resumed_tokens: must be less than the prompt's {len(prompt_ids)} tokens (at least one "
                              f"is prompt); got {params.resumed_tokens}")  # fmt: skip
+        most = self.config.speculative_config.num_speculative_tokens if self.config.speculative_config else 0
+        if params.num_speculative_tokens is not None and params.num_speculative_tokens > most:
+            raise ValueError(f"num_speculative_tokens: must be in [0, {most}] (the server's num_speculative_tokens); "
+                             f"got {params.num_speculative_tokens}")  # fmt: skip
         if params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: must be in [1, {self.max_model_len}] (max_model_len); got {params.max_tokens}"

@@ -110,7 +110,7 @@ class Pipeline(ABC):
         spec = self.spec
         k = 0 if spec is None else spec.max_draft_len if self._tetris(requests) else spec.num_speculative_tokens
         carried = [(r.pending_drafts or 0) if r.request_id in continuing else 0 for r in requests]
-        return [max(0, min(k, r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
+        return [max(0, min(k, _own_cap(r, k), r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
 
     def _draft_plan(self, requests: list[Request], windows: list[int],
                     continuing: frozenset[str] = frozenset()) -> DraftPlan:
@@ -121,6 +121,12 @@ class Pipeline(ABC):
             return DraftPlan(tasks)
         spec = self.spec
         return DraftPlan(tasks, tetris_capacity=spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs)
+
+
+def _own_cap(request: Request, k: int) -> int:
+    """The most the request itself lets a window hold: its num_speculative_tokens (Tetris windows too)."""
+    own = request.params.num_speculative_tokens
+    return k if own is None else own
 
 
 class AutoregressivePipeline(Pipeline):

@@ -104,6 +104,7 @@ class _SamplingBody(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
+    num_speculative_tokens: StrictInt | None = None  # ours: the most this request may draft (0 = plainly)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -118,7 +119,7 @@ class _SamplingBody(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                    "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                   "bad_words": self.bad_words}
+                   "bad_words": self.bad_words, "num_speculative_tokens": self.num_speculative_tokens}
         return SamplingParams(
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),

@@ -161,6 +161,10 @@ class SamplingParams(BaseModel):
                                       "output an earlier run of this request already produced (the gateway sets it "
                                       "when it moves a request to another group): min_tokens, the presence and "
                                       "frequency penalties and bad words count them as output.")  # fmt: skip
+    num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=INT32_MAX, description="The most tokens this "
+                                                     "request may draft per verification (0 = decode it plainly); "
+                                                     "at most the server's num_speculative_tokens. None = the "
+                                                     "server's choice.")  # fmt: skip
     structured_outputs: StructuredOutputs | None = Field(None, description="A grammar the output follows (a JSON "
                                                          "schema, a regex, a choice); None = free text.")  # fmt: skip
 
