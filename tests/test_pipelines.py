@@ -161,3 +161,24 @@ def test_minedraft_runs_twice_max_num_seqs() -> None:
 def test_the_schedules_import_no_torch() -> None:
     code = "import sys, minedraft.engine.pipelines; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize("mode", ["sd", "pearl", "minedraft"])
+def test_a_step_always_has_work_while_requests_run_or_wait(mode: str) -> None:
+    """Requests that come and go at every step parity: no step is empty while one runs or waits (an empty plan
+    let the service's loop sleep until its next command: a half-second stall before a first token)."""
+    arrivals = {0: ["a"], 3: ["b"], 4: ["c"], 9: ["d"], 12: ["e", "f"], 17: ["g"]}
+    max_tokens = {"a": 2, "b": 3, "c": 1, "d": 4, "e": 2, "f": 5, "g": 3}
+    pipeline = make_pipeline(EngineConfig(speculative_config=SPECS[mode], max_num_seqs=2))
+    requests: dict[str, Request] = {}
+    for step in range(24):
+        for request_id in arrivals.get(step, []):
+            requests[request_id] = _request(request_id, max_tokens[request_id])
+            pipeline.batches.add(requests[request_id])
+        busy = bool(pipeline.batches.waiting) or any(pipeline.batches.batches)
+        admitted, draft, verify = pipeline.schedule()
+        row = _describe(admitted, draft, verify)
+        has_work = bool(draft and draft.tasks) or bool(verify and verify.tasks)
+        assert has_work == busy, f"step {step}: {row}"
+        _step_end(requests, draft, verify, set())
+        pipeline.batches.remove_finished()

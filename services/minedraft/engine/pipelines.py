@@ -169,10 +169,11 @@ class TwoBatchPipeline(Pipeline):
         everyone = [r for batch in self.batches.batches for r in batch]
         pending = [r for r in everyone if r.request_id in self.drafted]
         fresh = [r for r in everyone if r.request_id not in self.drafted]
+        if not everyone:
+            return admitted, None, None
         shape, windows, drafting = self._decide(fresh, everyone) if fresh else (self._shape, [], [])
         self._shape = shape
-        if everyone:
-            self.steps_by_shape[shape] += 1
+        self.steps_by_shape[shape] += 1
         if shape is Shape.PLAIN:
             return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in everyone])
         if not drafting or shape is Shape.SPECULATE and pending:
