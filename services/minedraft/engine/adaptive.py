@@ -1,7 +1,7 @@
 """Adaptive speculation: the shape of each step and how many tokens each request drafts in it, from what was
 measured here.
 
-Two online models (docs/engine.md, "Adaptive speculation"):
+Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
 
 - acceptance: the chance that the draft token at position j is accepted when every one before it was,
   from decayed counts over all verifications, scaled per request by its own acceptance so far (shrunk
