@@ -139,11 +139,12 @@ def test_a_cached_prefix_is_never_written_again(pair) -> None:
 
 # --- engines: the same outputs with and without the cache, and the cache is really used ---------------
 
+# Fixed k: the drafter's cache is tested too, and adaptive speculation may rightly leave a random draft idle.
 SPECS = {
     "ar": None,
-    "sd": {"num_speculative_tokens": 3},
-    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True},
-    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True},
+    "sd": {"num_speculative_tokens": 3, "adaptive": False},
+    "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True, "adaptive": False},
+    "minedraft": {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False},
 }
 
 

@@ -29,7 +29,7 @@ SCHEDULER = SchedulerSettings(
 )  # fmt: skip
 # `up --engine-groups N`: the gateway is the public edge (HTTP port, TLS); the groups serve gRPC to it alone
 GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
-WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0)
+WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0, cpu_threads_beside=3)
 PUBLIC = {name: getattr(SCHEDULER, name) for name in PublicApiSettings.model_fields}  # up's flags for both
 GATEWAY = GatewaySettings(placement_timeout=3.0, backend_tls_ca="ca.pem", backend_tls_server_name="groups", **PUBLIC)
 
