@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from minedraft.cli import build_parser
 
@@ -57,7 +59,10 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "no-gateway": {"gateway": {"enabled": False}},
     "keys-tls": {"apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
     "groups-keys-tls": {**GROUPS, "apiKeys": {"existingSecret": "keys"}, "tls": {"existingSecret": "certs"}},
+    "inference-pool": {"inferencePool": {"enabled": True}},
+    "groups-inference-pool": {**GROUPS, "inferencePool": {"enabled": True}},
 }
+CRDS = ("ServiceMonitor", "ScaledObject", "InferencePool", "HTTPRoute")  # no schema in kubernetes-validate
 
 
 def render(name: str) -> list[dict[str, Any]]:
@@ -73,7 +78,7 @@ def one(objs: list[dict], kind: str, name: str) -> dict:
 @pytest.mark.parametrize("name", sorted(COMBINATIONS))
 def test_every_object_validates(name: str) -> None:
     for obj in render(name):
-        if obj["kind"] in ("ServiceMonitor", "ScaledObject"):  # CRDs: checked below
+        if obj["kind"] in CRDS:  # checked below
             continue
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
@@ -293,3 +298,58 @@ def test_the_gateway_serves_http_by_default() -> None:
 def test_keys_and_tls_refuse_what_cannot_work(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
         renderer.render(gpu_ok(values))
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """A CRD's structural schema with unknown fields as errors (the API server would drop them silently)."""
+    schema = {k: _strict(v) if isinstance(v, dict) else v for k, v in schema.items()}
+    if "properties" in schema:
+        schema["properties"] = {k: _strict(v) for k, v in schema["properties"].items()}
+        schema.setdefault("additionalProperties", False)  # (metadata has no properties here: any ObjectMeta)
+    return schema
+
+
+def _inference_pool_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((ROOT / "tests" / "schemas" / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _strict(version["schema"]["openAPIV3Schema"])
+
+
+@pytest.mark.parametrize("name", ["inference-pool", "groups-inference-pool"])
+def test_inference_pool_fronts_the_schedulers_and_validates_against_the_extension_crd(name: str) -> None:
+    objs = render(name)
+    pool = one(objs, "InferencePool", "minedraft")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    jsonschema.validate(pool, _inference_pool_schema())
+    spec = pool["spec"]
+    # the CRD's CEL rules, which a JSON schema cannot say: a Service reference has a port, ports are unique
+    assert spec["endpointPickerRef"].get("kind", "Service") != "Service" or "port" in spec["endpointPickerRef"]
+    assert len({p["number"] for p in spec["targetPorts"]}) == len(spec["targetPorts"])
+    # the pool's pods are the ones that run a scheduler, on its OpenAI HTTP port
+    scheduler = one(objs, "Deployment", "minedraft-group" if name.startswith("groups") else "minedraft-scheduler")
+    pod = scheduler["spec"]["template"]
+    assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert spec["targetPorts"] == [{"number": 8000}]  # scheduler.httpPort: it serves /v1 and /metrics
+    # the endpoint picker behind the reference, and the route that sends the Gateway's traffic to the pool
+    epp = one(objs, "Service", spec["endpointPickerRef"]["name"])
+    assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in epp["spec"]["ports"]]
+    picker = one(objs, "Deployment", "minedraft-epp")["spec"]["template"]
+    assert epp["spec"]["selector"].items() <= picker["metadata"]["labels"].items()
+    args = picker["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool-name") + 1] == "minedraft"
+    route = one(objs, "HTTPRoute", "minedraft")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    (rule,) = route["spec"]["rules"]
+    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "minedraft"}
+    assert rule["backendRefs"] == [pool_ref]
+    assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+    assert not [o for o in render("default") if o["kind"] in ("InferencePool", "HTTPRoute")]  # off by default
+
+
+def test_the_vendored_crd_rejects_what_the_api_server_would() -> None:
+    schema = _inference_pool_schema()
+    good = one(render("inference-pool"), "InferencePool", "minedraft")
+    for broken in ({"targetPorts": []}, {"selector": {}}, {"endpointPickerRef": {"name": "e", "failureMode": "Maybe"}},
+                   {"unknown": 1}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**good, "spec": {**good["spec"], **broken}}, schema)

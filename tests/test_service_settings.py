@@ -26,12 +26,14 @@ SCHEDULER = SchedulerSettings(
     http_port=8123, served_model_name="tiny", tls_cert="cert.pem", tls_key="key.pem", max_prompt_bytes=4096,
     max_waiting_requests=7, metrics_port=9300, startup_timeout=77.0, worker_wait=11.0, join_timeout=12.0,
     request_drain_timeout=5.0, step_deadline_floor=13.0, max_steps_in_flight=1, log_stats_interval=3.0,
+    per_request_spec_decode_metrics="detailed",
 )  # fmt: skip
 # `up --engine-groups N`: the gateway is the public edge (HTTP port, TLS); the groups serve gRPC to it alone
 GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
 WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0, cpu_threads_beside=3)
 PUBLIC = {name: getattr(SCHEDULER, name) for name in PublicApiSettings.model_fields}  # up's flags for both
-GATEWAY = GatewaySettings(placement_timeout=3.0, backend_tls_ca="ca.pem", backend_tls_server_name="groups", **PUBLIC)
+GATEWAY = GatewaySettings(placement_timeout=3.0, backend_tls_ca="ca.pem", backend_tls_server_name="groups",
+                          routing_policy="predicted", **PUBLIC)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +91,7 @@ def test_every_service_setting_reaches_every_process_of_up_with_engine_groups() 
     gateway = _off_default(GATEWAY, "backend_tls_ca", "backend_tls_server_name")  # up's groups serve plaintext
     gateway = gateway.model_copy(update={"backend_tls_ca": None, "backend_tls_server_name": None})
     stack = _up("--engine-groups", "3", *_flags(scheduler), *_flags(worker), "--placement-timeout", "3",
-                "--api-key", "secret-1")  # fmt: skip
+                "--routing-policy", "predicted", "--api-key", "secret-1")  # fmt: skip
     assert len(stack.groups) == 3
     for i, group in enumerate(stack.groups):
         expected = GROUPS_SCHEDULER.model_copy(update={"metrics_port": scheduler.metrics_port + i})

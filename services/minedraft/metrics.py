@@ -41,6 +41,11 @@ PREFIX_CACHE_QUERIES = "minedraft:prefix_cache_queries"  # the verifier's (the t
 PREFIX_CACHE_HITS = "minedraft:prefix_cache_hits"
 DRAFT_PREFIX_CACHE_QUERIES = "minedraft:draft_prefix_cache_queries"
 DRAFT_PREFIX_CACHE_HITS = "minedraft:draft_prefix_cache_hits"
+KV_CACHE_USAGE = "minedraft:kv_cache_usage_perc"
+ITL_SECONDS = "minedraft:inter_token_latency_seconds"
+PREFILL_SECONDS = "minedraft:request_prefill_time_seconds"
+PROMPT_TOKENS = "minedraft:prompt_tokens"
+CACHE_CONFIG = "minedraft:cache_config_info"
 
 _FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -55,18 +60,19 @@ VLLM_NAMES = {
     GENERATION_TOKENS: "vllm:generation_tokens",
     "minedraft:request_success": "vllm:request_success",
     "minedraft:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
-    "minedraft:inter_token_latency_seconds": "vllm:request_time_per_output_token_seconds",
+    ITL_SECONDS: "vllm:request_time_per_output_token_seconds",
     "minedraft:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     NUM_REQUESTS_WAITING: "vllm:num_requests_waiting",
     NUM_REQUESTS_RUNNING: "vllm:num_requests_running",
     PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
-    "minedraft:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    KV_CACHE_USAGE: "vllm:kv_cache_usage_perc",
+    CACHE_CONFIG: "vllm:cache_config_info",
     "minedraft:num_preemptions": "vllm:num_preemptions",
-    "minedraft:prompt_tokens": "vllm:prompt_tokens",
+    PROMPT_TOKENS: "vllm:prompt_tokens",
     "minedraft:time_between_outputs_seconds": "vllm:inter_token_latency_seconds",
     "minedraft:request_queue_time_seconds": "vllm:request_queue_time_seconds",
-    "minedraft:request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    PREFILL_SECONDS: "vllm:request_prefill_time_seconds",
     "minedraft:request_decode_time_seconds": "vllm:request_decode_time_seconds",
     "minedraft:request_inference_time_seconds": "vllm:request_inference_time_seconds",
 }
@@ -117,7 +123,7 @@ class Metrics:
             "minedraft:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "minedraft:inter_token_latency_seconds",
+            ITL_SECONDS,
             "Mean time per output token after the first",
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -130,7 +136,7 @@ class Metrics:
             "that gave it tokens, however many)", buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
-            "minedraft:prompt_tokens", "Prompt tokens of the requests that got their first token", registry=r
+            PROMPT_TOKENS, "Prompt tokens of the requests that got their first token", registry=r
         )
         self.phases = {
             phase: Histogram(f"minedraft:request_{phase}_time_seconds", help_text, buckets=_LATENCY_BUCKETS, registry=r)
@@ -144,8 +150,13 @@ class Metrics:
         self.waiting = Gauge(NUM_REQUESTS_WAITING, "Requests waiting for a batch", registry=r)
         self.running = Gauge(NUM_REQUESTS_RUNNING, "Requests in a batch", registry=r)
         self.kv_usage = Gauge(
-            "minedraft:kv_cache_usage_perc", "Share of the KV blocks charged to running requests (1 = full)", registry=r
+            KV_CACHE_USAGE, "Share of the KV blocks charged to running requests (1 = full)", registry=r
         )
+        self.cache_config = Gauge(
+            CACHE_CONFIG, "The verifier's KV cache (1 for its one label set), as vLLM's: what the Kubernetes "
+            "inference gateway's endpoint picker reads for prefix-aware scheduling",
+            ["block_size", "num_gpu_blocks"], registry=r,
+        )  # fmt: skip
         self.preemptions = Counter(
             "minedraft:num_preemptions", "Requests preempted (KV dropped, prefilled again) for lack of KV blocks",
             registry=r,
@@ -178,6 +189,7 @@ class Metrics:
             "verified; both halves count), overlap (drafting beside verification)", ["shape"], registry=r,
         )  # fmt: skip
         self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
+        self._cache_config: dict[str, str] = {}
         self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
         self.prefix_cache = {  # role -> (queries, hits), both in prompt tokens
             "verifier": (
@@ -260,6 +272,14 @@ class Metrics:
                 self.chosen_k.labels(k=str(k)).inc(count - windows.get(k, 0))
         self.plain_steps.inc(controller.num_plain - plain)
         self._choices_seen = (controller, dict(controller.windows), controller.num_plain)
+
+    def record_cache_config(self, num_blocks: int, block_size: int) -> None:
+        """The KV pool's shape; a new world may bring another one, which replaces it."""
+        labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}
+        if self._cache_config != labels:
+            self.cache_config.clear()
+            self.cache_config.labels(**labels).set(1)
+            self._cache_config = labels
 
     def record_output(self, request: Request, gap_s: float | None) -> None:
         """A step gave `request` tokens; `gap_s`: the time since its previous output (None: the first)."""

@@ -145,6 +145,7 @@ async def _start_openai(
         api_keys=api.api_keys,
         is_serving=lambda: state.serving,
         registry=metrics.registry,
+        spec_decode_metrics=api.settings.per_request_spec_decode_metrics,
         decoding=config.decoding(),
         max_body_bytes=api.settings.max_request_bytes,
     )

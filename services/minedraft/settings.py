@@ -9,7 +9,7 @@ addresses, the gateway's backends) and secrets (API keys) are not settings: they
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,6 +63,11 @@ class PublicApiSettings(ServiceSettings):
         "request sizes.",
     )  # fmt: skip
     max_waiting_requests: int = Field(256, ge=0, description="Queued requests beyond this get RESOURCE_EXHAUSTED.")
+    per_request_spec_decode_metrics: Literal["summary", "detailed"] | None = Field(
+        None, description="HTTP responses (and a stream's final chunk) carry the request's speculative decoding "
+        "counts as `metrics.speculative_decoding`: summary (drafts, draft and accepted tokens, mean acceptance "
+        "length) or detailed (also the accepted count per draft position); none: off.",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _check_tls(self) -> PublicApiSettings:
@@ -140,6 +145,12 @@ class GatewaySettings(PublicApiSettings):
     placement_timeout: float = Field(
         60.0, gt=0, description="Seconds a request without a deadline may wait for a serving engine group; then "
         "UNAVAILABLE.",
+    )  # fmt: skip
+    routing_policy: Literal["least-work", "prefix", "predicted"] = Field(
+        "least-work", description="How a request picks its engine group: least-work (fewest requests, then tokens "
+        "owed), prefix (the group that holds the longest cached prefix of the prompt, or an x-session-id's "
+        "group, unless it is overloaded), predicted (the earliest predicted completion from each group's "
+        "measured speed, queue and cached prefix).",
     )  # fmt: skip
     backend_tls_ca: str | None = Field(
         None, description="PEM certificates the gateway trusts for the schedulers' TLS (their issuer, or their "

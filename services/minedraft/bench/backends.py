@@ -90,7 +90,9 @@ class OpenAIBackend(Backend):
     """An OpenAI-compatible server (`minedraft up --http-port`, `vllm serve`, ...) over HTTP with aiohttp.
 
     Asks for the usage in the stream (`stream_options.include_usage`) for the token counts; a server that
-    sends none has its output tokens counted at the client with `tokenizer` (else one per chunk)."""
+    sends none has its output tokens counted at the client with `tokenizer` (else one per chunk). A server
+    that sends each request's speculative decoding counts (MineDraft's --per-request-spec-decode-metrics)
+    has them read from the stream's last chunk."""
 
     def __init__(
         self, base_url: str, chat: bool, timeout: float | None, model: str | None = None,
@@ -175,6 +177,10 @@ class OpenAIBackend(Backend):
         if usage := event.get("usage"):
             record.prompt_tokens = usage.get("prompt_tokens") or record.prompt_tokens
             record.completion_tokens = usage.get("completion_tokens") or 0
+        if stats := (event.get("metrics") or {}).get("speculative_decoding"):  # --per-request-spec-decode-metrics
+            record.num_drafts, record.num_draft_tokens = stats["num_drafts"], stats["num_draft_tokens"]
+            record.num_accepted_tokens = stats["num_accepted_tokens"]
+            record.accepted_per_pos = list(stats.get("num_accepted_tokens_per_pos") or [])
 
     async def close(self) -> None:
         if self._session is not None:

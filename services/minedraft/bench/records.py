@@ -49,7 +49,8 @@ class RequestRecord:
     prompt_tokens: int = 0  # the server's usage, else the dataset's count
     completion_tokens: int = 0  # the server's usage, else the tokens counted at the client
     finish_reason: str | None = None
-    num_drafts: int = 0  # speculative statistics, where the server reports them per request (gRPC)
+    num_drafts: int = 0  # speculative statistics, where the server reports them per request (gRPC, or HTTP
+    # from a server with per-request spec decode metrics on)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)

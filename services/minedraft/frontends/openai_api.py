@@ -25,6 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
+from minedraft.engine.request import Request as EngineRequest
+from minedraft.engine.request import SpecDecodeStats
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
@@ -338,8 +340,11 @@ class OpenAIFrontend:
         registry: CollectorRegistry | None = None,
         max_body_bytes: int | None = None,
         decoding: dict[str, str] | None = None,
+        spec_decode_metrics: str | None = None,
     ) -> None:
+        """`spec_decode_metrics`: 'summary' or 'detailed' (see settings' per_request_spec_decode_metrics)."""
         self.generator = generator
+        self.spec_decode_metrics = spec_decode_metrics
         self.decoding = decoding or {}
         self.max_body_bytes = max_body_bytes
         self.model_name = served_model_name
@@ -383,6 +388,7 @@ class OpenAIFrontend:
         echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
         stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                                   self.generator.tokenizer, echo=echo)  # fmt: skip
+        stream.spec_decode_metrics = self.spec_decode_metrics
         if samples > body.n:
             return await _respond_best(generations, stream, body.n, samples, body.logprobs is not None)
         return await _respond(generations, stream, body.stream, body.n)
@@ -400,6 +406,7 @@ class OpenAIFrontend:
                                        add_special_tokens=False, fit_context=asked is not None)  # fmt: skip
         stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
                             self.generator.tokenizer, tools=body.tool_use())  # fmt: skip
+        stream.spec_decode_metrics = self.spec_decode_metrics
         return await _respond(generations, stream, body.stream, body.n)
 
     def _render(self, body: ChatCompletionBody | TokenizeBody) -> str:
@@ -557,6 +564,22 @@ class _Stream:
 
     object_full: str
     object_chunk: str
+    spec_decode_metrics: str | None = None  # 'summary' or 'detailed': responses carry the requests' drafts
+
+    def metrics(self, body: dict, finished: list[EngineRequest]) -> dict:
+        """`body` with the finished requests' speculative decoding counts (`metrics.speculative_decoding`), if
+        asked."""
+        if self.spec_decode_metrics is None:
+            return body
+        stats = SpecDecodeStats()
+        for request in finished:
+            stats.merge(request.stats)
+        counts = {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                  "num_accepted_tokens": stats.num_accepted_tokens,
+                  "mean_acceptance_length": stats.mean_accepted_length}  # fmt: skip
+        if self.spec_decode_metrics == "detailed":
+            counts["num_accepted_tokens_per_pos"] = list(stats.num_accepted_tokens_per_pos)
+        return body | {"metrics": {"speculative_decoding": counts}}
 
     def __init__(self, response_id: str, model: str, include_usage: bool, tokenizer: Tokenizer | None = None) -> None:
         self.id, self.model, self.include_usage = response_id, model, include_usage
@@ -717,6 +740,10 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def _finished(generations: list[Generation]) -> list[EngineRequest]:
+    return [g.finished for g in generations]
+
+
 def _usage(generations: list[Generation], n: int) -> dict:
     """Each prompt counts once, however many samples it had; every sample's output counts."""
     prompt = sum(len(g.prompt_ids) for g in generations[::n])
@@ -735,7 +762,7 @@ async def _respond(generations: list[Generation], stream: _Stream, streaming: bo
                for i, (g, items) in enumerate(zip(generations, outputs))]  # fmt: skip
     for choice, g, items in zip(choices, generations, outputs):
         _add_prompt_logprobs(stream, choice, g, items)
-    return JSONResponse(stream.full(choices, _usage(generations, n)))
+    return JSONResponse(stream.metrics(stream.full(choices, _usage(generations, n)), _finished(generations)))
 
 
 async def _respond_best(generations: list[Generation], stream: _Stream, n: int, samples: int,
@@ -756,7 +783,7 @@ async def _respond_best(generations: list[Generation], stream: _Stream, n: int, 
         logprobs = _item_logprobs(items) if with_logprobs else None
         choices.append(stream.choice(i, "".join(item.text for item in items), g.finished.finish_reason, logprobs))
         _add_prompt_logprobs(stream, choices[-1], g, items)
-    return JSONResponse(stream.full(choices, _usage(generations, samples)))
+    return JSONResponse(stream.metrics(stream.full(choices, _usage(generations, samples)), _finished(generations)))
 
 
 def _cumulative_logprob(items: list[StreamItem]) -> float:
@@ -800,13 +827,14 @@ async def _sse(generations: list[Generation], stream: _Stream, n: int) -> AsyncI
                     chunks.append(stream.chunk(item.text, None, _item_logprobs([item]), index))
                 if chunks and chunks[0] is not None:
                     _add_prompt_logprobs(stream, chunks[0]["choices"][0], generations[index], [item])
-                if finished is not None:
-                    chunks.append(stream.chunk("", finished.finish_reason, None, index))
+                if finished is not None:  # the choice's last chunk: its drafts, if asked
+                    last = stream.chunk("", finished.finish_reason, None, index)
+                    chunks.append(last and stream.metrics(last, [finished]))
                 for chunk in chunks:
                     if chunk is not None:  # None: held back (a choice whose tool calls are parsed at its finish)
                         yield _event(chunk)
             if stream.include_usage:
-                yield _event(stream.usage_chunk(_usage(generations, n)))
+                yield _event(stream.metrics(stream.usage_chunk(_usage(generations, n)), _finished(generations)))
         except GenerateError as exc:
             yield _event(error_body(STATUS[exc.kind], exc.message))
     yield "data: [DONE]\n\n"

@@ -5,8 +5,8 @@ that is NOT_SERVING or unreachable is skipped. Among the serving ones a request 
 the least outstanding work: the requests in the group (the larger of what this gateway has in flight
 there and what the scheduler last reported, waiting + running, plus what this gateway sent since, so
 that gateway replicas see each other's load), then the tokens this gateway is still owed there.
-The scheduler's report is its Prometheus gauges, read every `LOAD_INTERVAL_S` when its metrics port is
-known.
+The scheduler's report is its Prometheus metrics, read every `LOAD_INTERVAL_S` when its metrics port is
+known: its queue, KV use and speed (`Measured`), which the routing policies read (`policies.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import generate_pb2_grpc
-from minedraft.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from minedraft.metrics import (
+    ITL_SECONDS,
+    KV_CACHE_USAGE,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PREFILL_SECONDS,
+    PROMPT_TOKENS,
+    Samples,
+)
 from minedraft.metrics import scrape as _scrape
 from minedraft.serving import PUBLIC_SERVICE, grpc_options
 
@@ -31,6 +39,35 @@ log = logging.getLogger("minedraft.gateway")
 _REWATCH_S = 0.5  # pause before watching a group's health again after the watch broke
 LOAD_INTERVAL_S = 1.0
 _QUEUE_GAUGES = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING)
+
+
+@dataclass
+class Measured:
+    """What a group's scheduler reported at its last scrape: KV use, and its recent speed from the growth of
+    its counters since the scrape before (None until a request finished there)."""
+
+    kv_usage: float = 0.0
+    token_seconds: float | None = None  # a running request's time per output token (finished requests' ITL)
+    running: float = 1.0  # ... while this many requests ran
+    prefill_token_seconds: float | None = None  # prefill time per prompt token
+    _last: Samples = field(default_factory=dict, repr=False)
+
+    def update(self, samples: Samples) -> None:
+        self.kv_usage = samples.get(KV_CACHE_USAGE, 0.0)
+        token_seconds = self._rate(samples, ITL_SECONDS + "_sum", ITL_SECONDS + "_count")
+        if token_seconds:  # the requests that finished since were running at the scrape before
+            self.token_seconds = token_seconds
+            self.running = max(self._last.get(NUM_REQUESTS_RUNNING, 0.0), samples.get(NUM_REQUESTS_RUNNING, 0.0), 1.0)
+        prefill = self._rate(samples, PREFILL_SECONDS + "_sum", PROMPT_TOKENS + "_total")
+        self.prefill_token_seconds = prefill or self.prefill_token_seconds
+        self._last = samples
+
+    def _rate(self, samples: Samples, numerator: str, denominator: str) -> float | None:
+        """d(numerator) / d(denominator) since the last scrape; None when the denominator did not grow."""
+        grown = samples.get(denominator, 0.0) - self._last.get(denominator, 0.0)
+        if not self._last or grown <= 0:
+            return None
+        return (samples.get(numerator, 0.0) - self._last.get(numerator, 0.0)) / grown
 
 
 class NoBackend(Exception):
@@ -50,6 +87,7 @@ class Backend:
     tokens: int = 0  # tokens still owed on them (their remaining max_tokens)
     reported: int | None = None  # the scheduler's waiting + running requests at its last report
     sent_since_report: int = 0  # requests this gateway placed there since that report
+    measured: Measured = field(default_factory=Measured)
     tasks: list[asyncio.Task] = field(default_factory=list, repr=False)
 
     @property
@@ -60,6 +98,13 @@ class Backend:
     def take_report(self, queued: int) -> None:
         self.reported = queued
         self.sent_since_report = 0
+
+
+def least_work(backends: list[Backend]) -> Backend:
+    return min(backends, key=lambda b: b.load)
+
+
+Choose = Callable[[list[Backend]], Backend]  # one of several serving groups (a routing policy's choice)
 
 
 @dataclass(frozen=True)
@@ -134,11 +179,13 @@ class Pool:
             await asyncio.sleep(_REWATCH_S)
 
     async def _read_load(self, backend: Backend) -> None:
-        """The scheduler's queue (waiting + running requests), every LOAD_INTERVAL_S; unknown when unreadable."""
+        """The scheduler's queue (waiting + running requests) and speed, every LOAD_INTERVAL_S; the queue is
+        unknown when unreadable."""
         while True:
             try:
                 samples = await asyncio.to_thread(_scrape, backend.metrics_url)
                 backend.take_report(int(sum(samples.get(name, 0.0) for name in _QUEUE_GAUGES)))
+                backend.measured.update(samples)
             except ConnectionError:
                 backend.reported = None
             await asyncio.sleep(LOAD_INTERVAL_S)
@@ -162,15 +209,16 @@ class Pool:
     def serving_addresses(self) -> set[str]:
         return {b.address for b in self.backends.values() if b.serving}
 
-    def pick(self, avoid: set[str]) -> Backend | None:
-        """The serving group with the least outstanding work, preferring those not in `avoid`."""
+    def pick(self, avoid: set[str], choose: Choose = least_work) -> Backend | None:
+        """The serving group `choose` picks (by default the one with the least outstanding work), preferring
+        those not in `avoid`."""
         serving = [b for b in self.backends.values() if b.serving]
         preferred = [b for b in serving if b.address not in avoid] or serving
-        return min(preferred, key=lambda b: b.load, default=None)
+        return choose(preferred) if preferred else None
 
-    async def acquire(self, deadline: float, avoid: set[str], tokens: int) -> Backend:
+    async def acquire(self, deadline: float, avoid: set[str], tokens: int, choose: Choose = least_work) -> Backend:
         """Wait (until `deadline`, time.monotonic()) for a serving group; count the request on it."""
-        while (backend := self.pick(avoid)) is None:
+        while (backend := self.pick(avoid, choose)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NoBackend(f"no engine group is serving ({len(self.backends)} known)")

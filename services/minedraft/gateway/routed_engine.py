@@ -2,12 +2,13 @@
 
 The HTTP app, its generate interface and their limits are the scheduler's own (`frontends/`); only the
 engine under them differs: a request submitted here goes through the gateway's `Router`, as a gRPC
-request does, so it is placed by least outstanding work and migrates when its group fails.
+request does, so it is placed by the routing policy and migrates when its group fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import grpc
 
@@ -15,6 +16,7 @@ from minedraft.api import generate_pb2
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine_client import Sink, StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError
+from minedraft.gateway.policies import SESSION_HEADER
 from minedraft.gateway.router import Migration, Refused, Router
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams
@@ -26,6 +28,24 @@ KINDS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.BUSY,
     grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
 }
+
+
+# The x-session-id of the HTTP request being handled (the engine client's interface carries no headers).
+_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
+
+
+class SessionHeader:
+    """ASGI middleware: each HTTP request's x-session-id, for `RoutedEngine.submit` (same task, same context)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._name = SESSION_HEADER.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            value = next((v for k, v in scope["headers"] if k.lower() == self._name), None)
+            _session.set(value.decode("latin-1") if value else None)
+        await self.app(scope, receive, send)
 
 
 class RoutedEngine:
@@ -54,7 +74,7 @@ class RoutedEngine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
                sink: Sink) -> None:  # fmt: skip
-        migration = Migration(request_id, prompt_ids, params, self.tokenizer)
+        migration = Migration(request_id, prompt_ids, params, self.tokenizer, _session.get())
         task = asyncio.get_running_loop().create_task(self._stream(migration, sink), name=f"request-{request_id}")
         self._tasks[request_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))

@@ -1,6 +1,7 @@
 """The gateway's routing: one request over the engine groups, with migration when its group fails.
 
-A request is sent to the group with the least outstanding work (`pool.py`). When that group fails
+A request is sent to the group its routing policy picks (`policies.py`; by default the one with the least
+outstanding work, `pool.py`). When that group fails
 mid-request (UNAVAILABLE: its scheduler died or lost its verifier for good), it is submitted again to
 another group as prompt + the tokens already streamed, with the remaining max_tokens and the same seed.
 Both public protocols route through `Router`: gRPC (`service.py`) and the OpenAI HTTP API
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from minedraft.api import generate_pb2
 from minedraft.engine.request import Request
+from minedraft.gateway.policies import LeastWork
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import SamplingParams
@@ -43,9 +45,11 @@ def _nothing() -> None:
 class Migration:
     """What the gateway knows of one request: the original prompt, a mirror of its output, its seed."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                 session: str | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.session = session  # the client's x-session-id, for the policies that keep a session on one group
         # One seed for every submission: the random stream is keyed by (seed, position), so a resubmission
         # continues it where the dead group left off.
         self.params = params if params.seed is not None else params.model_copy(update={"seed": random.getrandbits(63)})
@@ -134,13 +138,15 @@ class GatewayMetrics(Collector):
 
 
 class Router:
-    """Runs one request over the engine groups, for both public protocols: placed on the group with the least
-    outstanding work; resubmitted to another when its group fails mid-way, until it is finished."""
+    """Runs one request over the engine groups, for both public protocols: placed on the group its policy
+    picks; resubmitted to another when its group fails mid-way, until it is finished."""
 
-    def __init__(self, pool: Pool, placement_timeout_s: float, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, pool: Pool, placement_timeout_s: float, metrics: GatewayMetrics | None = None,
+                 policy: LeastWork | None = None) -> None:  # fmt: skip
         self.pool = pool
         self.placement_timeout_s = placement_timeout_s
         self.metrics = metrics
+        self.policy = policy or LeastWork()
 
     async def run(
         self, migration: Migration, time_remaining: Callable[[], float | None], on_placed: Callable[[], None] = _nothing
@@ -150,8 +156,7 @@ class Router:
         full: set[str] = set()  # groups that refused it for a full queue
         while not migration.mirror.finished:
             try:
-                backend = await self.pool.acquire(self._placement_deadline(time_remaining()), avoid | full,
-                                                  migration.remaining)  # fmt: skip
+                backend = await self._place(migration, self._placement_deadline(time_remaining()), avoid | full)
             except NoBackend as exc:
                 message = f"{exc}; request {migration.request_id} not placed"
                 raise Refused(grpc.StatusCode.UNAVAILABLE, message) from None
@@ -172,6 +177,15 @@ class Router:
                 if self.metrics is not None:
                     self.metrics.resubmissions.inc()
                 await asyncio.sleep(_RETRY_PAUSE_S)
+
+    async def _place(self, migration: Migration, deadline: float, avoid: set[str]) -> Backend:
+        """The group for the request's (rest of) tokens, by policy; the policy learns where it went."""
+        ids = migration.prompt_ids + migration.mirror.output_ids
+        request = self.policy.placement(ids, migration.remaining, migration.session)
+        backend = await self.pool.acquire(deadline, avoid, migration.remaining,
+                                          lambda backends: self.policy.choose(backends, request))  # fmt: skip
+        self.policy.placed(backend, request)
+        return backend
 
     def _placement_deadline(self, remaining: float | None) -> float:
         """Until when (time.monotonic()) a request may wait for a serving group, at each placement: a little

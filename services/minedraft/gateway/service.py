@@ -1,7 +1,7 @@
 """`minedraft gateway`: the public MineDraft API in front of N engine groups, with request migration.
 
-Stateless: a request lives here only while its stream is open. `router.py` places it on the group with
-the least outstanding work and, when that group fails mid-request, submits it again to another group as
+Stateless: a request lives here only while its stream is open. `router.py` places it on the group its
+routing policy picks (`policies.py`) and, when that group fails mid-request, submits it again to another group as
 prompt + the tokens already streamed, with the remaining max_tokens and the same seed; the client's
 stream goes on.
 """
@@ -27,8 +27,9 @@ from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import GenerateError, Generator, Limits
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
+from minedraft.gateway.policies import SESSION_HEADER, make_policy
 from minedraft.gateway.pool import BackendAccess, Pool
-from minedraft.gateway.routed_engine import RoutedEngine
+from minedraft.gateway.routed_engine import RoutedEngine, SessionHeader
 from minedraft.gateway.router import GatewayMetrics, Migration, Refused, Router
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.serving import (
@@ -63,7 +64,8 @@ class GatewayServicer:
         if not prompt_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: it must contain at least one token")
         tokenizer = self.generator.tokenizer
-        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer)
+        session = dict(context.invocation_metadata() or ()).get(SESSION_HEADER)
+        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer, session)
         try:
             async for response in self.router.run(migration, context.time_remaining):
                 yield response
@@ -106,7 +108,8 @@ class _Public:
     def __init__(self, api: GatewayApi, pool: Pool, tokenizer: Tokenizer, tokenizer_path: str) -> None:
         self.api, self.pool, self.tokenizer = api, pool, tokenizer
         self.metrics = GatewayMetrics(pool)
-        self.router = Router(pool, api.settings.placement_timeout, self.metrics)
+        policy = make_policy(api.settings.routing_policy)
+        self.router = Router(pool, api.settings.placement_timeout, self.metrics, policy)
         self.health = health_aio.HealthServicer()
         limits = Limits.of(api.settings)
         self.generator = Generator(tokenizer, limits)
@@ -133,7 +136,8 @@ class _Public:
         self._changed(self.pool.any_serving)  # in case it changed while the server started
         if settings.http_port:
             try:
-                self.http = await start_http(self.frontend.app(), self.api.host, settings.http_port, tls)
+                app = SessionHeader(self.frontend.app())
+                self.http = await start_http(app, self.api.host, settings.http_port, tls)
             except BaseException:
                 await self.grpc.stop(grace=None)
                 raise
@@ -146,7 +150,7 @@ class _Public:
             self.generator, served_model_name=self.model_name,
             chat_template=ChatTemplate.from_checkpoint(Path(self.tokenizer_path)), api_keys=self.api.api_keys,
             is_serving=lambda: self.serving_http, max_body_bytes=settings.max_request_bytes,
-            registry=self.metrics.registry,
+            registry=self.metrics.registry, spec_decode_metrics=settings.per_request_spec_decode_metrics,
         )  # fmt: skip
 
     def _changed(self, serving: bool) -> None:
@@ -164,6 +168,7 @@ class _Public:
             return
         spec = json.loads(info.speculative_config_json) if info.speculative_config_json else None
         self.frontend.decoding = EngineConfig(speculative_config=spec).decoding()  # the groups', for /v1/models
+        self.router.policy.block_size, self.router.policy.max_num_seqs = info.kv_block_size, info.max_num_seqs
         self.generator.engine = RoutedEngine(self.router, self.tokenizer, info)
         log.info("engine groups serve %s in %s mode, max_model_len %d", self.model_name, info.mode, info.max_model_len)
 

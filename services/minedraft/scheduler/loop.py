@@ -309,6 +309,7 @@ class EngineLoop:
         self.metrics.running.set(batches.num_running)
         if batches.budget is not None:
             self.metrics.kv_usage.set(batches.used_blocks / batches.budget.num_blocks)
+            self.metrics.record_cache_config(batches.budget.num_blocks, batches.budget.block_size)
         self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = self.engine.num_preemptions
 
