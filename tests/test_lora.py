@@ -74,7 +74,7 @@ def runner(path, lora: LoraOptions | None = None, **kwargs) -> ModelRunner:
 
 
 def logits_of(r: ModelRunner, ids: list[int], lora: str | None = None) -> torch.Tensor:
-    return r.forward([SeqInput(r.allocate_slot(), ids, 0, num_logits=len(ids), lora=lora)])
+    return r.forward([SeqInput(r.allocate_slot(lora), ids, 0, num_logits=len(ids))])
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
@@ -97,9 +97,8 @@ def test_mixed_batch_gives_each_what_it_gives_alone(lora_world):
     names = ["a", None, "b", "c"]
     prompts = [tokens(9 + i, seed=10 + i) for i in range(len(names))]
     alone = [logits_of(r, p, n) for p, n in zip(prompts, names, strict=True)]
-    slots = [r.allocate_slot() for _ in names]
-    together = r.forward([SeqInput(s, p, 0, num_logits=len(p), lora=n)
-                          for s, p, n in zip(slots, prompts, names, strict=True)])
+    slots = [r.allocate_slot(n) for n in names]
+    together = r.forward([SeqInput(s, p, 0, num_logits=len(p)) for s, p in zip(slots, prompts, strict=True)])
     torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=1e-5)
 
 
@@ -112,7 +111,7 @@ def test_slots_are_reused_least_recent_first(lora_world):
         reference = logits_of(runner(merged[name]), ids)
         torch.testing.assert_close(logits_of(r, ids, name), reference, atol=1e-4, rtol=1e-5)
     with pytest.raises(LoraError, match="exceed max_loras 1"):
-        r.forward([SeqInput(r.allocate_slot(), ids, 0, lora="a"), SeqInput(r.allocate_slot(), ids, 0, lora="b")])
+        r.forward([SeqInput(r.allocate_slot("a"), ids, 0), SeqInput(r.allocate_slot("b"), ids, 0)])
 
 
 def _edit_config(adapter: str, folder: Path, **changes) -> str:
@@ -144,7 +143,70 @@ def test_unknown_adapter_and_adapter_as_model_refused(lora_world):
     r = runner(base, LoraOptions({"a": adapters["a"]}))
     with pytest.raises(LoraError, match="unknown LoRA adapter 'zzz'"):
         logits_of(r, tokens(5, 1), "zzz")
-    with pytest.raises(ValueError, match="started without LoRA"):
+    with pytest.raises(ValueError, match="asked of a model started without LoRA"):
         logits_of(runner(base), tokens(5, 1), "a")
     with pytest.raises(CheckpointError, match="is a LoRA adapter.*--enable-lora --lora-modules"):
         resolve_checkpoint_dir(adapters["a"])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny target/draft pair, three target adapters (one with a drafter adapter) and each one merged."""
+    from conftest import make_pair
+
+    root = tmp_path_factory.mktemp("served")
+    target, draft = (Path(p) for p in make_pair(root))
+    adapters = {name: make_adapter(target, root / name, seed=i + 1) for i, name in enumerate("abc")}
+    merged = {name: str(merged_checkpoint(target, path, root / f"merged-{name}")) for name, path in adapters.items()}
+    drafter_adapter = make_adapter(draft, root / "a-draft", seed=9)
+    modules = [{"name": n, "path": str(p)} for n, p in adapters.items()]
+    modules[0]["draft_path"] = str(drafter_adapter)
+    return (str(target), str(draft)), modules, merged
+
+
+def greedy(config, jobs: list[tuple[list[int], str | None]], max_tokens: int = 12) -> list[list[int]]:
+    from minedraft.engine.engine import LLMEngine
+    from minedraft.sampling.params import SamplingParams
+
+    engine = LLMEngine.local(config)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [engine.add_request(p, params, lora=lora) for p, lora in jobs]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+MODES = {"ar": None, "sd": {"num_speculative_tokens": 3},
+         "minedraft": {"num_speculative_tokens": 3, "is_parallel": True}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_equals_the_merged_target_alone(served, mode):
+    """A batch mixing three adapters (a's drafter with its own adapter) and base requests: every request's
+    greedy output is that of its merged target (or the base) alone."""
+    from conftest import tiny_config
+
+    pair, modules, merged = served
+    config = tiny_config(pair, MODES[mode], enable_lora=True, lora_modules=modules, max_loras=3, max_num_seqs=4)
+    names = ["a", None, "b", "c", "a", None]
+    prompts = [tokens(6 + i, seed=20 + i) for i in range(len(names))]
+    outputs = greedy(config, list(zip(prompts, names, strict=True)))
+    for prompt, name, output in zip(prompts, names, outputs, strict=True):
+        alone = tiny_config((merged[name], pair[1]) if name else pair)
+        assert output == greedy(alone, [(prompt, None)])[0], name
+    assert outputs[0] != greedy(tiny_config(pair), [(prompts[0], None)])[0], "the adapter changes the output"
+
+
+def test_engine_refuses_unknown_adapter_and_drafter_adapter_with_eagle(served):
+    from minedraft.engine.engine import LLMEngine
+    from minedraft.sampling.params import SamplingParams
+
+    from conftest import tiny_config
+
+    pair, modules, _ = served
+    engine = LLMEngine.local(tiny_config(pair, enable_lora=True, lora_modules=modules[1:]))
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'zzz'"):
+        engine.add_request([5, 6, 7], SamplingParams(), lora="zzz")
+    with pytest.raises(ValueError, match="draft_path.*not EAGLE heads or PARD"):
+        tiny_config(pair, {"num_speculative_tokens": 2, "parallel_drafting": True}, enable_lora=True,
+                    lora_modules=modules)

@@ -26,13 +26,11 @@ HERE = Path(__file__).resolve()
 def run_script(runner, lora: str | None = None) -> torch.Tensor:
     """Prefill two sequences, verify drafts next to a decode, roll back and rewrite: all logits. lora: sequence
     a goes through that adapter, b through none."""
-    from minedraft.model.runner import SeqInput as Seq
-
-    SeqInput = lambda slot, *args, **kw: Seq(slot, *args, **kw, lora=lora if slot == a else None)  # noqa: E731
+    from minedraft.model.runner import SeqInput
 
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, runner.config.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    a, b = runner.allocate_slot(), runner.allocate_slot()
+    a, b = runner.allocate_slot(lora), runner.allocate_slot()
     out = [runner.forward([SeqInput(a, ids(40), 0, num_logits=40), SeqInput(b, ids(25), 0)])]
     out.append(runner.forward([SeqInput(b, ids(1), 25), SeqInput(a, ids(5), 40, num_logits=5)]))
     out.append(runner.forward([SeqInput(a, ids(3), 41, num_logits=3)]))

@@ -50,7 +50,6 @@ class SeqInput:
     start_pos: int  # tokens already valid in the cache; later ones are overwritten (rollback = smaller start_pos)
     num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts; 0: none)
     hidden: torch.Tensor | None = None  # an EAGLE head's hidden input, one row per token ([tokens, hidden])
-    lora: str | None = None  # the LoRA adapter its tokens go through (a name the runner's LoraOptions knows)
 
 
 @dataclass
@@ -129,6 +128,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
         self.lora: LoraManager | None = None
+        self.slot_adapters: dict[int, str] = {}  # the LoRA adapter each sequence's tokens go through
         self.model = self._load_model(lora)  # first: on CUDA the KV budget is what the weights leave
         self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
         self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
@@ -296,12 +296,24 @@ class ModelRunner:
 
     # Sequences ---------------------------------------------------------------------------------------
 
-    def allocate_slot(self) -> int:
-        """A new sequence in the KV cache (it takes blocks as it is written)."""
-        return self.kv_cache.allocate()
+    def allocate_slot(self, lora: str | None = None) -> int:
+        """A new sequence in the KV cache (it takes blocks as it is written), through LoRA adapter `lora` (a name
+        the runner's LoraOptions knows; None: the base model). Its cached prefixes are that adapter's own."""
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora!r} asked of a model started without LoRA")
+            self.lora.check(lora)
+        slot = self.kv_cache.allocate(namespace=lora)
+        if lora is not None:
+            self.slot_adapters[slot] = lora
+        return slot
+
+    def serves_lora(self, name: str | None) -> bool:
+        return name is not None and self.lora is not None and name in self.lora.options.adapters
 
     def free_slot(self, slot: int) -> None:
         self.kv_cache.free(slot)
+        self.slot_adapters.pop(slot, None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -350,11 +362,10 @@ class ModelRunner:
 
     def _lora_slots(self, seqs: list[SeqInput], lens: list[int]) -> torch.Tensor | None:
         """Each token's adapter slot, the batch's adapters loaded into slots first (None: no adapter)."""
-        if not any(seq.lora for seq in seqs):
+        names = [self.slot_adapters.get(seq.slot) for seq in seqs]
+        if self.lora is None or not any(names):
             return None
-        if self.lora is None:
-            raise ValueError("a sequence names a LoRA adapter but this model was started without LoRA")
-        slots = self.lora.activate([seq.lora for seq in seqs])
+        slots = self.lora.activate(names)
         return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
 
     def _head_inputs(self, seqs: list[SeqInput]) -> torch.Tensor | None:
