@@ -211,7 +211,7 @@ class EngineConfig(BaseModel):
 
     enable_lora: bool = Field(False, description="Serve LoRA adapters (--lora-modules) on the target, per request.")
     lora_modules: list[LoraModule] = Field(
-        default_factory=list,
+        [],  # pydantic copies it per instance; a plain default keeps the CLI's generated help and defaults
         description='Adapters as name=path, or JSON {"name", "path", "draft_path"} (draft_path: the draft '
         "model's adapter for that domain); requests pick one by name (the OpenAI model field).",
     )
