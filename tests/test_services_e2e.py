@@ -289,12 +289,21 @@ def test_a_speculative_config_we_do_not_implement_fails_at_startup(pair, spec, m
     assert message in result.stderr
 
 
+def _adapter(pair) -> Path:
+    """A LoRA adapter of the pair's target, made once beside it."""
+    from test_lora import make_adapter
+
+    folder = Path(pair[0]).parent / "lora-a"
+    return folder if folder.exists() else make_adapter(Path(pair[0]), folder, seed=1)
+
+
 def _every_field_off_default(pair) -> EngineConfig:
     config = _config(
         pair, {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True}, tensor_parallel_size=2,
         max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
         kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.5, block_size=8, max_num_batched_tokens=512,
-        enable_prefix_caching=False, enforce_eager=True,
+        enable_prefix_caching=False, enforce_eager=True, enable_lora=True, max_loras=2, max_cpu_loras=3,
+        max_lora_rank=8, lora_modules=[{"name": "a", "path": str(_adapter(pair))}],
     )  # fmt: skip
     fields = EngineConfig.model_fields
     assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"

@@ -23,13 +23,14 @@ KV_LAYOUT = {"qwen3": (2, 32), "llama": (1, 16)}  # (kv heads, head_dim) of the 
 HERE = Path(__file__).resolve()
 
 
-def run_script(runner) -> torch.Tensor:
-    """Prefill two sequences, verify drafts next to a decode, roll back and rewrite: all logits."""
+def run_script(runner, lora: str | None = None) -> torch.Tensor:
+    """Prefill two sequences, verify drafts next to a decode, roll back and rewrite: all logits. lora: sequence
+    a goes through that adapter, b through none."""
     from minedraft.model.runner import SeqInput
 
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, runner.config.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    a, b = runner.allocate_slot(), runner.allocate_slot()
+    a, b = runner.allocate_slot(lora), runner.allocate_slot()
     out = [runner.forward([SeqInput(a, ids(40), 0, num_logits=40), SeqInput(b, ids(25), 0)])]
     out.append(runner.forward([SeqInput(b, ids(1), 25), SeqInput(a, ids(5), 40, num_logits=5)]))
     out.append(runner.forward([SeqInput(a, ids(3), 41, num_logits=3)]))
@@ -39,6 +40,7 @@ def run_script(runner) -> torch.Tensor:
 def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> None:
     import torch.distributed as dist
 
+    from minedraft.model.lora import LoraOptions
     from minedraft.model.runner import ModelRunner
 
     torch.set_num_threads(1)
@@ -47,8 +49,10 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
     group = dist.new_group(list(range(TP)))  # every world rank must call new_group, members or not
     tensors = {}
     for name, path in checkpoints.items():
-        runner = ModelRunner(path, num_slots=2, max_seq_len=64, tp_group=group if rank < TP else None)
-        tensors[f"{name}.logits"] = run_script(runner)
+        path, _, adapter = path.partition("+")  # base+adapter: run with that LoRA adapter
+        lora = LoraOptions({"x": adapter}) if adapter else None
+        runner = ModelRunner(path, num_slots=2, max_seq_len=64, tp_group=group if rank < TP else None, lora=lora)
+        tensors[f"{name}.logits"] = run_script(runner, "x" if adapter else None)
         layer = runner.model.model.layers[0]
         tensors[f"{name}.qkv"] = layer.self_attn.qkv_proj.dense_weight()
         tensors[f"{name}.o"] = layer.self_attn.o_proj.dense_weight()
@@ -63,6 +67,7 @@ def worker(rank: int, port: int, checkpoints: dict[str, str], out_dir: str) -> N
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    from test_lora import make_adapter
     from test_quantization import fp8_pair
 
     from minedraft.launcher import free_port
@@ -79,6 +84,9 @@ def results(tmp_path_factory):
     }
     # the same MoE in block-scaled FP8: each rank dequantizes, then takes its slice
     checkpoints["qwen3_moe_fp8"] = fp8_pair(checkpoints["qwen3_moe"], root / "fp8")[0]
+    # LoRA: B split with the column-parallel layers (llama's one kv head replicated), A with the row-parallel ones
+    for name in ("qwen3", "llama"):
+        checkpoints[f"{name}_lora"] = f"{checkpoints[name]}+{make_adapter(checkpoints[name], root / f'{name}-lora', 1)}"
     args = [str(HERE), str(free_port()), json.dumps({k: str(v) for k, v in checkpoints.items()}), str(root)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, *args[:1], str(rank), *args[1:]], env=env) for rank in range(WORLD)]
@@ -92,7 +100,7 @@ def results(tmp_path_factory):
     return checkpoints, [load_file(root / f"rank{r}.safetensors") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen3_moe", "qwen3_moe_fp8"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen3_moe", "qwen3_moe_fp8", "qwen3_lora", "llama_lora"])
 def test_tp2_logits_match_tp1(results, name):
     _, ranks = results
     tp0, tp1, ref = (r[f"{name}.logits"] for r in ranks)

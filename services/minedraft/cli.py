@@ -69,6 +69,8 @@ def _flag_kind(annotation: Any) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(kind) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(kind)):
         return {"choices": typing.get_args(kind)}
+    if typing.get_origin(kind) is list:  # --lora-modules a=/x b=/y
+        return {"type": str, "nargs": "+"}
     return {"type": kind if kind in (int, float) else str}
 
 

@@ -123,6 +123,27 @@ class SpeculativeConfig(BaseModel):
         return cls.model_validate(value)
 
 
+class LoraModule(BaseModel):
+    """A LoRA adapter the server offers under `name` (PEFT folders): the target's, and optionally the draft
+    model's for the same domain."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The name requests pick it by (the OpenAI model field).")
+    path: str = Field(min_length=1, description="The target's adapter folder.")
+    draft_path: str | None = Field(None, description="The draft model's adapter folder (draft-model drafting).")
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        """name=path, or the JSON form {"name", "path", "draft_path"?}."""
+        if isinstance(value, str) and not value.lstrip().startswith("{"):
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ValueError(f"lora module {value!r}: use name=path or JSON {{\"name\": ..., \"path\": ...}}")
+            return {"name": name, "path": path}
+        return json.loads(value) if isinstance(value, str) else value
+
+
 class EngineConfig(BaseModel):
     """Everything the engine needs to start: models, limits, numerics, decoding mode."""
 
@@ -187,6 +208,38 @@ class EngineConfig(BaseModel):
         description="Token budget of a step: a prompt longer than this is prefilled in chunks over several steps "
         "while the other requests keep decoding.",
     )
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (--lora-modules) on the target, per request.")
+    lora_modules: list[LoraModule] = Field(
+        [],  # pydantic copies it per instance; a plain default keeps the CLI's generated help and defaults
+        description='Adapters as name=path, or JSON {"name", "path", "draft_path"} (draft_path: the draft '
+        "model's adapter for that domain); requests pick one by name (the OpenAI model field).",
+    )
+    max_loras: int = Field(1, ge=1, le=256, description="Adapters active in one step (both MineDraft batches).")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept loaded in host memory, least recently used dropped (None: max_loras)."
+    )
+    max_lora_rank: int = Field(16, ge=1, le=512, description="The largest adapter rank served.")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):  # an environment variable: JSON list, or name=path entries
+            value = json.loads(value) if value.lstrip().startswith("[") else value.replace(",", " ").split()
+        return [LoraModule.parse(v) for v in value]
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        if any(m.draft_path for m in self.lora_modules) and self.speculative_config is not None and (
+                self.uses_eagle_head or self.speculative_config.parallel_drafting):
+            raise ValueError("a drafter LoRA adapter (draft_path) is for draft-model drafting, not EAGLE heads or "
+                             "PARD (parallel_drafting)")
+        return self
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
     from minedraft.frontends.chat import ChatTemplate
 
 PromptInput = str | list[int]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's shape of a request's adapter: its name among the engine's lora_modules (id and path are
+    accepted for compatibility; the adapter's folder is the one lora_modules names)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | None = None
 
 
 class LLM:
@@ -68,15 +79,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs come back in prompt order.
+        lora_request: the LoRA adapter (of lora_modules, by name) every prompt runs through.
 
         Every prompt is validated before any is run, so one bad prompt fails the call cleanly.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        lora = lora_request.lora_name if isinstance(lora_request, LoRARequest) else lora_request
+        requests = [self._make_request(i, p, sp, lora) for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
             self.engine.enqueue(request)
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
@@ -126,10 +140,12 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _make_request(self, index: int, prompt: PromptInput, params: SamplingParams) -> Request:
+    def _make_request(self, index: int, prompt: PromptInput, params: SamplingParams,
+                      lora: str | None = None) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:
-            return self.engine.make_request(ids, params, prompt=prompt if isinstance(prompt, str) else None)
+            return self.engine.make_request(ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                                            lora=lora)
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
 

@@ -127,6 +127,7 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
         batch=admission.batch,
         num_prompt_tokens=admission.num_prompt_tokens,
         bad_words_ids=[generate_pb2.TokenIds(ids=ids) for ids in admission.bad_words_ids],
+        lora=admission.lora,
     )
 
 
@@ -163,7 +164,7 @@ def plan_from_proto(
     admit = [
         Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
                   s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
-                  [list(w.ids) for w in s.bad_words_ids])
+                  [list(w.ids) for w in s.bad_words_ids], s.lora if s.HasField("lora") else None)
         for s in msg.admit
     ]
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]

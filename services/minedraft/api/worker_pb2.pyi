@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch", "num_prompt_tokens", "bad_words_ids")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch", "num_prompt_tokens", "bad_words_ids", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Admission(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParameters
@@ -24,7 +25,8 @@ class Admission(_message.Message):
     batch: int
     num_prompt_tokens: int
     bad_words_ids: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenIds]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., bad_words_ids: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., bad_words_ids: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class DraftTask(_message.Message):
     __slots__ = ("request_id", "num_tokens", "continue_window")

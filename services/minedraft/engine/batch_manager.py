@@ -36,10 +36,11 @@ class BlockBudget:
         return -(-min(tokens, self.max_model_len) // self.block_size)
 
 
-def chain_keys(token_ids: list[int], block_size: int) -> list[bytes]:
+def chain_keys(token_ids: list[int], block_size: int, lora: str | None = None) -> list[bytes]:
     """A key per full block below the last token (those a worker may take from its prefix cache): a digest
-    of the block's tokens and the key before it, so equal keys mean equal prefixes."""
-    keys, key = [], b""
+    of the block's tokens and the key before it, so equal keys mean equal prefixes. A LoRA adapter's
+    requests start from their own key: their blocks hold other keys and values (the workers' caches agree)."""
+    keys, key = [], b"" if lora is None else hashlib.sha256(b"lora:" + lora.encode()).digest()
     for start in range(0, len(token_ids) - block_size, block_size):
         key = hashlib.sha256(key + array("q", token_ids[start : start + block_size]).tobytes()).digest()
         keys.append(key)
@@ -52,6 +53,7 @@ class BatchManager:
     def __init__(self, num_batches: int, max_num_seqs: int, budget: BlockBudget | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.budget = budget
+        self.max_loras: int | None = None  # distinct LoRA adapters the running requests may use (None: no LoRA)
         self.waiting: deque[Request] = deque()
         self.batches: list[list[Request]] = [[] for _ in range(num_batches)]
         # Keys of the blocks running requests share from the verifier's cache, by how many requests hold each.
@@ -116,6 +118,16 @@ class BatchManager:
         return verifier <= budget.num_blocks and (budget.draft_blocks is None or drafter <= budget.draft_blocks)
 
     def _fits(self, request: Request) -> bool:
+        return self._adapter_fits(request) and self._blocks_fit(request)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """At most max_loras adapters run at once (both batches: the workers' slots hold them all)."""
+        if request.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora for b in self.batches for r in b if r.lora is not None}
+        return request.lora in running or len(running) < self.max_loras
+
+    def _blocks_fit(self, request: Request) -> bool:
         budget = self.budget
         if budget is None:
             return True
@@ -128,7 +140,7 @@ class BatchManager:
         if not (self.budget.shares_prefixes and request.params.prompt_logprobs is None):
             return 0  # a request asking for prompt logprobs computes its whole prompt
         if request.prefix_keys is None:
-            request.prefix_keys = chain_keys(request.token_ids, self.budget.block_size)
+            request.prefix_keys = chain_keys(request.token_ids, self.budget.block_size, request.lora)
         count = 0
         while count < len(request.prefix_keys) and self._shared[request.prefix_keys[count]]:
             count += 1

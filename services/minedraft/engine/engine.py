@@ -74,6 +74,7 @@ class LLMEngine:
         self.speculating = config.speculative_config is not None
         self.kv_pool: tuple[int, int] | None = None  # the smaller worker's pool, as of the last (re)start
         self._budget_blocks(self.pipeline)
+        self.pipeline.batches.max_loras = config.max_loras if config.enable_lora else None
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # unfinished requests kept out of the workers (see engine/quarantine.py)
         self.step_stats = StepStats()
@@ -92,9 +93,11 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError with a message on bad input."""
-        request = self.make_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+        """Validate and queue a request (through LoRA adapter `lora`, a name in lora_modules). Raises ValueError
+        with a message on bad input."""
+        request = self.make_request(prompt_ids, params, request_id=request_id, prompt=prompt, lora=lora)
         self.enqueue(request)
         return request
 
@@ -105,6 +108,7 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> Request:
         """Validate a request without queueing it (so a caller can check a whole batch first)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -122,7 +126,14 @@ class LLMEngine:
             prompt=prompt,
         )
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.lora = self._check_lora(lora)
         return request
+
+    def _check_lora(self, name: str | None) -> str | None:
+        served = [m.name for m in self.config.lora_modules]
+        if name is not None and name not in served:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this server has {served or 'none'}")
+        return name
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the target tokenizes it, without and with a leading space (as vLLM does): the
@@ -243,8 +254,8 @@ class LLMEngine:
             request.admitted_in = self._num_planned
         if admitted:
             self.executor.admit(
-                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, r.num_prompt_tokens, r.bad_words_ids)
-                 for r in admitted]  # fmt: skip
+                [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, r.num_prompt_tokens, r.bad_words_ids,
+                           r.lora) for r in admitted]  # fmt: skip
             )
         if draft is None and verify is None:
             return False

@@ -18,6 +18,7 @@ from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.checkpoint import resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.eagle import EAGLE, EAGLE3, default_aux_layers, eagle_head_kind
+from minedraft.model.lora import LoraOptions
 from minedraft.model.runner import ModelRunner
 
 T = TypeVar("T")
@@ -174,6 +175,9 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
     if config.uses_eagle_head:
         check_eagle_head(config)
         options.update(target_path=config.target_path, enable_prefix_caching=False)
+    drafter_adapters = {m.name: m.draft_path for m in config.lora_modules if m.draft_path}
+    if drafter_adapters:
+        options.update(lora=lora_options(config, drafter_adapters))
     return ModelRunner(
         config.draft_path,
         num_slots=num_slots,
@@ -202,11 +206,18 @@ def draft_worker(config: EngineConfig, runner: ModelRunner) -> DraftWorker:
 
 
 def target_options(config: EngineConfig) -> dict[str, Any]:
-    """The target's runner: with an EAGLE drafter it keeps the features the head reads."""
+    """The target's runner: with an EAGLE drafter it keeps the features the head reads; with LoRA, the
+    adapters of lora_modules."""
     options = runner_options(config)
     if config.uses_eagle_head:
         options.update(aux_hidden_layers=eagle_aux_layers(config))
+    if config.enable_lora:
+        options.update(lora=lora_options(config, {m.name: m.path for m in config.lora_modules}))
     return options
+
+
+def lora_options(config: EngineConfig, adapters: dict[str, str]) -> LoraOptions:
+    return LoraOptions(adapters, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
 
 
 def eagle_aux_layers(config: EngineConfig) -> tuple[int, ...]:

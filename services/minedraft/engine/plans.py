@@ -36,6 +36,7 @@ class Admission:
     batch: int = 0  # the engine's batch it runs in
     num_prompt_tokens: int | None = None  # how many of token_ids are prompt (penalties count the rest); None: all
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences the output must not hold
+    lora: str | None = None  # the LoRA adapter the request runs through (its drafter adapter, where one exists)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class Request:
     # One per prompt token after the first, when params.prompt_logprobs asks (empty until the first verification).
     prompt_logprobs: list[TokenLogprob] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the target tokenizes them
+    lora: str | None = None  # the LoRA adapter it runs through (a name in the engine's lora_modules)
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -97,6 +97,10 @@ class _Worker:
     def device(self) -> torch.device:
         return torch.device(self.runner.device)
 
+    def _adapter(self, name: str | None) -> str | None:
+        """The LoRA adapter this worker's model applies for a request of adapter `name`: the target its own."""
+        return name
+
     def admit(self, admissions: list[Admission]) -> None:
         """Hold new requests; each starts from the longest cached prefix of its tokens (its own earlier blocks
         after a preemption, a shared system prompt, the running requests' committed blocks)."""
@@ -107,7 +111,7 @@ class _Worker:
             if admission.request_id in self.sequences:
                 self.release([admission.request_id])  # re-admission rebuilds the request from scratch
             seq = _Sequence(
-                slot=self.runner.allocate_slot(),
+                slot=self.runner.allocate_slot(self._adapter(admission.lora)),
                 tokens=list(admission.token_ids),
                 params=admission.params,
                 seed=admission.seed,
@@ -229,6 +233,11 @@ class DraftWorker(_Worker):
         self.mask_token = mask_token
         self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
         self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
+
+    def _adapter(self, name: str | None) -> str | None:
+        """The drafter adapter of a request's domain where the draft model has one, else its base weights:
+        whatever it drafts, the target verifies with its own adapter."""
+        return name if self.runner.serves_lora(name) else None
 
     def release(self, request_ids: list[str]) -> None:
         super().release(request_ids)

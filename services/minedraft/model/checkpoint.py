@@ -35,6 +35,9 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         raise CheckpointNotFoundError(f"checkpoint folder not found: {folder}")
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint path is not a folder: {folder}")
+    if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        raise CheckpointError(f"{folder} is a LoRA adapter, not a model: serve its base model with "
+                              f"--enable-lora --lora-modules NAME={folder}")
     if not (folder / "config.json").is_file():
         raise CheckpointNotFoundError(f"config.json not found in checkpoint folder {folder}")
     return folder

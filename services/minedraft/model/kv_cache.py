@@ -96,6 +96,7 @@ class KVCache:
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # tokens written so far per sequence
         self._chains: dict[int, list[int]] = {}  # per sequence: index entries of its leading full blocks
+        self._roots: dict[int, int] = {}  # per sequence: the parent of its first block (PrefixIndex.root)
         self._next_id = 0
 
     @property
@@ -104,11 +105,14 @@ class KVCache:
         cached = self.prefix_index.num_evictable if self.prefix_index else 0
         return len(self._free) + cached
 
-    def allocate(self) -> int:
-        """A new, empty sequence; its id indexes block_tables and lengths."""
+    def allocate(self, namespace: str | None = None) -> int:
+        """A new, empty sequence; its id indexes block_tables and lengths. `namespace` (a LoRA adapter) keeps its
+        cached prefixes apart: equal tokens through different adapters hold different keys and values."""
         seq_id = self._next_id
         self._next_id += 1
         self.block_tables[seq_id], self.lengths[seq_id], self._chains[seq_id] = [], 0, []
+        if self.prefix_index is not None:
+            self._roots[seq_id] = self.prefix_index.root(namespace)
         return seq_id
 
     def free(self, seq_id: int) -> None:
@@ -116,6 +120,7 @@ class KVCache:
         for block in reversed(self.block_tables.pop(seq_id)):  # a chain's tail becomes the first to evict
             self._drop(block)
         del self.lengths[seq_id], self._chains[seq_id]
+        self._roots.pop(seq_id, None)
 
     def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Give a new sequence the cached blocks its tokens start with; returns the tokens they hold.
@@ -126,7 +131,7 @@ class KVCache:
             raise ValueError(f"sequence {seq_id} already holds blocks")
         if self.prefix_index is None:
             return 0
-        size, parent = self.block_size, PrefixIndex.ROOT
+        size, parent = self.block_size, self._roots[seq_id]
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             entry = self.prefix_index.find(parent, token_ids[start : start + size])
             if entry is None:
@@ -146,7 +151,7 @@ class KVCache:
             return
         table, chain, size = self.block_tables[seq_id], self._chains[seq_id], self.block_size
         for i in range(len(chain), min(num_tokens // size, len(table))):
-            parent = chain[-1] if chain else PrefixIndex.ROOT
+            parent = chain[-1] if chain else self._roots[seq_id]
             entry = self.prefix_index.add(parent, token_ids[i * size : (i + 1) * size], table[i])
             if entry.block != table[i]:  # computed beside an equal block that was indexed first: share that one
                 self._hold_indexed(entry.block)
@@ -248,9 +253,10 @@ class PrefixEntry:
 class PrefixIndex:
     """Cached full blocks by content: (the entry of the block before, the block's tokens) -> entry."""
 
-    ROOT = 0  # the parent of a sequence's first block
+    ROOT = 0  # the parent of a sequence's first block (the base model's; each LoRA adapter has its own root)
 
     def __init__(self) -> None:
+        self._roots: dict[str, int] = {}
         self._entries: dict[tuple[int, tuple[int, ...]], PrefixEntry] = {}
         self._keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its key
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed, held by no sequence; oldest first
@@ -260,6 +266,14 @@ class PrefixIndex:
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    def root(self, namespace: str | None) -> int:
+        """The parent of the first block of a sequence in `namespace` (None: ROOT)."""
+        if namespace is None:
+            return self.ROOT
+        if namespace not in self._roots:
+            self._roots[namespace] = next(self._ids)
+        return self._roots[namespace]
 
     def find(self, parent: int, tokens: list[int]) -> PrefixEntry | None:
         return self._entries.get((parent, tuple(tokens)))

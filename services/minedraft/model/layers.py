@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,12 @@ from minedraft.model.checkpoint import CheckpointError, TensorSlice
 from minedraft.model.config import RopeConfig
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.quantization import QuantConfig, QuantizedWeight
+
+if TYPE_CHECKING:
+    from minedraft.model.lora import LoraSlots
+
+# Where one checkpoint tensor goes in a parameter: (dim, offset, length, full, start), see LinearBase._place.
+Shard = tuple[int, int, int, int, int]
 
 # The quantization whose weights linear layers built now keep as stored (see quantized_linears).
 _QUANTIZED: ContextVar[QuantConfig | None] = ContextVar("quantized_linears", default=None)
@@ -186,6 +193,14 @@ class LinearBase(nn.Module):
         self.bias: nn.Parameter | None = None
         self.packed: torch.Tensor | None = None  # see pack_for_onednn
         self.quantized: QuantizedWeight | None = None
+        self.lora: LoraSlots | None = None  # this layer's adapters (model/lora.py), when LoRA is enabled
+
+    def shard(self, shard_id: object = None) -> Shard:
+        """Where the checkpoint tensor `shard_id` (a packed part, or None) goes in this rank's weight."""
+        raise NotImplementedError
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+        self._place(param, source, *self.shard(shard_id))
 
     def _weight(self, shape: tuple[int, int]) -> nn.Parameter:
         """The weight parameter; inside quantized_linears, an empty one beside the quantized storage (it is
@@ -217,8 +232,11 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
             y = self.quantized.matmul(x, self.batch_invariant)
-            return y if bias is None else y + bias
-        return linear(x, self.weight, bias, self.batch_invariant, self.packed)
+            y = y if bias is None else y + bias
+        else:
+            y = linear(x, self.weight, bias, self.batch_invariant, self.packed)
+        # Before a row-parallel layer's all-reduce: the adapters' partial sums are reduced with the base's.
+        return y if self.lora is None else self.lora.add_to(y, x)
 
     def pack(self) -> None:
         """Keep the weight in oneDNN's layout only, where that applies (pack_for_onednn): the loaded copy is
@@ -249,8 +267,8 @@ class ColumnParallelLinear(LinearBase):
         if bias:
             self.bias = _param((self.out_local,), self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
-        self._place(param, source, 0, 0, self.out_local, self.out_local * self.tp.size, self.tp.rank * self.out_local)
+    def shard(self, shard_id: object = None) -> Shard:
+        return 0, 0, self.out_local, self.out_local * self.tp.size, self.tp.rank * self.out_local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -267,11 +285,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, batch_invariant)
 
-    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+    def shard(self, shard_id: object = None) -> Shard:
         assert isinstance(shard_id, int)
         local = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        self._place(param, source, 0, offset, local, self.output_sizes[shard_id], self.tp.rank * local)
+        return 0, offset, local, self.output_sizes[shard_id], self.tp.rank * local
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -295,7 +313,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return q, kv, kv
 
-    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
+    def shard(self, shard_id: object = None) -> Shard:
         q, kv, _ = self.split_sizes()
         if shard_id == "q":
             offset, length, start = 0, q, self.tp.rank * q
@@ -303,7 +321,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, length, start = q if shard_id == "k" else q + kv, kv, self.kv_head_start * self.head_dim
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        self._place(param, source, 0, offset, length, self.full[shard_id], start)
+        return 0, offset, length, self.full[shard_id], start
 
 
 def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
@@ -327,8 +345,8 @@ class RowParallelLinear(LinearBase):
         if bias:  # replicated, added once after the reduction
             self.bias = _param((out_features,), replicated_loader)
 
-    def weight_loader(self, param: nn.Parameter, source: TensorSlice, shard_id: object = None) -> None:
-        self._place(param, source, 1, 0, self.in_local, self.in_local * self.tp.size, self.tp.rank * self.in_local)
+    def shard(self, shard_id: object = None) -> Shard:
+        return 1, 0, self.in_local, self.in_local * self.tp.size, self.tp.rank * self.in_local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.matmul(x, None))

@@ -28,6 +28,7 @@ from minedraft.model.eagle import EAGLE, EagleHead, eagle_head_kind
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.layers import quantized_linears
+from minedraft.model.lora import LoraManager, LoraOptions
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.model.transformer import CausalLM, ForwardContext
@@ -63,6 +64,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [rows] indices into the flattened tokens
     block_tables: torch.Tensor  # [seqs, width] each sequence's blocks, padded with the zero block
     hidden: torch.Tensor | None = None  # [tokens, hidden] an EAGLE head's hidden inputs (float)
+    lora_slots: torch.Tensor | None = None  # [tokens] each token's adapter slot (model/lora.py); None: no adapter
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         moved = (getattr(self, f.name) for f in fields(self))
@@ -77,7 +79,8 @@ class ModelRunner:
                  attention_kernel: str = "auto", load_format: str = "auto",
                  enable_prefix_caching: bool = False, enforce_eager: bool = False,
                  quantized_kernel: str = "auto", aux_hidden_layers: tuple[int, ...] = (),
-                 target_path: str | Path | None = None, fused_kernels: str = "auto") -> None:
+                 target_path: str | Path | None = None, fused_kernels: str = "auto",
+                 lora: LoraOptions | None = None) -> None:
         """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
         num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
         kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
@@ -101,7 +104,9 @@ class ModelRunner:
         and whose embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none.
         fused_kernels: the layers' norms (with the residual add), rotary embedding (with the KV write) and
         SiLU-and-mul as Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default
-        mode where triton is installed; never in the strict mode, nor for an EAGLE head)."""
+        mode where triton is installed; never in the strict mode, nor for an EAGLE head).
+        lora: the LoRA adapters a sequence may name (SeqInput.lora), applied in batches (model/lora.py); the
+        forward runs eagerly (no CUDA graphs) with them."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -122,7 +127,9 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.max_seq_len = max_seq_len
         self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
-        self.model = self._load_model()  # first: on CUDA the KV budget is what the weights leave
+        self.lora: LoraManager | None = None
+        self.slot_adapters: dict[int, str] = {}  # the LoRA adapter each sequence's tokens go through
+        self.model = self._load_model(lora)  # first: on CUDA the KV budget is what the weights leave
         self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
         self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
@@ -145,7 +152,7 @@ class ModelRunner:
         self.fused_kernels = self._use_fused(fused_kernels)
         if self.fused_kernels:  # before the graphs capture the forward
             self.model.model.fused_kernels = True
-        eager = enforce_eager or self.head_kind is not None
+        eager = enforce_eager or self.head_kind is not None or self.lora is not None
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
@@ -222,8 +229,10 @@ class ModelRunner:
                              "decoder, as a draft model does)")  # fmt: skip
         return kind
 
-    def _load_model(self) -> CausalLM | EagleHead:
+    def _load_model(self, lora: LoraOptions | None) -> CausalLM | EagleHead:
         if self.head_kind is not None:
+            if lora is not None:
+                raise ValueError(f"{self.path} is an EAGLE head: LoRA adapters are for a target or a draft model")
             return self._load_head()
         quant = self.config.quantization if self.quantized_kernels else None
         with torch.device(self.device), _default_dtype(self.dtype), quantized_linears(quant):
@@ -233,6 +242,8 @@ class ModelRunner:
         else:
             with closing(CheckpointReader(self.path, self.config.quantization)) as reader:
                 model.load_weights(reader)
+        if lora is not None:  # before packing: the adapters' pools take the dense weights' shapes
+            self.lora = LoraManager(model, lora)
         model.pack_weights()
         held, quantized = weight_bytes(model)
         log.info("weights on this rank: %.2f GiB, %.2f GiB of them kept quantized", held / 2**30, quantized / 2**30)
@@ -285,12 +296,24 @@ class ModelRunner:
 
     # Sequences ---------------------------------------------------------------------------------------
 
-    def allocate_slot(self) -> int:
-        """A new sequence in the KV cache (it takes blocks as it is written)."""
-        return self.kv_cache.allocate()
+    def allocate_slot(self, lora: str | None = None) -> int:
+        """A new sequence in the KV cache (it takes blocks as it is written), through LoRA adapter `lora` (a name
+        the runner's LoraOptions knows; None: the base model). Its cached prefixes are that adapter's own."""
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora!r} asked of a model started without LoRA")
+            self.lora.check(lora)
+        slot = self.kv_cache.allocate(namespace=lora)
+        if lora is not None:
+            self.slot_adapters[slot] = lora
+        return slot
+
+    def serves_lora(self, name: str | None) -> bool:
+        return name is not None and self.lora is not None and name in self.lora.options.adapters
 
     def free_slot(self, slot: int) -> None:
         self.kv_cache.free(slot)
+        self.slot_adapters.pop(slot, None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -335,7 +358,15 @@ class ModelRunner:
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(index),
                             as_tensor([s.start_pos for s in seqs]), as_tensor(lens), as_tensor(logits_indices),
                             as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width),
-                            self._head_inputs(seqs))  # fmt: skip
+                            self._head_inputs(seqs), self._lora_slots(seqs, lens))  # fmt: skip
+
+    def _lora_slots(self, seqs: list[SeqInput], lens: list[int]) -> torch.Tensor | None:
+        """Each token's adapter slot, the batch's adapters loaded into slots first (None: no adapter)."""
+        names = [self.slot_adapters.get(seq.slot) for seq in seqs]
+        if self.lora is None or not any(names):
+            return None
+        slots = self.lora.activate(names)
+        return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
 
     def _head_inputs(self, seqs: list[SeqInput]) -> torch.Tensor | None:
         """An EAGLE head's hidden inputs, one row per token in batch order (every input brings them)."""
@@ -391,7 +422,7 @@ class ModelRunner:
         """Run the model on a prepared batch (every TP rank calls this with the same batch)."""
         if len(batch.input_ids) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.graphs is not None and self.graphs.fits(batch):  # never with LoRA (eager)
             return self.graphs.run(batch)
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
@@ -400,6 +431,8 @@ class ModelRunner:
         batch = batch.to(self.device)
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)
+        if self.lora is not None:
+            self.lora.tokens.set(batch.lora_slots)
         if isinstance(self.model, EagleHead):
             logits, self.head_hidden = self.model(batch.input_ids, ctx, batch.logits_indices, batch.hidden)
             return logits
