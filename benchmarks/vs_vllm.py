@@ -19,6 +19,7 @@ vLLM process (that breaks setuptools' distutils shim). Not part of CI: it downlo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -103,6 +104,7 @@ class Engine:
     name: str
     process: subprocess.Popen
     rounds: list[dict] = field(default_factory=list)
+    crowded: list[dict] = field(default_factory=list)  # rounds run beside a busy neighbour process (--neighbour)
 
     @classmethod
     def start(cls, name: str, python: str, settings: dict, log: Path) -> Engine:
@@ -165,15 +167,43 @@ def run(args: argparse.Namespace) -> list[Engine]:
             engine.ask("ready")
         for round_ in range(args.rounds):
             for engine in engines:
-                time.sleep(args.settle)  # the previous engine's spinning OpenMP threads go quiet first
-                result = engine.ask("run")
-                engine.rounds.append(result)
-                speed = result["output_tokens"] / result["seconds"]
-                print(f"round {round_ + 1}/{args.rounds}: {engine.name:<17} {speed:8.1f} tok/s", flush=True)
+                for crowded in (False, True) if args.neighbour else (False,):
+                    time.sleep(args.settle)  # the previous engine's spinning OpenMP threads go quiet first
+                    with busy_neighbour(crowded):
+                        result = engine.ask("run")
+                    (engine.crowded if crowded else engine.rounds).append(result)
+                    speed = result["output_tokens"] / result["seconds"]
+                    beside = " beside a busy neighbour" if crowded else ""
+                    print(f"round {round_ + 1}/{args.rounds}: {engine.name:<17} {speed:8.1f} tok/s{beside}", flush=True)
     finally:
         for engine in engines:
             engine.stop()
     return engines
+
+
+@contextlib.contextmanager
+def busy_neighbour(on: bool):
+    """A CPU-bound process (a busy loop) running beside the engine while the block runs, when `on`."""
+    if not on:
+        yield
+        return
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
+def neighbour_table(engines: list[Engine]) -> str:
+    """Each engine's median tok/s quiet and beside a busy neighbour (--neighbour)."""
+    rows = ["| engine | quiet tok/s | beside a busy neighbour | neighbour / quiet |", "|---|---|---|---|"]
+    for e in engines:
+        quiet = e.rounds[0]["output_tokens"] / e.seconds
+        crowded = e.crowded[0]["output_tokens"] / statistics.median(r["seconds"] for r in e.crowded)
+        rows.append(f"| {e.name} | {quiet:.0f} | {crowded:.0f} | {crowded / quiet:.2f} |")
+    return "\n".join(rows)
 
 
 def table(engines: list[Engine]) -> str:
@@ -223,6 +253,8 @@ def main() -> int:
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
     parser.add_argument("--log-dir", type=Path, default=REPO / ".bench-logs", help="each engine's log")
     parser.add_argument("--json", type=Path, help="also write every round of every engine here")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="run each engine's round twice, quiet and beside a busy process (a CPU-bound loop)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="leave prefix caching on, ours and vLLM's (off by default: the rounds repeat the same "
                              "prompts, so it would skip their prefill)")
@@ -234,6 +266,8 @@ def main() -> int:
     print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, {args.max_num_seqs} in flight, "
           f"k={args.k}, float32, median of {args.rounds} interleaved rounds ({time.time() - started:.0f}s in all)\n")
     print(table(engines))
+    if args.neighbour:
+        print("\n" + neighbour_table(engines))
     if args.json:
         args.json.write_text(json.dumps({e.name: e.rounds for e in engines}))
     return 0

@@ -30,96 +30,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from minedraft.engine.fits import DECAY, OnlineFit, Ratio
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 
-_DECAY = 0.98  # forgetting per step: the last ~50 steps carry the fits
 _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (until then the shape runs as it is)
 # One decision in this many (16, doubling up to 128 while probes change nothing) takes the option tried longest
 # ago instead of the best: see SpeculationController._probe.
 _PROBE_EVERY, _PROBE_MAX = 16, 128
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
-
-
-class _Fit:
-    """y ~ w . x by least squares on relative error (weight 1 / y^2) with exponential forgetting, every weight
-    kept >= 0. Relative error, so that a long step does not outweigh the short ones the choice of k is about;
-    a touch of ridge on every feature but the first (the fixed cost of a step or a forward), so that a feature
-    that has not varied apart from it yet leaves it the cost: a cost is taken as fixed until the steps show that it
-    grows with the requests or tokens (a ridge on all would split it among features that never varied, and a
-    prediction for fewer requests than were ever seen would shrink with it)."""
-
-    def __init__(self, features: int) -> None:
-        self.xx = [[0.0] * features for _ in range(features)]
-        self.xy = [0.0] * features
-        self.count = 0
-
-    def add(self, x: Sequence[float], y: float) -> None:
-        w = 1.0 / (y * y)
-        for i, xi in enumerate(x):
-            self.xy[i] = self.xy[i] * _DECAY + w * xi * y
-            for j, xj in enumerate(x):
-                self.xx[i][j] = self.xx[i][j] * _DECAY + w * xi * xj
-        self.count += 1
-
-    def weights(self) -> list[float]:
-        """Non-negative least squares by elimination: drop the most negative weight and solve again."""
-        active = list(range(len(self.xy)))
-        while active:
-            solution = _solve([[self.xx[i][j] for j in active] for i in active], [self.xy[i] for i in active],
-                              [i > 0 for i in active])
-            if solution is not None and min(solution) >= 0:
-                weights = [0.0] * len(self.xy)
-                for i, value in zip(active, solution):
-                    weights[i] = value
-                return weights
-            active.pop(solution.index(min(solution)) if solution is not None else 0)
-        return [0.0] * len(self.xy)
-
-
-def _solve(a: list[list[float]], b: list[float], penalized: list[bool]) -> list[float] | None:
-    """(A + ridge on the penalized features) w = b by Gaussian elimination with partial pivoting; None if A is
-    empty, zero or singular."""
-    n = len(b)
-    ridge = 1e-6 * sum(a[i][i] for i in range(n))
-    if ridge <= 0:
-        return None
-    m = [[a[i][j] + (ridge if i == j and (penalized[i] or n == 1) else 0.0) for j in range(n)] + [b[i]]
-         for i in range(n)]  # fmt: skip
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        if m[col][col] == 0:
-            return None
-        for r in range(col + 1, n):
-            factor = m[r][col] / m[col][col]
-            m[r] = [v - factor * p for v, p in zip(m[r], m[col])]
-    w = [0.0] * n
-    for i in reversed(range(n)):
-        w[i] = (m[i][n] - sum(m[i][j] * w[j] for j in range(i + 1, n))) / m[i][i]
-    return w
-
-
-class _Ratio:
-    """How much slower a part runs beside the other part than alone: the decayed seconds of the steps that ran it
-    beside the other over what the fit of the part alone predicts for the same work, with that fit as it is now
-    (the fit is linear, so the decayed sum of the work is all it needs). One number, so that it holds wherever the
-    fit alone holds: a fit of overlapped steps alone would see only the windows chosen, and extrapolate badly."""
-
-    def __init__(self, features: int) -> None:
-        self.work = [0.0] * features
-        self.seconds = 0.0
-        self.count = 0
-
-    def add(self, x: Sequence[float], seconds: float) -> None:
-        self.work = [w * _DECAY + xi for w, xi in zip(self.work, x)]
-        self.seconds = self.seconds * _DECAY + seconds
-        self.count += 1
-
-    def value(self, alone: Sequence[float]) -> float:
-        predicted = sum(w * x for w, x in zip(alone, self.work))
-        return self.seconds / predicted if predicted > 0 else 1.0
 
 
 class Acceptance:
@@ -130,8 +50,8 @@ class Acceptance:
         self.accepted = [0.0] * max_k
 
     def decay(self) -> None:
-        self.reached = [n * _DECAY for n in self.reached]
-        self.accepted = [n * _DECAY for n in self.accepted]
+        self.reached = [n * DECAY for n in self.reached]
+        self.accepted = [n * DECAY for n in self.accepted]
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for j in range(min(num_accepted + 1, num_drafts, len(self.reached))):
@@ -218,10 +138,10 @@ class SpeculationController:
         # Per part, and whether the other part ran beside it: verify a + c x requests + b x tokens (a request
         # costs its attention over its context and its bookkeeping whatever its window); draft c x forwards + d x
         # tokens.
-        self._verify = {False: _Fit(3), True: _Fit(3)}
-        self._draft = {False: _Fit(2), True: _Fit(2)}
+        self._verify = {False: OnlineFit(3), True: OnlineFit(3)}
+        self._draft = {False: OnlineFit(2), True: OnlineFit(2)}
         # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
-        self._slowdown = {"verify": _Ratio(3), "draft": _Ratio(2)}
+        self._slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
         self._overhead_sums = (0.0, 0.0)  # decayed sum of the samples, decayed count
         self._one_forward = one_forward_drafts
         self._last_end: float | None = None
@@ -267,10 +187,11 @@ class SpeculationController:
             # Capped, so that time the engine sat idle between requests does not count as overhead.
             parts = result.draft_seconds + result.verify_seconds if not together else slower
             between = min(now - last, 2 * max(result.step_seconds, parts))
-            self._overhead_sums = (self._overhead_sums[0] * _DECAY + max(0.0, between - parts),
-                                   self._overhead_sums[1] * _DECAY + 1)  # fmt: skip
+            self._overhead_sums = (self._overhead_sums[0] * DECAY + max(0.0, between - parts),
+                                   self._overhead_sums[1] * DECAY + 1)  # fmt: skip
 
-    def _learn(self, part: str, fits: dict[bool, _Fit], together: bool, x: Sequence[float], seconds: float) -> None:
+    def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
+               seconds: float) -> None:
         fits[together].add(x, seconds)
         if together:
             self._slowdown[part].add(x, seconds)
