@@ -143,6 +143,7 @@ class SpeculationController:
         # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
         self._slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
         self._overhead_sums = (0.0, 0.0)  # decayed sum of the samples, decayed count
+        self._plain_seen = 0  # plain steps observed
         self._one_forward = one_forward_drafts
         self._last_end: float | None = None
         self._last_tried: dict[tuple[Shape, int], int] = {}  # (shape, k) -> the decision that last took it
@@ -176,6 +177,7 @@ class SpeculationController:
         if decoding_verify and result.verify_seconds > 0:
             x = (1.0, len(result.verified), result.verify_tokens)
             self._learn("verify", self._verify, together, x, result.verify_seconds)
+            self._plain_seen += not together and not any(v.num_draft_tokens for v in result.verified)
         decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
             self._learn("draft", self._draft, together, (result.draft_forwards, result.draft_tokens),
@@ -207,8 +209,8 @@ class SpeculationController:
 
     def _warm(self, shape: Shape) -> bool:
         """Whether the costs a shape's rate needs have been seen often enough to be trusted."""
-        if shape is Shape.PLAIN:
-            return self._trusted("verify", False)
+        if shape is Shape.PLAIN:  # plain steps themselves: the fit must see windows of 0 to predict them
+            return self._trusted("verify", False) and self._plain_seen >= _WARMUP_STEPS // 2
         together = shape is Shape.OVERLAP
         return self._trusted("verify", together) and self._trusted("draft", together)
 
