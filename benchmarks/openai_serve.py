@@ -43,6 +43,9 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "vllm-sd": ("vllm", {"method": "draft_model", "model": str(DRAFT)}),
     "ar": ("ours", None),
     "sd": ("ours", {}),
+    "sd-fixed": ("ours", {"adaptive": False}),
+    "sd-k2-fixed": ("ours", {"adaptive": False, "num_speculative_tokens": 2}),
+    "minedraft-fixed": ("ours", {"is_parallel": True, "adaptive": False}),
     "pearl": ("ours", {"is_parallel": True, "force_pearl": True}),
     "minedraft": ("ours", {"is_parallel": True}),
     "sd+eagle3": ("ours", {"method": "eagle3"}),
@@ -66,6 +69,7 @@ class Server:
     url: str
     rounds: list[dict] = field(default_factory=list)
     ours: list[dict] = field(default_factory=list)  # rounds measured by `minedraft bench` (--our-client)
+    by_load: dict[int, list[dict]] = field(default_factory=dict)  # --sweep-concurrency: rounds per load
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -145,14 +149,16 @@ def dataset(num_prompts: int, folder: Path) -> Path:
     return path
 
 
-def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path, out: Path) -> dict:
+def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path, out: Path,
+          concurrency: int | None = None, num_prompts: int | None = None) -> dict:
     """One run of vLLM's serving benchmark against `server`; its result JSON."""
-    result = out / f"{server.name}-{len(server.rounds)}.json"
+    concurrency, num_prompts = concurrency or args.concurrency, num_prompts or args.num_prompts
+    result = out / f"{server.name}-c{concurrency}-{time.monotonic_ns()}.json"
     bench_args = [
         "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
         "--model", SERVED_NAME, "--tokenizer", str(TARGET),
         "--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len", str(args.max_tokens),
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+        "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
         "--temperature", "0", "--ignore-eos", "--disable-tqdm",
         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result.name,
     ]  # fmt: skip
@@ -257,6 +263,106 @@ def table(servers: list[Server]) -> str:
     return "\n".join(lines)
 
 
+def steps_by_shape(server: Server) -> dict[str, float]:
+    """Our server's steps by shape so far (its /metrics); empty for vLLM's."""
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    prefix = "minedraft:spec_decode_steps_by_shape_total{"
+    shapes = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix):].split("}")
+            shapes[labels.split('"')[1]] = float(value)
+    return shapes
+
+
+def sweep(servers: list[Server], args: argparse.Namespace, vllm_python: str, data: Path, work: Path) -> None:
+    """Each round runs every server at every load (requests in flight), in turn; 2 x load prompts a run (at
+    least 8), so that every load keeps its requests in flight for a while."""
+    loads = [int(c) for c in args.sweep_concurrency.split(",")]
+    for server in servers:  # warm-up at the middle load (compilation, the controller's first fits), not measured
+        bench(server, args, vllm_python, data, work, concurrency=loads[len(loads) // 2])
+    for round_index in range(args.rounds):
+        for load in loads:
+            for server in servers:
+                time.sleep(1)
+                before = steps_by_shape(server)
+                result = bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=max(8, 2 * load))
+                after = steps_by_shape(server)
+                result["steps_by_shape"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                if round_index:  # the first round's texts are enough to compare outputs
+                    result.pop("generated_texts", None)
+                server.by_load.setdefault(load, []).append(result)
+                print(f"round {round_index + 1} load {load} {server.name}: {result['output_throughput']:.0f} tok/s "
+                      f"{result['steps_by_shape'] or ''}", flush=True)  # fmt: skip
+
+
+def sweep_table(servers: list[Server]) -> str:
+    """Median output tok/s per server and load, [min, max] over the rounds; then the default against the best
+    of our fixed shapes and of vLLM's servers; then our servers' steps by shape (share, median round)."""
+    loads = sorted({load for s in servers for load in s.by_load})
+    median = {(s.name, load): statistics.median(r["output_throughput"] for r in s.by_load[load])
+              for s in servers for load in loads}  # fmt: skip
+    lines = ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+    for s in servers:
+        cells = []
+        for load in loads:
+            values = [r["output_throughput"] for r in s.by_load[load]]
+            cells.append(f"{median[s.name, load]:.0f} [{min(values):.0f}-{max(values):.0f}]")
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    names = [s.name for s in servers]
+    fixed = [n for n in names if n.endswith("-fixed") or n == "ar"]
+    theirs = [n for n in names if n.startswith("vllm")]
+    for default in [n for n in names if n in ("minedraft", "sd")]:
+        for label, group in ((f"{default} / best of ours fixed", fixed), (f"{default} / best of vLLM's", theirs)):
+            if group:
+                ratios = [median[default, load] / max(median[n, load] for n in group) for load in loads]
+                lines.append(f"| {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    lines += ["", "Steps by shape (share of the median round's steps):", ""]
+    lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+    for s in servers:
+        if not any(r.get("steps_by_shape") for rs in s.by_load.values() for r in rs):
+            continue
+        cells = []
+        for load in loads:
+            shapes: dict[str, float] = {}
+            for r in s.by_load[load]:
+                for k, v in r.get("steps_by_shape", {}).items():
+                    shapes[k] = shapes.get(k, 0.0) + v
+            total = sum(shapes.values()) or 1.0
+            cells.append(" ".join(f"{k} {v / total:.0%}" for k, v in sorted(shapes.items()) if v))
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_plot(servers: list[Server], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in servers:
+        loads = sorted(s.by_load)
+        med = [statistics.median(r["output_throughput"] for r in s.by_load[load]) for load in loads]
+        low = [min(r["output_throughput"] for r in s.by_load[load]) for load in loads]
+        high = [max(r["output_throughput"] for r in s.by_load[load]) for load in loads]
+        style = "--" if s.name.startswith("vllm") else "-"
+        ax.plot(loads, med, style, marker="o", label=s.name, linewidth=2.5 if s.name == "minedraft" else 1.2)
+        ax.fill_between(loads, low, high, alpha=0.12)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("output tokens / s (median round, band: min-max)")
+    ax.set_title("Served through vllm bench serve's client, bundled pair, 64 tokens, greedy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm-sd,sd,minedraft", help=f"comma-separated, of {','.join(SERVERS)}")
@@ -270,6 +376,10 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
     parser.add_argument("--json", type=Path, default=None, help="also write every round's results")
+    parser.add_argument("--sweep-concurrency", default="",
+                        help="comma-separated loads (requests in flight), e.g. 1,4,16,32,64: every round runs every "
+                             "server at every load; prints a table per load and the shapes our servers chose")
+    parser.add_argument("--plot", type=Path, default=None, help="with --sweep-concurrency: a PNG of tok/s by load")
     parser.add_argument("--our-client", action="store_true",
                         help="also measure every round with `minedraft bench --backend openai`")  # fmt: skip
     args = parser.parse_args()
@@ -281,11 +391,20 @@ def main() -> int:
     ensure_bench_deps(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
     print(f"logs and results: {work}", flush=True)
-    data = dataset(args.num_prompts, work)
+    most = max([args.num_prompts] + [2 * int(c) for c in args.sweep_concurrency.split(",") if c])
+    data = dataset(most, work)
     servers = [start_server(name, args, vllm_python, work) for name in names]
     try:
         for server in servers:
             wait_healthy(server, args.startup_timeout, work)
+        if args.sweep_concurrency:
+            sweep(servers, args, vllm_python, data, work)
+            print(sweep_table(servers))
+            if args.plot:
+                sweep_plot(servers, args.plot)
+            if args.json:
+                args.json.write_text(json.dumps({s.name: s.by_load for s in servers}, indent=1) + "\n")
+            return 0
         for server in servers:  # warm-up (compilation, first allocations), not measured
             bench(server, args, vllm_python, data, work)
             server.rounds.clear()

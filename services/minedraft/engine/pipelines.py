@@ -192,7 +192,11 @@ class TwoBatchPipeline(Pipeline):
             requests = candidates[shape]
             windows = self._caps(requests)
         else:
-            decision = self.controller.decide({s: (candidates[s], self._caps(candidates[s])) for s in self.shapes},
+            # Overlap hides drafting behind the other batch's verification: with that batch empty it would run
+            # one part at a time, as a one-batch step does, so it is not a choice then.
+            others = len(everyone) > len(own)
+            shapes = [s for s in self.shapes if s is not Shape.OVERLAP or others or len(self.shapes) == 1]
+            decision = self.controller.decide({s: (candidates[s], self._caps(candidates[s])) for s in shapes},
                                               everyone=len(everyone))  # fmt: skip
             shape, windows = decision.shape, decision.windows
             requests = candidates.get(shape, [])
