@@ -1,0 +1,227 @@
+"""`minedraft up` keeps its stack running as the kubelet keeps pods running: a service SIGKILLed under load is
+started again with its unchanged command, the cluster's recovery does the rest, and `up` keeps serving.
+
+Everything goes through `minedraft up` itself, a subprocess; the kills are os.kill(SIGKILL) of the service
+processes it started (found by their command lines). Greedy output must equal the offline autoregressive
+output (strict kernels) across every kill; a service that fails on every restart stops `up` with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from minedraft.client import Client, RetryPolicy
+from minedraft.launcher import free_port
+
+from conftest import make_pair, offline_greedy, tiny_config
+from services import children, health, serving, wait_serving, worker_info
+
+NUM_STREAMS = 16
+MAX_TOKENS = 100
+SPEC = {"num_speculative_tokens": 3, "is_parallel": True}  # minedraft
+SUPERVISION = ["--restart-backoff-max", "1", "--crash-loop-restarts", "3", "--crash-loop-window", "60"]
+# A fault injected through the environment: a drafter started while this file exists exits at once.
+FAULT = """import os, pathlib
+args = pathlib.Path("/proc/self/cmdline").read_bytes().split(b"\\0")
+marker = os.environ.get("MINEDRAFT_TEST_FAULT_FILE")
+if marker and os.path.exists(marker) and b"minedraft" in args and args[args.index(b"minedraft") + 1] == b"drafter":
+    os._exit(3)
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return make_pair(tmp_path_factory.mktemp("up-healing"), seed=4)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(13 * i + j) % 300 + 1 for j in range(1 + i % 4)] for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[list[int]]:
+    return offline_greedy(tiny_config(pair, None, max_num_seqs=16), _prompts(), MAX_TOKENS)
+
+
+class Up:
+    """A running `minedraft up`: its address, its stderr (a file) and its services, found by command line."""
+
+    def __init__(self, pair, tmp: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port, self.log_dir, self.stderr = free_port(), tmp / "logs", tmp / "up.stderr"
+        self.address = f"127.0.0.1:{self.port}"
+        with open(self.stderr, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(self.port),
+                 "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu",
+                 "--batch-invariant", "--max-num-seqs", "16", "--max-model-len", "128", "--log-level", "WARNING",
+                 "--log-dir", str(self.log_dir), *SUPERVISION, *flags],
+                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        wait_serving(self.address, timeout_s=240)
+
+    def services(self) -> dict[str, list[tuple[int, int]]]:
+        """(pid, --port) of each running service process, by role."""
+        found: dict[str, list[tuple[int, int]]] = {}
+        for pid in children(self.process.pid):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                role, port = args[args.index("minedraft") + 1], int(args[args.index("--port") + 1])
+            except (OSError, ValueError):  # gone, or not yet exec'd (a zombie has no command line)
+                continue
+            found.setdefault(role, []).append((pid, port))
+        return found
+
+    def kill(self, role: str, port: int | None = None) -> tuple[int, int]:
+        """SIGKILL the service `role` (the one on `port`, with several); returns its (pid, port)."""
+        pid, port = next(s for s in self.services()[role] if port is None or s[1] == port)
+        os.kill(pid, signal.SIGKILL)
+        return pid, port
+
+    def restarted(self, role: str, old_pid: int, timeout_s: float = 30) -> tuple[int, int]:
+        """The service that replaced `old_pid`, once it serves."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            new = [s for s in self.services().get(role, []) if s[0] != old_pid]
+            if new and serving(f"127.0.0.1:{new[0][1]}", timeout_s=1):
+                return new[0]
+            assert time.monotonic() < deadline, f"the {role} did not serve again within {timeout_s}s"
+            time.sleep(0.2)
+
+    def said(self) -> str:
+        return self.stderr.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=120)
+
+
+def _streams(address: str, prompts: list[list[int]], **client_options) -> list[Future]:
+    """One greedy generate per prompt in the background; each future: token ids or the gRPC status name."""
+
+    def one(prompt: list[int]) -> list[int] | str:
+        with Client(address, timeout=180, **client_options) as client:
+            try:
+                return client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True).token_ids
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(one, p) for p in prompts]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _wait_active(address: str, at_least: int = 4, timeout_s: float = 60) -> None:
+    """Until a worker holds requests: the streams are mid-flight."""
+    deadline = time.monotonic() + timeout_s
+    while worker_info(address).num_active_sequences < at_least:
+        assert time.monotonic() < deadline, "the requests never reached the workers"
+        time.sleep(0.05)
+
+
+def _served_within(address: str, since: float, limit_s: float = 30) -> float:
+    """Seconds from `since` until a new request is served (retrying UNAVAILABLE, as the SDK does)."""
+    retries = RetryPolicy(max_attempts=100, max_backoff=0.5)
+    with Client(address, timeout=limit_s, retries=retries) as client:
+        assert client.generate([3, 1, 4], max_tokens=4, temperature=0, ignore_eos=True).usage.completion_tokens == 4
+    took = time.monotonic() - since
+    assert took < limit_s, f"a new request was served {took:.1f}s after the kill"
+    return took
+
+
+def _health_while(condition: Callable[[], bool], address: str, timeout_s: float = 60) -> set[str]:
+    """The scheduler's health statuses seen until `condition` holds."""
+    seen, deadline = set(), time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        seen.add(health(address))
+        time.sleep(0.05)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def up(pair, tmp_path_factory):
+    """One group in MineDraft mode under `up`; a drafter started while the fault file exists fails at once."""
+    tmp = tmp_path_factory.mktemp("up")
+    (tmp / "fault").mkdir()
+    (tmp / "fault" / "sitecustomize.py").write_text(FAULT)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp / "fault"), os.environ.get("PYTHONPATH", "")]),
+           "MINEDRAFT_TEST_FAULT_FILE": str(tmp / "fail-drafter")}  # fmt: skip
+    stack = Up(pair, tmp, env=env)
+    stack.fault = tmp / "fail-drafter"
+    yield stack
+    stack.stop()
+
+
+def test_a_killed_drafter_is_restarted_and_no_request_is_lost(up, expected) -> None:
+    streams = _streams(up.address, _prompts(), retries=0)
+    [(verifier, verifier_port)] = up.services()["verifier"]
+    _wait_active(f"127.0.0.1:{verifier_port}")
+    old, _ = up.kill("drafter")
+    killed_at = time.monotonic()
+    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
+    # target-only decoding serves: the scheduler stays SERVING while its drafter is gone
+    _, drafter_port = up.restarted("drafter", old)
+    assert _health_while(lambda: worker_info(f"127.0.0.1:{drafter_port}").epoch > 0, up.address) <= {"SERVING"}
+    assert [f.result(timeout=240) for f in streams] == expected
+    new_request.result(timeout=60)
+    assert up.process.poll() is None
+    assert "the drafter was killed by SIGKILL; restarting it in 1s (restart 1)" in up.said()
+    # speculation resumed: the restarted drafter is in the scheduler's world again
+    assert worker_info(f"127.0.0.1:{drafter_port}").epoch == worker_info(f"127.0.0.1:{verifier_port}").epoch
+
+
+def test_a_killed_verifier_is_restarted_and_its_requests_are_held(up, expected) -> None:
+    streams = _streams(up.address, _prompts(), retries=0)
+    [(_, verifier_port)] = up.services()["verifier"]
+    _wait_active(f"127.0.0.1:{verifier_port}")
+    old, _ = up.kill("verifier")
+    killed_at = time.monotonic()
+    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
+    up.restarted("verifier", old)
+    assert [f.result(timeout=240) for f in streams] == expected
+    new_request.result(timeout=60)
+    assert up.process.poll() is None
+    assert "the verifier was killed by SIGKILL; restarting it in 1s (restart 1)" in up.said()
+
+
+def test_a_killed_scheduler_is_restarted_with_every_kv_block_free(up) -> None:
+    """Without a gateway its clients get UNAVAILABLE (as in the cluster); the new scheduler serves again."""
+    streams = _streams(up.address, _prompts(), retries=0)
+    workers = {role: f"127.0.0.1:{up.services()[role][0][1]}" for role in ("verifier", "drafter")}
+    _wait_active(workers["verifier"])
+    old, _ = up.kill("scheduler")
+    killed_at = time.monotonic()
+    outcomes = [f.result(timeout=60) for f in streams]
+    assert "UNAVAILABLE" in outcomes and all(o == "UNAVAILABLE" or len(o) == MAX_TOKENS for o in outcomes)
+    up.restarted("scheduler", old)
+    for role, address in workers.items():  # the new scheduler's world holds nothing of the old one's
+        info = worker_info(address)
+        assert (info.num_active_sequences, info.num_free_blocks) == (0, info.num_blocks), (role, info)
+    _served_within(up.address, killed_at)
+    assert up.process.poll() is None
+
+
+def test_a_service_that_fails_on_every_restart_stops_up_with_one_line(up) -> None:
+    """Last: it ends the module's `up`. The drafter served; from now on each start of it exits with code 3."""
+    up.fault.touch()
+    pids = [pid for services in up.services().values() for pid, _ in services]
+    up.kill("drafter")
+    assert up.process.wait(timeout=60) == 1
+    lines = [line for line in up.said().splitlines() if "crash-loops" in line]
+    assert lines == [f"minedraft up: the drafter exited with code 3 after 3 restarts in 60s (--crash-loop-restarts "
+                     f"3): it crash-loops, see {up.log_dir / 'drafter.log'}; stopping every service"]  # fmt: skip
+    assert "minedraft up: restarts: drafter" in up.said()
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == [], "services outlived minedraft up"
