@@ -14,15 +14,19 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from minedraft.client import Client, RetryPolicy
+from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import free_port
+from minedraft.sampling.params import SamplingParams
 
 from conftest import make_pair, offline_greedy, tiny_config
 from services import children, health, serving, wait_serving, worker_info
@@ -88,11 +92,11 @@ class Up:
         os.kill(pid, signal.SIGKILL)
         return pid, port
 
-    def restarted(self, role: str, old_pid: int, timeout_s: float = 30) -> tuple[int, int]:
-        """The service that replaced `old_pid`, once it serves."""
+    def restarted(self, role: str, old: tuple[int, int], timeout_s: float = 30) -> tuple[int, int]:
+        """The service that replaced `old` (pid, port) on the same port, once it serves."""
         deadline = time.monotonic() + timeout_s
         while True:
-            new = [s for s in self.services().get(role, []) if s[0] != old_pid]
+            new = [s for s in self.services().get(role, []) if s[0] != old[0] and s[1] == old[1]]
             if new and serving(f"127.0.0.1:{new[0][1]}", timeout_s=1):
                 return new[0]
             assert time.monotonic() < deadline, f"the {role} did not serve again within {timeout_s}s"
@@ -141,6 +145,14 @@ def _served_within(address: str, since: float, limit_s: float = 30) -> float:
     return took
 
 
+def _wait_tokens_at(metrics_port: int, at_least: float = 64, timeout_s: float = 60) -> None:
+    """Until a group's scheduler has generated `at_least` tokens: its streams are mid-flight."""
+    deadline = time.monotonic() + timeout_s
+    while _metric(metrics_port, "minedraft:generation_tokens_total") < at_least:
+        assert time.monotonic() < deadline, "the group never generated"
+        time.sleep(0.05)
+
+
 def _health_while(condition: Callable[[], bool], address: str, timeout_s: float = 60) -> set[str]:
     """The scheduler's health statuses seen until `condition` holds."""
     seen, deadline = set(), time.monotonic() + timeout_s
@@ -169,7 +181,7 @@ def test_a_killed_drafter_is_restarted_and_no_request_is_lost(up, expected) -> N
     streams = _streams(up.address, _prompts(), retries=0)
     [(verifier, verifier_port)] = up.services()["verifier"]
     _wait_active(f"127.0.0.1:{verifier_port}")
-    old, _ = up.kill("drafter")
+    old = up.kill("drafter")
     killed_at = time.monotonic()
     new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
     # target-only decoding serves: the scheduler stays SERVING while its drafter is gone
@@ -187,7 +199,7 @@ def test_a_killed_verifier_is_restarted_and_its_requests_are_held(up, expected) 
     streams = _streams(up.address, _prompts(), retries=0)
     [(_, verifier_port)] = up.services()["verifier"]
     _wait_active(f"127.0.0.1:{verifier_port}")
-    old, _ = up.kill("verifier")
+    old = up.kill("verifier")
     killed_at = time.monotonic()
     new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
     up.restarted("verifier", old)
@@ -202,7 +214,7 @@ def test_a_killed_scheduler_is_restarted_with_every_kv_block_free(up) -> None:
     streams = _streams(up.address, _prompts(), retries=0)
     workers = {role: f"127.0.0.1:{up.services()[role][0][1]}" for role in ("verifier", "drafter")}
     _wait_active(workers["verifier"])
-    old, _ = up.kill("scheduler")
+    old = up.kill("scheduler")
     killed_at = time.monotonic()
     outcomes = [f.result(timeout=60) for f in streams]
     assert "UNAVAILABLE" in outcomes and all(o == "UNAVAILABLE" or len(o) == MAX_TOKENS for o in outcomes)
@@ -225,3 +237,107 @@ def test_a_service_that_fails_on_every_restart_stops_up_with_one_line(up) -> Non
                      f"3): it crash-loops, see {up.log_dir / 'drafter.log'}; stopping every service"]  # fmt: skip
     assert "minedraft up: restarts: drafter" in up.said()
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == [], "services outlived minedraft up"
+
+
+# `up --engine-groups 2`: the gateway is restarted as the groups' services are; streams migrate meanwhile.
+
+KEY = "up-key"
+
+
+@pytest.fixture(scope="module")
+def texts(pair) -> list[str]:
+    """Offline autoregressive text of each prompt: what every SSE stream must carry, byte for byte."""
+    engine = LLMEngine.local(tiny_config(pair, None, max_num_seqs=16))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in _prompts()]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.text for r in requests]
+
+
+@pytest.fixture(scope="module")
+def groups(pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("up-groups")
+    stack = Up(pair, tmp, "--engine-groups", "2", "--http-port", str(free_port()), "--api-key", KEY,
+               "--metrics-port", str(free_port()))  # fmt: skip
+    stack.http_port = int(stack.process.args[stack.process.args.index("--http-port") + 1])
+    yield stack
+    stack.stop()
+
+
+def _sse(http_port: int, prompts: list[list[int]]) -> list[Future]:
+    """One streamed (SSE) greedy completion per prompt through the gateway; each future: the text."""
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=180)
+
+    def one(prompt: list[int]) -> str:
+        chunks = api.completions.create(model="target", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(one, p) for p in prompts]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _group_metrics_port(scheduler_pid: int) -> int:
+    args = Path(f"/proc/{scheduler_pid}/cmdline").read_bytes().decode().split("\0")
+    return json.loads(args[args.index("--scheduler-settings") + 1])["metrics_port"]
+
+
+def _metric(metrics_port: int, name: str) -> float:
+    """A series of a scheduler's (or the gateway's HTTP) /metrics, summed over its labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == name)
+
+
+def _group_ports(scheduler_pid: int) -> dict[str, int]:
+    """The ports of a group's services, from its scheduler's command line."""
+    args = Path(f"/proc/{scheduler_pid}/cmdline").read_bytes().decode().split("\0")
+    port = {flag: int(args[args.index(flag) + 1].rsplit(":", 1)[1]) for flag in ("--verifier", "--drafter")}
+    return {"scheduler": int(args[args.index("--port") + 1]), "verifier": port["--verifier"],
+            "drafter": port["--drafter"]}  # fmt: skip
+
+
+def _finished(metrics_port: int) -> float:
+    return _metric(metrics_port, "minedraft:request_success_total")
+
+
+@pytest.mark.parametrize("roles", [("scheduler",), ("scheduler", "verifier", "drafter")], ids=["scheduler", "group"])
+def test_streams_through_the_gateway_survive_a_group_kill(groups, texts, roles) -> None:
+    """16 SSE streams; one group's scheduler (or all its services, as a lost node) SIGKILLed mid-stream: every
+    stream completes byte for byte on the other group, and the killed group serves again within 30 s and takes
+    new work."""
+    # group 0: the one whose metrics port is --metrics-port itself (group i serves on port + i)
+    metrics_port, pid = min((_group_metrics_port(pid), pid) for pid, _ in groups.services()["scheduler"])
+    ports = _group_ports(pid)
+    migrated = _metric(groups.http_port, "minedraft:gateway_resubmissions_total")
+    streams = _sse(groups.http_port, _prompts())
+    _wait_tokens_at(metrics_port)
+    killed = [groups.kill(role, ports[role]) for role in roles]
+    killed_at = time.monotonic()
+    assert [f.result(timeout=240) for f in streams] == texts
+    assert _metric(groups.http_port, "minedraft:gateway_resubmissions_total") > migrated, "no stream migrated"
+    for role, old in zip(roles, killed, strict=True):
+        groups.restarted(role, old)
+    while _metric(groups.http_port, "minedraft:gateway_serving_groups") < 2:  # the gateway sees it serve
+        assert time.monotonic() - killed_at < 30, "the killed group did not serve again within 30 s"
+        time.sleep(0.1)
+    print(f"group 0 serves at the gateway again {time.monotonic() - killed_at:.1f}s after the kill of its {roles}")
+    before = _finished(metrics_port)
+    assert [f.result(timeout=240) for f in _sse(groups.http_port, _prompts())] == texts
+    assert _finished(metrics_port) > before, "the restarted group took no new work"
+    assert groups.process.poll() is None
+    assert "the group 0 scheduler was killed by SIGKILL; restarting it in 1s" in groups.said()
+
+
+def test_a_killed_gateway_is_restarted(groups) -> None:
+    killed = groups.kill("gateway")
+    killed_at = time.monotonic()
+    groups.restarted("gateway", killed)
+    with Client(groups.address, timeout=30, token=KEY, retries=RetryPolicy(max_attempts=100, max_backoff=0.5)) as c:
+        assert c.generate([3, 1, 4], max_tokens=4, temperature=0, ignore_eos=True).usage.completion_tokens == 4
+    assert time.monotonic() - killed_at < 30
+    assert groups.process.poll() is None
+    assert "the gateway was killed by SIGKILL; restarting it in 1s (restart 1)" in groups.said()
