@@ -8,6 +8,7 @@ output (strict kernels) across every kill; a service that fails on every restart
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from minedraft.client import Client, RetryPolicy
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import free_port
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import SupervisorSettings
+from minedraft.supervision import Supervisor
 
 from conftest import make_pair, offline_greedy, tiny_config
 from services import children, health, serving, wait_serving, worker_info
@@ -341,3 +344,35 @@ def test_a_killed_gateway_is_restarted(groups) -> None:
     assert time.monotonic() - killed_at < 30
     assert groups.process.poll() is None
     assert "the gateway was killed by SIGKILL; restarting it in 1s (restart 1)" in groups.said()
+
+
+class _Exits:
+    """One real service that exits with code 3 each time it starts (the Supervised protocol)."""
+
+    def __init__(self) -> None:
+        self.process = self.restart("worker")
+
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        return [("worker", self.process)]
+
+    def restart(self, name: str) -> subprocess.Popen:
+        self.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        return self.process
+
+    def log_path(self, name: str) -> Path | None:
+        return None
+
+
+def test_back_off_doubles_up_to_its_cap_and_a_crash_loop_ends_supervision() -> None:
+    said = io.StringIO()
+    settings = SupervisorSettings(restart_backoff_max=2, crash_loop_restarts=3, crash_loop_window=60)
+    assert Supervisor(_Exits(), settings, out=said).run(poll_s=0.05) == 1
+    prefix = "minedraft up: the worker exited with code 3"
+    assert said.getvalue().splitlines() == [
+        f"{prefix}; restarting it in 1s (restart 1)",
+        f"{prefix}; restarting it in 2s (restart 2)",
+        f"{prefix}; restarting it in 2s (restart 3)",
+        f"{prefix} after 3 restarts in 60s (--crash-loop-restarts 3): it crash-loops, its output is above; stopping "
+        "every service",
+        "minedraft up: restarts: worker 3",
+    ]  # fmt: skip
