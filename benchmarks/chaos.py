@@ -9,7 +9,7 @@ each kill took to heal.
 Healed means: a drafter or verifier is back in its group's world (both workers in the same epoch); a
 scheduler or the gateway serves again (health SERVING). Without
 a gateway, a scheduler's kill fails its open streams (UNAVAILABLE, as in the cluster); the gateway's kill fails
-the streams open through it and refuses requests until it is back (the bench client does not retry).
+the streams open through it; requests that had not started are retried by the SDK, as a client would.
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.bench.prompts import load_prompts
+from minedraft.client import Client, RetryPolicy
 from minedraft.launcher import free_port
 from minedraft.serving import is_serving
 
@@ -44,6 +45,44 @@ class Kill:
     group: int
     at: float  # seconds into the chaos run
     recovered_after: float | None = None
+
+
+@dataclass
+class Run:
+    """One pass over the prompts: each request's tokens, or its error; and how long the pass took."""
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        return sum(map(len, self.token_ids)) / self.duration_s
+
+    @property
+    def lost(self) -> int:
+        return sum(e is not None for e in self.errors)
+
+
+def run_load(address: str, prompts: list[str], concurrency: int, max_tokens: int) -> Run:
+    """Greedy requests, `concurrency` at a time, through the SDK with its retries (UNAVAILABLE before the first
+    token, patient enough to outlast a restart): what a client of the cluster would see."""
+    retries = RetryPolicy(max_attempts=60, max_backoff=1.0)
+
+    def one(prompt: str) -> tuple[list[int], str | None]:
+        try:
+            return client.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True).token_ids, None
+        except grpc.RpcError as exc:
+            return [], exc.code().name
+
+    run = Run()
+    start = time.monotonic()
+    with Client(address, timeout=600, retries=retries) as client, ThreadPoolExecutor(concurrency) as pool:
+        for token_ids, error in pool.map(one, prompts):
+            run.token_ids.append(token_ids)
+            run.errors.append(error)
+    run.duration_s = time.monotonic() - start
+    return run
 
 
 @dataclass
@@ -72,17 +111,22 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+_GROUPS: dict[int, int] = {}  # scheduler port -> group index, as `up` numbers them (the order it started them)
+
+
 def services(up: subprocess.Popen) -> list[Service]:
-    """The services `up` runs now, from their command lines; a group is numbered by its scheduler's port order."""
+    """The services `up` runs now, from their command lines."""
     found = []
     for pid in _children(up.pid):
         args = _cmdline(pid)
         if "minedraft" in args and "--port" in args:
             found.append((args[args.index("minedraft") + 1], pid, int(args[args.index("--port") + 1]), args))
-    schedulers = sorted((port, args) for role, _, port, args in found if role == "scheduler")
-    group_of = {"scheduler": {}, "verifier": {}, "drafter": {}}
-    for i, (port, args) in enumerate(schedulers):
-        group_of["scheduler"][port] = i
+    schedulers = sorted((pid, port, args) for role, pid, port, args in found if role == "scheduler")
+    if not _GROUPS:
+        _GROUPS.update({port: i for i, (_, port, _) in enumerate(schedulers)})
+    group_of: dict[str, dict[int, int]] = {"scheduler": {}, "verifier": {}, "drafter": {}}
+    for _, port, args in schedulers:
+        i = group_of["scheduler"][port] = _GROUPS[port]
         for role in ("verifier", "drafter"):
             group_of[role][int(args[args.index(f"--{role}") + 1].rsplit(":", 1)[1])] = i
     return [Service(role, pid, port, group_of.get(role, {}).get(port, -1)) for role, pid, port, _ in found]
@@ -174,15 +218,15 @@ def main() -> int:
     args = parser.parse_args()
 
     prompts = load_prompts(limit=args.num_prompts)
-    load = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "timeout": 900.0, "warmup": 2, "progress": False}  # fmt: skip
+    load = (prompts, args.concurrency, args.max_tokens)
     log_dir = Path(tempfile.mkdtemp(prefix="minedraft-chaos-"))
     print(f"service logs: {log_dir}", flush=True)
     up, address = start_up(args, log_dir)
     try:
         print(f"undisturbed run: {len(prompts)} prompts x {args.max_tokens} tokens, {args.engine_groups} group(s)",
               flush=True)  # fmt: skip
-        calm = run_online_bench(address, prompts, **load)
+        run_load(address, prompts[:2], 2, 8)  # warm-up
+        calm = run_load(address, *load)
         print(f"chaos run: a random {args.targets.replace(',', '/')} SIGKILLed every {args.kill_every:g}s; "
               "minedraft up restarts it", flush=True)  # fmt: skip
         kills: list[Kill] = []
@@ -191,7 +235,7 @@ def main() -> int:
                                                       random.Random(args.seed)))  # fmt: skip
         monkey.start()
         try:
-            wild = run_online_bench(address, prompts, **{**load, "warmup": 0})
+            wild = run_load(address, *load)
         finally:
             stop.set()
             monkey.join()
@@ -203,18 +247,16 @@ def main() -> int:
     return 0 if alive else 1
 
 
-def report(calm: BenchResult, wild: BenchResult, kills: list[Kill], alive: bool) -> str:
-    done = [(a, b) for a, b in zip(calm.records, wild.records, strict=True) if b.error is None]
-    differ = sum(a.token_ids != b.token_ids for a, b in done)
-    errors = Counter((r.error or "").split(":")[0] for r in wild.records if r.error is not None)
+def report(calm: Run, wild: Run, kills: list[Kill], alive: bool) -> str:
+    done = [(a, b) for a, b, e in zip(calm.token_ids, wild.token_ids, wild.errors, strict=True) if e is None]
+    errors = Counter(e for e in wild.errors if e is not None)
     lines = [
-        f"chaos run:              {wild.duration_s:.0f}s, {len(kills)} kills "
-        f"{dict(Counter(_name(k) for k in kills))}",
+        f"chaos run:              {wild.duration_s:.0f}s, {len(kills)} kills {dict(Counter(map(_name, kills)))}",
         f"minedraft up:           {'still serving' if alive else 'STOPPED'}",
-        f"requests lost:          {wild.failed} of {len(wild.records)}" + (f" {dict(errors)}" if errors else ""),
-        f"outputs != undisturbed: {differ} of {len(done)} completed",
-        f"throughput:             {wild.output_throughput:.1f} tok/s vs {calm.output_throughput:.1f} undisturbed "
-        f"({wild.output_throughput / calm.output_throughput:.2f}x)",
+        f"requests lost:          {wild.lost} of {len(wild.errors)}" + (f" {dict(errors)}" if errors else ""),
+        f"outputs != undisturbed: {sum(a != b for a, b in done)} of {len(done)} completed",
+        f"throughput:             {wild.throughput:.1f} tok/s vs {calm.throughput:.1f} undisturbed "
+        f"({wild.throughput / calm.throughput:.2f}x)",
         "time to heal (kill -> the restarted service serves and is in its group again):",
     ]
     for target in sorted({k.target for k in kills}):
