@@ -95,15 +95,18 @@ class Up:
         os.kill(pid, signal.SIGKILL)
         return pid, port
 
+    def back(self, role: str, old: tuple[int, int]) -> tuple[int, int] | None:
+        """The service that replaced `old` (pid, port) on the same port, if it serves."""
+        new = [s for s in self.services().get(role, []) if s[0] != old[0] and s[1] == old[1]]
+        return new[0] if new and serving(f"127.0.0.1:{new[0][1]}", timeout_s=1) else None
+
     def restarted(self, role: str, old: tuple[int, int], timeout_s: float = 30) -> tuple[int, int]:
-        """The service that replaced `old` (pid, port) on the same port, once it serves."""
+        """The service that replaced `old`, once it serves."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            new = [s for s in self.services().get(role, []) if s[0] != old[0] and s[1] == old[1]]
-            if new and serving(f"127.0.0.1:{new[0][1]}", timeout_s=1):
-                return new[0]
+        while (new := self.back(role, old)) is None:
             assert time.monotonic() < deadline, f"the {role} did not serve again within {timeout_s}s"
             time.sleep(0.2)
+        return new
 
     def said(self) -> str:
         return self.stderr.read_text()
@@ -187,9 +190,14 @@ def test_a_killed_drafter_is_restarted_and_no_request_is_lost(up, expected) -> N
     old = up.kill("drafter")
     killed_at = time.monotonic()
     new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
-    # target-only decoding serves: the scheduler stays SERVING while its drafter is gone
+
+    # target-only decoding serves: the scheduler stays SERVING from the kill until the drafter is back in its world
+    def rejoined() -> bool:
+        new = up.back("drafter", old)
+        return new is not None and worker_info(f"127.0.0.1:{new[1]}").epoch > 0
+
+    assert _health_while(rejoined, up.address) <= {"SERVING"}
     _, drafter_port = up.restarted("drafter", old)
-    assert _health_while(lambda: worker_info(f"127.0.0.1:{drafter_port}").epoch > 0, up.address) <= {"SERVING"}
     assert [f.result(timeout=240) for f in streams] == expected
     new_request.result(timeout=60)
     assert up.process.poll() is None
@@ -205,6 +213,8 @@ def test_a_killed_verifier_is_restarted_and_its_requests_are_held(up, expected) 
     old = up.kill("verifier")
     killed_at = time.monotonic()
     new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
+    # nothing can decode while no verifier serves: NOT_SERVING until the group is formed again
+    assert "NOT_SERVING" in _health_while(lambda: up.back("verifier", old) is not None, up.address)
     up.restarted("verifier", old)
     assert [f.result(timeout=240) for f in streams] == expected
     new_request.result(timeout=60)

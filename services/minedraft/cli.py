@@ -870,7 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="start verifier, drafter and scheduler as local processes (the embedded default)",
         description="Start the whole stack on this machine with the bundled models, in MineDraft mode unless "
-        "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
+        "--speculative-config says otherwise ('null' = plain autoregressive decoding). A service that exits is "
+        "started again (with back-off); only one that crash-loops, or a signal, stops the stack.",
     )
     _add_engine_args(up, base=UP_DEFAULTS)
     _add_listen_args(up, port=50051, host="127.0.0.1")
