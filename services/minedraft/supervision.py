@@ -85,7 +85,12 @@ class Supervised(Protocol):
 
 def exit_status(code: int) -> str:
     """How a process ended, from its return code (negative: the signal that killed it)."""
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:  # a signal without a name (real-time signals)
+        return f"was killed by signal {-code}"
 
 
 class Supervisor:
