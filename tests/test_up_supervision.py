@@ -151,10 +151,11 @@ def _served_within(address: str, since: float, limit_s: float = 30) -> float:
     return took
 
 
-def _wait_tokens_at(metrics_port: int, at_least: float = 64, timeout_s: float = 60) -> None:
-    """Until a group's scheduler has generated `at_least` tokens: its streams are mid-flight."""
+def _wait_tokens_at(metrics_port: int, since: float, more: float = 64, timeout_s: float = 60) -> None:
+    """Until a group's scheduler has generated `more` tokens past `since` (its count then): its streams are
+    mid-flight."""
     deadline = time.monotonic() + timeout_s
-    while _metric(metrics_port, "minedraft:generation_tokens_total") < at_least:
+    while _metric(metrics_port, "minedraft:generation_tokens_total") < since + more:
         assert time.monotonic() < deadline, "the group never generated"
         time.sleep(0.05)
 
@@ -326,8 +327,9 @@ def test_streams_through_the_gateway_survive_a_group_kill(groups, texts, roles) 
     metrics_port, pid = min((_group_metrics_port(pid), pid) for pid, _ in groups.services()["scheduler"])
     ports = _group_ports(pid)
     migrated = _metric(groups.http_port, "minedraft:gateway_resubmissions_total")
+    generated = _metric(metrics_port, "minedraft:generation_tokens_total")
     streams = _sse(groups.http_port, _prompts())
-    _wait_tokens_at(metrics_port)
+    _wait_tokens_at(metrics_port, since=generated)
     killed = [groups.kill(role, ports[role]) for role in roles]
     killed_at = time.monotonic()
     assert [f.result(timeout=240) for f in streams] == texts
