@@ -222,13 +222,15 @@ def test_services_die_with_a_sigkilled_up(pair) -> None:
         time.sleep(0.2)
 
 
-def test_up_exits_non_zero_when_a_service_dies(pair) -> None:
-    up, _ = _up(pair)
+def test_up_without_restarts_exits_non_zero_when_a_service_dies(pair) -> None:
+    """--crash-loop-restarts 0: the first exit of a service stops every service (tests/test_up_supervision.py
+    has the restarts)."""
+    up, _ = _up(pair, "--crash-loop-restarts", "0")
     try:
         services = _services_of(up)
         os.kill(services["drafter"], signal.SIGKILL)
         assert up.wait(timeout=90) == 1
-        assert "the drafter was killed by SIGKILL" in up.stderr.read()
+        assert "the drafter was killed by SIGKILL after 0 restarts" in up.stderr.read()
         assert not [pid for pid in services.values() if _alive(pid)]
     finally:
         if up.poll() is None:

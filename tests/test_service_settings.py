@@ -19,6 +19,7 @@ from minedraft.settings import (
     PublicApiSettings,
     SchedulerSettings,
     ServiceSettings,
+    SupervisorSettings,
     WorkerSettings,
 )
 
@@ -159,3 +160,16 @@ def test_bad_settings_fail_with_the_field_name() -> None:
         _child(["scheduler", "--max-waiting-requests", "-1"], SchedulerSettings)
     with pytest.raises(ValueError, match="TLS needs both"):
         _child(["scheduler", "--tls-cert", "cert.pem"], SchedulerSettings)
+
+
+def test_up_reads_its_supervision_settings_and_logs_where_they_say(tmp_path) -> None:
+    """The supervision settings are `up`'s own (no child gets them); --log-dir places every service's log."""
+    supervisor = _off_default(SupervisorSettings(restart_backoff_max=3.0, crash_loop_restarts=2,
+                                                 crash_loop_window=30.0, log_dir=str(tmp_path)))  # fmt: skip
+    argv = ["up", *_flags(supervisor)]
+    assert _settings(build_parser().parse_args(argv), SupervisorSettings) == supervisor
+    assert _up(*argv[1:]).log_path("drafter") == tmp_path / "drafter.log"
+    stack = _up("--engine-groups", "2", *argv[1:])
+    assert stack.log_path("group 1 verifier") == tmp_path / "group-1" / "verifier.log"
+    assert stack.log_path("gateway") == tmp_path / "gateway.log"
+    assert [name for name, _ in stack.processes()] == []  # nothing started yet

@@ -24,9 +24,10 @@ from minedraft.settings import (
     SchedulerSettings,
     ServiceSettings,
     StartupError,
+    SupervisorSettings,
     WorkerSettings,
 )
-from minedraft.supervision import watch_parent_from_env
+from minedraft.supervision import Supervisor, watch_parent_from_env
 
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3",
@@ -613,7 +614,7 @@ def _up_stack(args: argparse.Namespace):
     scheduler, keys = _settings(args, SchedulerSettings), _api_keys(args)
     _check_tls_files(scheduler)
     options = {"host": args.host, "port": args.port, "log_level": args.log_level, "scheduler": scheduler,
-               "worker": _settings(args, WorkerSettings, aliases=False)}  # fmt: skip
+               "worker": _settings(args, WorkerSettings, aliases=False), "log_dir": _up_log_dir(args)}  # fmt: skip
     if args.engine_groups == 1:
         return LocalStack(config, **options, api_keys=keys.keys)
     # The gateway is the public edge: it takes the public flags; the groups behind it serve gRPC to it alone,
@@ -624,6 +625,14 @@ def _up_stack(args: argparse.Namespace):
                          "serve the gateway in plaintext on this machine (--tls-cert puts TLS on the gateway)")
     options["scheduler"] = scheduler.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
     return GatewayStack(config, args.engine_groups, **options, gateway=gateway, api_keys=keys.keys)
+
+
+def _up_log_dir(args: argparse.Namespace) -> Path | None:
+    log_dir = _settings(args, SupervisorSettings).log_dir
+    if log_dir is None:
+        return None
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return Path(log_dir)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -642,16 +651,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{metrics_port}/metrics"
                   + (" (group i: port + i)" if args.engine_groups > 1 else ""), flush=True)  # fmt: skip
-        stack.wait()
-        return _report_exited(stack.exited())
-
-
-def _report_exited(exited: list[tuple[str, int]]) -> int:
-    """`minedraft up`'s exit code: 0 after a signal, 1 when a service died on its own (named on stderr)."""
-    for name, code in exited:
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"minedraft up: the {name} {how}; stopping the other services", file=sys.stderr, flush=True)
-    return 1 if exited else 0
+        # Until a signal, or a service that crash-loops: a service that exits is started again.
+        return Supervisor(stack, _settings(args, SupervisorSettings)).run()
 
 
 def _backends(value: list[str] | str | None) -> list[str]:
@@ -874,7 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="start verifier, drafter and scheduler as local processes (the embedded default)",
         description="Start the whole stack on this machine with the bundled models, in MineDraft mode unless "
-        "--speculative-config says otherwise ('null' = plain autoregressive decoding).",
+        "--speculative-config says otherwise ('null' = plain autoregressive decoding). A service that exits is "
+        "started again (with back-off); only one that crash-loops, or a signal, stops the stack.",
     )
     _add_engine_args(up, base=UP_DEFAULTS)
     _add_listen_args(up, port=50051, host="127.0.0.1")
@@ -887,6 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_args(up, WorkerSettings, "workers (drafter and verifier of every engine group)", aliases=False)
     _add_settings_args(up, GatewaySettings, "gateway (with --engine-groups above 1: it serves the public flags "
                        "above, --http-port, keys and TLS)", shared=PublicApiSettings.model_fields)
+    _add_settings_args(up, SupervisorSettings, "supervision (a service that exits is started again)")
     up.set_defaults(func=cmd_up)
 
     gateway = sub.add_parser(

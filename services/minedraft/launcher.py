@@ -246,17 +246,13 @@ class LocalStack:
         """The running process of one service: verifier, drafter or scheduler."""
         return dict(self._processes)[name]
 
-    def wait(self) -> None:
-        """Block until a service exits or Ctrl-C."""
-        try:
-            while all(p.poll() is None for _, p in self._processes):
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        """Each service's latest process (what `supervision.Supervisor` watches and restarts)."""
+        return list(self._processes)
 
-    def exited(self) -> list[tuple[str, int]]:
-        """The services that have exited, with their exit codes (negative: killed by that signal)."""
-        return [(name, p.returncode) for name, p in self._processes if p.poll() is not None]
+    def log_path(self, name: str) -> Path | None:
+        """Where a service logs (None: to this process's stderr)."""
+        return self._log_dir / f"{name}.log" if self._log_dir else None
 
     def stop(self) -> None:
         """Drain first: SIGTERM the scheduler and give it the drain timeout to finish its requests; then

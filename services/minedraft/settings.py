@@ -162,7 +162,31 @@ class GatewaySettings(PublicApiSettings):
     )  # fmt: skip
 
 
-SETTINGS_MODELS: tuple[type[ServiceSettings], ...] = (SchedulerSettings, WorkerSettings, GatewaySettings)
+class SupervisorSettings(ServiceSettings):
+    """`minedraft up` as the kubelet of its services: how it restarts one that exits, and when it gives up."""
+
+    json_name = "supervisor_settings"
+
+    restart_backoff_max: float = Field(
+        10.0, gt=0, description="A service that exits is started again after 1 s, doubled for each restart within "
+        "--crash-loop-window, at most this many seconds.",
+    )  # fmt: skip
+    crash_loop_restarts: int = Field(
+        5, ge=0, description="A service that exits again after this many restarts within --crash-loop-window "
+        "crash-loops: up names it and stops with status 1.",
+    )  # fmt: skip
+    crash_loop_window: float = Field(
+        120.0, gt=0, description="Seconds over which restarts count toward --crash-loop-restarts (and the back-off).",
+    )
+    log_dir: str | None = Field(
+        None, description="Folder of each service's log (<service>.log; group-<i>/ with engine groups); none: "
+        "every service logs to this terminal.",
+    )  # fmt: skip
+
+
+SETTINGS_MODELS: tuple[type[ServiceSettings], ...] = (
+    SchedulerSettings, WorkerSettings, GatewaySettings, SupervisorSettings,
+)  # fmt: skip
 
 
 def settings_flags(*settings: ServiceSettings) -> list[str]:

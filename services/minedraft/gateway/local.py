@@ -113,13 +113,17 @@ class GatewayStack:
 
     def start_gateway(self) -> None:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
+        self._launch_gateway()
+        _wait_serving(self.address, self.gateway, self._startup_timeout_s, self.settings.tls_cert)
+
+    def _launch_gateway(self) -> subprocess.Popen:
         out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
         options = supervised_child()
         env = self.gateway_env(child_env(options.pop("env")))
         self.gateway = subprocess.Popen(
             self.gateway_command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None, **options
         )
-        _wait_serving(self.address, self.gateway, self._startup_timeout_s, self.settings.tls_cert)
+        return self.gateway
 
     def gateway_env(self, env: dict[str, str]) -> dict[str, str]:
         """Keys through the environment (a command line is visible to every local user): the clients' keys,
@@ -140,21 +144,23 @@ class GatewayStack:
             process.kill()
             process.wait()
 
-    def wait(self) -> None:
-        """Block until a service of any group, or the gateway, exits, or Ctrl-C."""
-        processes = [p for g in self.groups for _, p in g._processes] + [self.gateway]
-        try:
-            while all(p is not None and p.poll() is None for p in processes):
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        """Every service's latest process, named "group <i> <role>" or "gateway" (what `Supervisor` watches)."""
+        named = [(f"group {i} {name}", p) for i, g in enumerate(self.groups) for name, p in g.processes()]
+        return named + ([("gateway", self.gateway)] if self.gateway is not None else [])
 
-    def exited(self) -> list[tuple[str, int]]:
-        """The services that have exited, with their exit codes (negative: killed by that signal)."""
-        gone = [(f"group {i} {name}", code) for i, g in enumerate(self.groups) for name, code in g.exited()]
-        if self.gateway is not None and self.gateway.poll() is not None:
-            gone.append(("gateway", self.gateway.returncode))
-        return gone
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start a service ("gateway", "group <i> <role>") again with its unchanged command, after it died."""
+        if name == "gateway":
+            return self._launch_gateway()
+        _, index, role = name.split(" ")
+        return self.groups[int(index)].restart(role)
+
+    def log_path(self, name: str) -> Path | None:
+        if name == "gateway":
+            return self._log_dir / "gateway.log" if self._log_dir else None
+        _, index, role = name.split(" ")
+        return self.groups[int(index)].log_path(role)
 
     def stop(self) -> None:
         if self.gateway is not None and self.gateway.poll() is None:

@@ -350,8 +350,10 @@ class EngineLoop:
     def _recover(self, cause: BaseException) -> None:
         """Hold every request until a new world is formed, at most `worker_wait_s`."""
         deadline = time.monotonic() + self.recovery.worker_wait_s
-        self._report(False, f"re-forming the world after: {cause}")
+        reason = f"re-forming the world after: {cause}"
         while not self._stopped:
+            # NOT_SERVING only while no verifier serves: without its drafter the group decodes target-only.
+            self._report(self.world.verifier.serving(), reason)
             if self._reform():
                 return
             if time.monotonic() > deadline:
@@ -434,4 +436,4 @@ class EngineLoop:
 
     def _report(self, serving: bool, reason: str) -> None:
         if self._on_state is not None:
-            self._on_state(serving, reason)
+            self._on_state(serving and not self.draining, reason)  # a draining scheduler stays NOT_SERVING
