@@ -14,6 +14,7 @@ import pytest
 
 from minedraft.client import Client, MineDraftError
 from minedraft.gateway.local import GatewayStack
+from minedraft.gateway.policies import PrefixAffinity
 from minedraft.gateway.router import Migration
 from minedraft.launcher import free_port, scheduler_settings
 from minedraft.llm import LLM, LoRARequest
@@ -124,3 +125,12 @@ def test_a_migrated_request_keeps_its_adapter(config) -> None:
     params = SamplingParams(temperature=0, max_tokens=4)
     migration = Migration("r", [1, 2, 3], params, load_tokenizer(config.target_path), lora="a")
     assert migration.submission().lora_adapter == "a"
+
+
+def test_prefix_routing_keeps_each_adapters_cache_apart() -> None:
+    """The prefix policy keys blocks as the groups do (`chain_keys`, full blocks below the last token): a prompt
+    under an adapter shares no cached block with the same prompt under the base model or another adapter."""
+    policy = PrefixAffinity()
+    policy.block_size = 4
+    keys = {lora: policy.placement(list(range(12)), 8, None, lora).keys for lora in (None, "a", "b")}
+    assert len(keys[None]) == 2 and not set(keys[None]) & set(keys["a"]) and not set(keys["a"]) & set(keys["b"])

@@ -183,7 +183,7 @@ class Router:
     async def _place(self, migration: Migration, deadline: float, avoid: set[str]) -> Backend:
         """The group for the request's (rest of) tokens, by policy; the policy learns where it went."""
         ids = migration.prompt_ids + migration.mirror.output_ids
-        request = self.policy.placement(ids, migration.remaining, migration.session)
+        request = self.policy.placement(ids, migration.remaining, migration.session, migration.lora)
         backend = await self.pool.acquire(deadline, avoid, migration.remaining,
                                           lambda backends: self.policy.choose(backends, request))  # fmt: skip
         self.policy.placed(backend, request)
