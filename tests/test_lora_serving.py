@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from prometheus_client import generate_latest
 
 from minedraft.client import Client, MineDraftError
 from minedraft.gateway.local import GatewayStack
@@ -18,6 +19,7 @@ from minedraft.gateway.policies import PrefixAffinity
 from minedraft.gateway.router import Migration
 from minedraft.launcher import free_port, scheduler_settings
 from minedraft.llm import LLM, LoRARequest
+from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 
@@ -116,6 +118,18 @@ def test_lora_requests_info_on_metrics(stack, front) -> None:
     line = next(s for s in text.splitlines() if s.startswith("vllm:lora_requests_info{"))
     assert 'max_lora="1"' in line and 'running_lora_adapters=' in line and 'waiting_lora_adapters=' in line
     assert float(line.rsplit(" ", 1)[1]) > 1e9  # the time of the last update
+
+
+def test_lora_requests_info_holds_one_series_of_the_adapters_in_use() -> None:
+    """Comma-joined names in vLLM's labels; each update replaces the series (no pile of stale combinations)."""
+    metrics = Metrics(model_name="m")
+    metrics.record_lora(["a"], ["b", "c"], 2)
+    metrics.record_lora(["a", "b"], [], 2)
+    lines = [s for s in generate_latest(metrics.registry).decode().splitlines()
+             if s.startswith("vllm:lora_requests_info{")]  # fmt: skip
+    assert len(lines) == 1, lines
+    assert 'running_lora_adapters="a,b"' in lines[0] and 'waiting_lora_adapters=""' in lines[0]
+    assert 'max_lora="2"' in lines[0]
 
 
 def test_a_migrated_request_keeps_its_adapter(config) -> None:
