@@ -89,6 +89,17 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
         "tls": {"existingSecret": "minedraft-tls"},
         "scheduler": {"servedModelName": "llama-3-8b", "httpPort": 8443},
     },
+    "lora-claim": {
+        "engine": {"enableLora": True, "maxLoras": 2, "loraModules": [
+            {"name": "sql", "path": "sql", "draftPath": "sql-draft"}, {"name": "chat", "path": "chat"}]},
+        "loraAdapters": {"volume": {"type": "existingClaim", "existingClaim": "adapters"}},
+    },
+    "lora-download": {
+        "engine": {"enableLora": True, "loraModules": [
+            {"name": "sql", "path": "sql", "draftPath": "sql-draft", "repo": "org/sql", "draftRepo": "org/sql-draft"}]},
+        "loraAdapters": {"volume": {"type": "emptyDir"}, "download": {"enabled": True, "revision": "v2"}},
+        "hfToken": {"existingSecret": "hf-token"},
+    },
     "cert-manager": {"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "ca", "kind": "ClusterIssuer"},
                                              "dnsNames": ["llm.example.com"]}}},
     "no-http-no-policy": {"scheduler": {"httpPort": 0}, "networkPolicy": {"enabled": False}},
@@ -473,6 +484,50 @@ def test_created_claim_with_download() -> None:
     assert pod(objs, "scheduler")["initContainers"][0]["command"][-1] == "*.json"
 
 
+def test_lora_flags_and_adapters_from_a_claim() -> None:
+    """The LoRA values become the engine's flags, with each adapter's folders under the adapter volume, which
+    the workers mount read-only (the scheduler reads no adapter)."""
+    objs = render("lora-claim")
+    engine = engine_config(objs)
+    assert (engine["enable_lora"], engine["max_loras"], engine["max_cpu_loras"], engine["max_lora_rank"]) == (
+        True, 2, None, 16)  # fmt: skip
+    assert engine["lora_modules"] == [
+        {"name": "sql", "path": "/adapters/sql", "draft_path": "/adapters/sql-draft"},
+        {"name": "chat", "path": "/adapters/chat", "draft_path": None},
+    ]
+    assert EngineConfig.model_validate(engine).lora_modules[0].draft_path == "/adapters/sql-draft"
+    for component in ("verifier", "drafter"):
+        spec = pod(objs, component)
+        volume = next(v for v in spec["volumes"] if v["name"] == "adapters")
+        assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+        assert _mounts(spec)["adapters"] == {"name": "adapters", "mountPath": "/adapters", "readOnly": True}
+        assert "initContainers" not in spec
+    assert "adapters" not in _mounts(pod(objs, "scheduler"))
+
+
+def test_lora_adapters_downloaded_by_init_containers() -> None:
+    """The verifier fetches the target's adapter, the drafter the draft's, each into its own emptyDir."""
+    objs = render("lora-download")
+    expected = {"verifier": ("download-adapter-0", "org/sql", "/adapters/sql"),
+                "drafter": ("download-draft-adapter-0", "org/sql-draft", "/adapters/sql-draft")}  # fmt: skip
+    for component, (name, repo, folder) in expected.items():
+        spec = pod(objs, component)
+        (init,) = spec["initContainers"]
+        assert init["name"] == name and init["command"][-4:] == [repo, folder, "v2", ""]
+        assert {"name": "adapters", "mountPath": "/adapters"} in init["volumeMounts"]
+        assert next(v for v in spec["volumes"] if v["name"] == "adapters")["emptyDir"] == {"sizeLimit": "10Gi"}
+        assert _mounts(spec)["adapters"]["readOnly"] is False
+
+
+def test_lora_adapters_in_engine_group_pods() -> None:
+    """engineGroups > 1: one pod per group, both workers mounting the adapters, both adapters fetched."""
+    values = gpu_ok(renderer.merge(COMBINATIONS["lora-download"], {"engineGroups": 2}))
+    spec = pod([m.obj for m in renderer.render(values)], "group")
+    assert [i["name"] for i in spec["initContainers"]] == ["download-adapter-0", "download-draft-adapter-0"]
+    mounts = {c["name"]: _mounts({"containers": [c]}) for c in spec["containers"]}
+    assert ["adapters" in mounts[c] for c in ("verifier", "drafter", "scheduler")] == [True, True, False]
+
+
 @pytest.mark.parametrize("name", ["created-claim-download", "empty-dir-download"])
 def test_hf_token_only_as_secret_ref_in_download_containers(name: str) -> None:
     objs = render(name)
@@ -656,6 +711,11 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
          "not both"),
         ({"tls": {"certManager": {"enabled": True}}}, "needs tls.certManager.issuerRef.name"),
         ({"scheduler": {"terminationGracePeriodSeconds": 30}}, "killed while it drains"),
+        ({"engine": {"loraModules": [{"name": "a", "path": "a"}]}}, "engine.loraModules needs engine.enableLora"),
+        ({"engine": {"enableLora": True, "loraModules": [{"name": "a", "path": "a"}]}},
+         "set loraAdapters.volume.type to existingClaim or emptyDir"),
+        ({"engine": {"enableLora": True, "loraModules": [{"name": "a", "path": "a"}]},
+          "loraAdapters": {"volume": {"type": "emptyDir"}, "download": {"enabled": True}}}, 'adapter "a" a repo'),
         ({"scheduler": {"drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 130}},
          r"verifier.terminationGracePeriodSeconds \(60\) must be"),
     ],
@@ -683,8 +743,12 @@ ENGINE_VALUES = {
     "max_num_batched_tokens": ("engine", "maxNumBatchedTokens"),
     "enable_prefix_caching": ("engine", "enablePrefixCaching"),
     "enforce_eager": ("engine", "enforceEager"),
+    "enable_lora": ("engine", "enableLora"),
+    "max_loras": ("engine", "maxLoras"),
+    "max_cpu_loras": ("engine", "maxCpuLoras"),
+    "max_lora_rank": ("engine", "maxLoraRank"),
 }
-DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig"}
+DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules"}
 
 
 def _schema(*path: str) -> dict[str, Any]:
@@ -741,7 +805,8 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
         "engine": {"maxNumSeqs": 7, "maxModelLen": 1024, "dtype": "float16", "device": "cpu", "seed": 11,
                    "batchInvariant": True, "draftSupportSize": 8, "kvCacheMemoryBytes": 20 << 30,
                    "gpuMemoryUtilization": 0.8, "blockSize": 32, "maxNumBatchedTokens": 512,
-                   "enablePrefixCaching": False, "enforceEager": True},
+                   "enablePrefixCaching": False, "enforceEager": True, "enableLora": True, "maxLoras": 3,
+                   "maxCpuLoras": 5, "maxLoraRank": 64},
         "verifier": {"tensorParallelSize": 2},
         "models": {"target": "t", "draft": "d", "volume": {"type": "existingClaim", "existingClaim": "m"}},
         "speculativeConfig": {"num_speculative_tokens": 3, "tetris": True},

@@ -69,10 +69,12 @@ class RequestFailed(RuntimeError):
 
 class EngineClient(Protocol):
     """An engine the frontends can submit to. `failed` is why it cannot run requests now (None: it can);
-    `speculation` what adaptive speculation measured and chose, as of the last second (None: not known here)."""
+    `speculation` what adaptive speculation measured and chose, as of the last second (None: not known here);
+    `lora_adapters` the names of the LoRA adapters a request may run through."""
 
     failed: str | None
     speculation: dict | None
+    lora_adapters: list[str]
 
     @property
     def max_model_len(self) -> int: ...
@@ -85,6 +87,7 @@ class EngineClient(Protocol):
         """Raises ValueError naming the field if the engine cannot honour the request."""
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
-               sink: Sink) -> None: ...  # fmt: skip
+               sink: Sink, lora: str | None = None) -> None:  # fmt: skip
+        """Queue a request, through LoRA adapter `lora` (one of `lora_adapters`; None: the base model)."""
 
     def abort(self, request_id: str) -> None: ...

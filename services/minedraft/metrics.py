@@ -46,6 +46,7 @@ ITL_SECONDS = "minedraft:inter_token_latency_seconds"
 PREFILL_SECONDS = "minedraft:request_prefill_time_seconds"
 PROMPT_TOKENS = "minedraft:prompt_tokens"
 CACHE_CONFIG = "minedraft:cache_config_info"
+LORA_REQUESTS = "minedraft:lora_requests_info"
 
 _FINE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -68,6 +69,7 @@ VLLM_NAMES = {
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
     KV_CACHE_USAGE: "vllm:kv_cache_usage_perc",
     CACHE_CONFIG: "vllm:cache_config_info",
+    LORA_REQUESTS: "vllm:lora_requests_info",
     "minedraft:num_preemptions": "vllm:num_preemptions",
     PROMPT_TOKENS: "vllm:prompt_tokens",
     "minedraft:time_between_outputs_seconds": "vllm:inter_token_latency_seconds",
@@ -156,6 +158,11 @@ class Metrics:
             CACHE_CONFIG, "The verifier's KV cache (1 for its one label set), as vLLM's: what the Kubernetes "
             "inference gateway's endpoint picker reads for prefix-aware scheduling",
             ["block_size", "num_gpu_blocks"], registry=r,
+        )  # fmt: skip
+        self.lora_requests = Gauge(
+            LORA_REQUESTS, "The LoRA adapters of the running and the waiting requests (comma-joined names), as "
+            "vLLM's; the value is the time of the last update (set after every step)",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r,
         )  # fmt: skip
         self.preemptions = Counter(
             "minedraft:num_preemptions", "Requests preempted (KV dropped, prefilled again) for lack of KV blocks",
@@ -280,6 +287,13 @@ class Metrics:
             self.cache_config.clear()
             self.cache_config.labels(**labels).set(1)
             self._cache_config = labels
+
+    def record_lora(self, running: list[str], waiting: list[str], max_lora: int) -> None:
+        """The adapters in use now: one series, replaced at each update (vLLM's would pile up a series per
+        combination ever seen; readers take the newest, which is the only one here)."""
+        self.lora_requests.clear()
+        self.lora_requests.labels(running_lora_adapters=",".join(running), waiting_lora_adapters=",".join(waiting),
+                                  max_lora=str(max_lora)).set_to_current_time()  # fmt: skip
 
     def record_output(self, request: Request, gap_s: float | None) -> None:
         """A step gave `request` tokens; `gap_s`: the time since its previous output (None: the first)."""

@@ -148,6 +148,7 @@ async def _start_openai(
         spec_decode_metrics=api.settings.per_request_spec_decode_metrics,
         decoding=config.decoding(),
         max_body_bytes=api.settings.max_request_bytes,
+        lora_adapters=[m.name for m in config.lora_modules],
     )
     settings = api.settings
     return await start_http(frontend.app(), api.host, settings.http_port,

@@ -145,6 +145,31 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- if and $m.draft (not (include "minedraft.speculative" .)) }}
 {{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
 {{- end }}
+{{- include "minedraft.validateLora" . }}
+{{- end }}
+
+{{- define "minedraft.validateLora" -}}
+{{- $e := .Values.engine }}
+{{- $a := .Values.loraAdapters }}
+{{- if and $e.loraModules (not $e.enableLora) }}
+{{- fail "engine.loraModules needs engine.enableLora: true" }}
+{{- end }}
+{{- if and $e.loraModules (eq $a.volume.type "none") }}
+{{- fail "engine.loraModules name folders on the adapter volume: set loraAdapters.volume.type to existingClaim or emptyDir" }}
+{{- end }}
+{{- if and (eq $a.volume.type "existingClaim") (not $a.volume.existingClaim) }}
+{{- fail "loraAdapters.volume.type=existingClaim needs loraAdapters.volume.existingClaim (the PersistentVolumeClaim's name)" }}
+{{- end }}
+{{- if eq $a.volume.type "emptyDir" }}
+{{- range $e.loraModules }}
+{{- if or (not $a.download.enabled) (not .repo) (and .draftPath (not .draftRepo)) }}
+{{- fail (printf "loraAdapters.volume.type=emptyDir starts empty: enable loraAdapters.download and give adapter %q a repo (and a draftRepo with its draftPath), or use existingClaim" .name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $a.download.enabled (eq $a.volume.type "none") }}
+{{- fail "loraAdapters.download needs an adapter volume: set loraAdapters.volume.type to existingClaim or emptyDir" }}
+{{- end }}
 {{- end }}
 
 {{/* The speculative config as the engine reads it: null keys dropped, models.draft resolved to a path. */}}
@@ -170,9 +195,12 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 */}}
 {{- define "minedraft.engineConfigJson" -}}
 {{- $e := .Values.engine }}
-{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "speculative_config" nil }}
+{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "enable_lora" $e.enableLora "lora_modules" (include "minedraft.loraModules" . | fromJsonArray) "max_loras" (int $e.maxLoras) "max_cpu_loras" nil "max_lora_rank" (int $e.maxLoraRank) "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "speculative_config" nil }}
 {{- if not (kindIs "invalid" $e.kvCacheMemoryBytes) }}
 {{- $_ := set $config "kv_cache_memory_bytes" (int64 $e.kvCacheMemoryBytes) }}
+{{- end }}
+{{- if not (kindIs "invalid" $e.maxCpuLoras) }}
+{{- $_ := set $config "max_cpu_loras" (int $e.maxCpuLoras) }}
 {{- end }}
 {{- if not (kindIs "invalid" $e.maxModelLen) }}
 {{- $_ := set $config "max_model_len" (int $e.maxModelLen) }}
@@ -184,6 +212,55 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 {{- $_ := set $config "speculative_config" (include "minedraft.speculativeJson" . | fromJson) }}
 {{- end }}
 {{- toJson $config }}
+{{- end }}
+
+{{/* engine.loraModules as the engine reads them: paths under loraAdapters.mountPath (a JSON list). */}}
+{{- define "minedraft.loraModules" -}}
+{{- $root := .Values.loraAdapters.mountPath }}
+{{- $modules := list }}
+{{- range .Values.engine.loraModules }}
+{{- $draft := ternary (printf "%s/%s" $root (.draftPath | default "")) nil (not (not .draftPath)) }}
+{{- $modules = append $modules (dict "name" .name "path" (printf "%s/%s" $root .path) "draft_path" $draft) }}
+{{- end }}
+{{- toJson $modules }}
+{{- end }}
+
+{{/* The adapter volume (loraAdapters.volume), for the verifier and the drafter; empty when there is none. */}}
+{{- define "minedraft.adapterVolume" -}}
+{{- $v := .Values.loraAdapters.volume }}
+{{- if eq $v.type "emptyDir" }}
+- name: adapters
+  emptyDir:
+    sizeLimit: {{ $v.emptyDirSizeLimit }}
+{{- else if eq $v.type "existingClaim" }}
+- name: adapters
+  persistentVolumeClaim:
+    claimName: {{ $v.existingClaim }}
+    readOnly: {{ not .Values.loraAdapters.download.enabled }}
+{{- end }}
+{{- end }}
+
+{{- define "minedraft.adapterMount" -}}
+{{- if ne .Values.loraAdapters.volume.type "none" }}
+- name: adapters
+  mountPath: {{ .Values.loraAdapters.mountPath }}
+  readOnly: {{ not .Values.loraAdapters.download.enabled }}
+{{- end }}
+{{- end }}
+
+{{/* Init containers fetching the adapters a worker loads: (dict "root" $ "image" .. "pullPolicy" .. "draft" bool):
+     the target's (repo into path), or with draft the drafter's (draftRepo into draftPath). */}}
+{{- define "minedraft.adapterDownloads" -}}
+{{- $root := .root }}
+{{- $a := $root.Values.loraAdapters }}
+{{- if $a.download.enabled }}
+{{- range $i, $m := $root.Values.engine.loraModules }}
+{{- $repo := ternary $m.draftRepo $m.repo $.draft }}
+{{- if $repo }}
+{{- include "minedraft.downloadContainer" (dict "root" $root "name" (printf "download-%sadapter-%d" (ternary "draft-" "" $.draft) $i) "image" $.image "pullPolicy" $.pullPolicy "repo" $repo "dir" (ternary $m.draftPath $m.path $.draft) "patterns" "" "volume" "adapters" "mountPath" $a.mountPath "revision" $a.download.revision) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -343,11 +420,14 @@ No GPU key at all with engine.device=cpu.
 {{- end }}
 
 {{/*
-One init container fetching a Hub repository: (dict "root" $ "name" .. "image" .. "repo" .. "dir" .. "patterns" ..).
+One init container fetching a Hub repository: (dict "root" $ "name" .. "image" .. "repo" .. "dir" .. "patterns" ..);
+optional "volume", "mountPath" and "revision" fetch into another volume than the models' (the adapters').
 The token comes only from a secretKeyRef, never from values or the ConfigMap.
 */}}
 {{- define "minedraft.downloadContainer" -}}
 {{- $root := .root }}
+{{- $mountPath := .mountPath | default $root.Values.models.mountPath }}
+{{- $revision := ternary .revision $root.Values.models.download.revision (hasKey . "revision") }}
 - name: {{ .name }}
   image: {{ .image }}
   imagePullPolicy: {{ .pullPolicy }}
@@ -362,8 +442,8 @@ The token comes only from a secretKeyRef, never from values or the ConfigMap.
                         allow_patterns=patterns.split(",") if patterns else None)
       print(f"downloaded {repo} to {local_dir}", flush=True)
     - {{ .repo | quote }}
-    - {{ printf "%s/%s" $root.Values.models.mountPath .dir | quote }}
-    - {{ $root.Values.models.download.revision | quote }}
+    - {{ printf "%s/%s" $mountPath .dir | quote }}
+    - {{ $revision | quote }}
     - {{ .patterns | default "" | quote }}
   env:
     {{- include "minedraft.commonEnv" $root | nindent 4 }}
@@ -381,6 +461,6 @@ The token comes only from a secretKeyRef, never from values or the ConfigMap.
   volumeMounts:
     - name: tmp
       mountPath: /tmp
-    - name: models
-      mountPath: {{ $root.Values.models.mountPath }}
+    - name: {{ .volume | default "models" }}
+      mountPath: {{ $mountPath }}
 {{- end }}

@@ -99,16 +99,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
     sampling: SamplingParameters
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -155,7 +157,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization", "speculation_json")
+    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization", "speculation_json", "lora_adapters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +176,7 @@ class ServerInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     target_model: str
     draft_model: str
@@ -192,4 +195,5 @@ class ServerInfo(_message.Message):
     quantization: str
     draft_quantization: str
     speculation_json: str
-    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ..., speculation_json: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ..., speculation_json: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

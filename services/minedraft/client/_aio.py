@@ -75,13 +75,14 @@ class AsyncClient:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        lora: str | None = None,
         timeout: Timeout = UNSET,
         **options: Any,
     ) -> Completion:
         """Generate a completion: the concatenated deltas of `stream`."""
         request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, **options,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
         )  # fmt: skip
         deltas = [d async for d in self._stream(request, resolve_timeout(timeout, self._timeout))]
         return completion_from_deltas(deltas)
@@ -99,13 +100,14 @@ class AsyncClient:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        lora: str | None = None,
         timeout: Timeout = UNSET,
         **options: Any,
     ) -> AsyncIterator[Delta]:
         """Stream a completion as Deltas (`async for`); the RPC starts at the first step, closing early cancels it."""
         request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, **options,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
         )  # fmt: skip
         return self._stream(request, resolve_timeout(timeout, self._timeout))
 

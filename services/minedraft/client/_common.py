@@ -47,13 +47,14 @@ def build_generate_request(
     stop_token_ids: Sequence[int] | None,
     ignore_eos: bool,
     request_id: str | None,
+    lora: str | None = None,
     **options: Any,
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
     min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens); an unknown
-    name is a TypeError."""
-    request = pb.GenerateRequest(request_id=request_id or "")
+    name is a TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model)."""
+    request = pb.GenerateRequest(request_id=request_id or "", lora_adapter=lora or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):

@@ -77,13 +77,14 @@ class Client:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        lora: str | None = None,
         timeout: Timeout = UNSET,
         **options: Any,
     ) -> Completion:
         """Generate a completion: the concatenated deltas of `stream`."""
         request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, **options,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
         )  # fmt: skip
         return completion_from_deltas(self._stream(request, resolve_timeout(timeout, self._timeout)))
 
@@ -100,13 +101,14 @@ class Client:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        lora: str | None = None,
         timeout: Timeout = UNSET,
         **options: Any,
     ) -> Iterator[Delta]:
         """Stream a completion as Deltas; the RPC starts at the first `next`, and stopping early cancels it."""
         request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, **options,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
         )  # fmt: skip
         return self._stream(request, resolve_timeout(timeout, self._timeout))
 

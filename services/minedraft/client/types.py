@@ -136,6 +136,7 @@ class ServerInfo:
     draft_quantization: str = ""  # the same for the draft checkpoint
     # Adaptive speculation as of the last second: shapes chosen, acceptance, fitted costs (JSON); "": fixed or off
     speculation_json: str = ""
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name (generate's `lora`)
 
     @property
     def speculation(self) -> dict[str, Any]:
@@ -168,4 +169,5 @@ class ServerInfo:
             quantization=msg.quantization,
             draft_quantization=msg.draft_quantization,
             speculation_json=msg.speculation_json,
+            lora_adapters=tuple(msg.lora_adapters),
         )

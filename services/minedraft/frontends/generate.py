@@ -81,14 +81,17 @@ class Generator:
         *,
         add_special_tokens: bool = True,
         fit_context: bool = False,
+        lora: str | None = None,
     ) -> Generation:
         """Admit one request; raises GenerateError if it is refused. The caller must close the result.
 
         `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
         (as Hugging Face tokenizes it). `fit_context`: refuse a request whose prompt and max_tokens together
-        exceed the context (OpenAI's rule) instead of stopping it at the context's end."""
+        exceed the context (OpenAI's rule) instead of stopping it at the context's end. `lora`: the LoRA
+        adapter it runs through (None: the base model)."""
         engine = self.check_ready()
         self.check_prompt_size(prompt)
+        _check_lora(engine, lora)
         if request_id and request_id in self._client_ids:
             raise GenerateError(
                 ErrorKind.DUPLICATE, f"request_id {request_id!r} is already in flight; ids must be unique while running"
@@ -107,7 +110,7 @@ class Generator:
             if fit_context:
                 _check_context_length(engine.max_model_len, len(prompt_ids), params.max_tokens)
             engine.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
-                        generation.sink)  # fmt: skip
+                          generation.sink, lora=lora)  # fmt: skip
         except BaseException:
             generation.release()
             raise
@@ -145,6 +148,12 @@ class Generator:
             engine.check_request(prompt_ids, params)
         except ValueError as exc:
             raise GenerateError(ErrorKind.INVALID, str(exc)) from None
+
+
+def _check_lora(engine: EngineClient, name: str | None) -> None:
+    if name is not None and name not in engine.lora_adapters:
+        served = ", ".join(engine.lora_adapters) or "none"
+        raise GenerateError(ErrorKind.INVALID, f"unknown LoRA adapter {name!r}: this server has {served}")
 
 
 def _check_context_length(max_model_len: int, num_prompt: int, max_tokens: int) -> None:

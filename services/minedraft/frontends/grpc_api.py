@@ -35,7 +35,8 @@ class MineDraftServicer:
         request, params = await parse_generate(request_bytes, context)
         prompt = request_prompt(request)
         try:
-            generation = await self.generator.start(prompt, params, request.request_id or None)
+            generation = await self.generator.start(prompt, params, request.request_id or None,
+                                                    lora=request.lora_adapter or None)  # fmt: skip
             async with generation:
                 async for item in generation:
                     yield _response(generation.request_id, item)
@@ -69,6 +70,7 @@ class MineDraftServicer:
             quantization=checkpoint_quantization(self.config.target_path),
             draft_quantization=checkpoint_quantization(self.config.draft_path) if spec else "",
             speculation_json=json.dumps(engine.speculation) if engine.speculation else "",
+            lora_adapters=engine.lora_adapters,
         )
 
 

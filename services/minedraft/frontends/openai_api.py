@@ -341,8 +341,11 @@ class OpenAIFrontend:
         max_body_bytes: int | None = None,
         decoding: dict[str, str] | None = None,
         spec_decode_metrics: str | None = None,
+        lora_adapters: list[str] | None = None,
     ) -> None:
-        """`spec_decode_metrics`: 'summary' or 'detailed' (see settings' per_request_spec_decode_metrics)."""
+        """`spec_decode_metrics`: 'summary' or 'detailed' (see settings' per_request_spec_decode_metrics).
+        `lora_adapters`: the LoRA adapters served, which a request's `model` picks by name (as vLLM's)."""
+        self.lora_adapters = lora_adapters or []
         self.generator = generator
         self.spec_decode_metrics = spec_decode_metrics
         self.decoding = decoding or {}
@@ -358,35 +361,38 @@ class OpenAIFrontend:
         if not self.api_keys.allows(request.headers.get("authorization")):
             raise APIError(HTTPStatus.UNAUTHORIZED, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
-    def check_model(self, body: _SamplingBody) -> None:
-        self._check_model_name(body.model)
+    def check_model(self, body: _SamplingBody) -> str | None:
+        """The LoRA adapter the body's `model` names (None: the base model); refuses what is not served."""
+        lora = self._adapter(body.model)
         unsupported = body.unsupported()
         if unsupported:
             reasons = "; ".join(f"{name} ({why})" for name, why in unsupported)
             raise APIError(HTTPStatus.BAD_REQUEST, f"not supported by this server: {reasons}", unsupported[0][0])
+        return lora
 
     async def models(self) -> dict:
         if not self.is_serving():  # tools poll this to know when to start: ready means a request could run
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is not serving now (starting, or forming its "
                            "engine group again after a worker failed): retry later")  # fmt: skip
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(None)] + [self._model_card(a) for a in self.lora_adapters]}
 
     async def model(self, model_id: str) -> dict:
-        self._check_model_name(model_id)
-        return self._model_card()
+        return self._model_card(self._adapter(model_id))
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
+    def _model_card(self, lora: str | None) -> dict:
+        """The base model's card, or an adapter's: vLLM's shape, whose `parent` is the base model's name."""
+        return {"id": lora or self.model_name, "object": "model", "created": self.created, "owned_by": "minedraft",
+                "root": lora or self.model_name, "parent": self.model_name if lora else None,
                 "max_model_len": self.generator.max_model_len, "decoding": self.decoding}  # fmt: skip
 
     async def completions(self, body: CompletionBody) -> Response:
-        self.check_model(body)
+        lora = self.check_model(body)
         params, prompts, samples = _params(body, body.max_tokens), body.prompts(), body.samples
         if samples > body.n and params.logprobs is None:  # ranking needs each token's logprob; not returned
             params = params.model_copy(update={"logprobs": 0})
-        generations = await _start_all(self.generator, prompts, params, samples, fit_context=True)
+        generations = await _start_all(self.generator, prompts, params, samples, fit_context=True, lora=lora)
         echo = [self._prompt_text(p) for p in prompts for _ in range(body.n)] if body.echo else None
-        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+        stream = CompletionStream(f"cmpl-{uuid.uuid4().hex}", lora or self.model_name, body.include_usage,
                                   self.generator.tokenizer, echo=echo)  # fmt: skip
         stream.spec_decode_metrics = self.spec_decode_metrics
         if samples > body.n:
@@ -398,13 +404,13 @@ class OpenAIFrontend:
         return prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(list(prompt))
 
     async def chat_completions(self, body: ChatCompletionBody) -> Response:
-        self.check_model(body)
+        lora = self.check_model(body)
         prompt = self._render(body)
         asked = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), None)
         max_tokens = self.generator.max_model_len if asked is None else asked  # none asked: what the context leaves
         generations = await _start_all(self.generator, [prompt], _params(body, max_tokens), body.n,
-                                       add_special_tokens=False, fit_context=asked is not None)  # fmt: skip
-        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.include_usage,
+                                       add_special_tokens=False, fit_context=asked is not None, lora=lora)  # fmt: skip
+        stream = ChatStream(f"chatcmpl-{uuid.uuid4().hex}", lora or self.model_name, body.include_usage,
                             self.generator.tokenizer, tools=body.tool_use())  # fmt: skip
         stream.spec_decode_metrics = self.spec_decode_metrics
         return await _respond(generations, stream, body.stream, body.n)
@@ -459,7 +465,7 @@ class OpenAIFrontend:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, body: TokenizeBody) -> dict:
-        self._check_model_name(body.model)
+        self._adapter(body.model)  # an adapter shares the base model's tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(HTTPStatus.BAD_REQUEST, "send either `prompt` or `messages`", "prompt")
         refused = [r for i, m in enumerate(body.messages or []) for r in refusals(m.model_extra or {}, False,
@@ -474,7 +480,7 @@ class OpenAIFrontend:
                 "token_strs": None}  # fmt: skip
 
     async def detokenize(self, body: DetokenizeBody) -> dict:
-        self._check_model_name(body.model)
+        self._adapter(body.model)  # an adapter shares the base model's tokenizer
         vocab = self.generator.tokenizer.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(HTTPStatus.BAD_REQUEST, f"tokens: token ids must be in [0, {vocab})", "tokens")
@@ -487,9 +493,13 @@ class OpenAIFrontend:
         """Why the server speculates as it does: GetServerInfo's speculation_json (null when fixed or off)."""
         return {"speculation": self.generator.check_ready().speculation}
 
-    def _check_model_name(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model", "model_not_found")
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names: None for the base model; 404 in OpenAI's shape for a name not served."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_adapters:
+            return model
+        raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     async def health(self) -> Response:
         serving = self.is_serving()

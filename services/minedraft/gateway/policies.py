@@ -53,7 +53,9 @@ class LeastWork:
     block_size: int = 0  # the groups' KV block size; 0 until a group told it
     max_num_seqs: int = 0  # requests a group runs at once
 
-    def placement(self, token_ids: list[int], max_tokens: int, session: str | None) -> Placement:
+    def placement(self, token_ids: list[int], max_tokens: int, session: str | None, lora: str | None = None
+                  ) -> Placement:  # fmt: skip
+        """`lora`: the request's LoRA adapter, whose cached blocks are its own on every group."""
         return Placement(token_ids, max_tokens, session)
 
     def choose(self, backends: list[Backend], request: Placement) -> Backend:
@@ -69,8 +71,9 @@ class PrefixAffinity(LeastWork):
     def __init__(self) -> None:
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()  # block key -> groups it was placed on
 
-    def placement(self, token_ids: list[int], max_tokens: int, session: str | None) -> Placement:
-        keys = tuple(chain_keys(token_ids, self.block_size)) if self.block_size and not session else ()
+    def placement(self, token_ids: list[int], max_tokens: int, session: str | None, lora: str | None = None
+                  ) -> Placement:  # fmt: skip
+        keys = tuple(chain_keys(token_ids, self.block_size, lora)) if self.block_size and not session else ()
         return Placement(token_ids, max_tokens, session, keys)
 
     def choose(self, backends: list[Backend], request: Placement) -> Backend:
@@ -107,8 +110,9 @@ class PrefixAffinity(LeastWork):
 class Predicted(PrefixAffinity):
     """The group with the earliest predicted completion of this request."""
 
-    def placement(self, token_ids: list[int], max_tokens: int, session: str | None) -> Placement:
-        return super().placement(token_ids, max_tokens, None)  # the session weighs as its cached prefix does
+    def placement(self, token_ids: list[int], max_tokens: int, session: str | None, lora: str | None = None
+                  ) -> Placement:  # fmt: skip
+        return super().placement(token_ids, max_tokens, None, lora)  # the session weighs as its cached prefix does
 
     def choose(self, backends: list[Backend], request: Placement) -> Backend:
         cached = self.cached_blocks(backends, request)

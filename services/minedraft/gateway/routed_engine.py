@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 
 import grpc
 
 from minedraft.api import generate_pb2
+from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine_client import Sink, StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError
@@ -58,6 +60,10 @@ class RoutedEngine:
         self.router = router
         self.tokenizer = tokenizer
         self.info = info
+        self.lora_adapters = list(info.lora_adapters)
+        # The groups' speculative config: check_request bounds num_speculative_tokens by it.
+        spec = json.loads(info.speculative_config_json) if info.speculative_config_json else None
+        self.config = EngineConfig(speculative_config=spec)
         self._tasks: dict[str, asyncio.Task] = {}
 
     @property
@@ -68,13 +74,13 @@ class RoutedEngine:
     def kv_pool(self) -> tuple[int, int] | None:
         return None  # each group has its own
 
-    # The engine's own checks, here before a group is asked: they read `max_model_len` and `tokenizer`,
-    # which this class has as the engine does.
+    # The engine's own checks, here before a group is asked: they read `max_model_len`, `tokenizer` and
+    # `config.speculative_config`, which this class has as the engine does.
     check_request = LLMEngine.check_request
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
-               sink: Sink) -> None:  # fmt: skip
-        migration = Migration(request_id, prompt_ids, params, self.tokenizer, _session.get())
+               sink: Sink, lora: str | None = None) -> None:  # fmt: skip
+        migration = Migration(request_id, prompt_ids, params, self.tokenizer, _session.get(), lora)
         task = asyncio.get_running_loop().create_task(self._stream(migration, sink), name=f"request-{request_id}")
         self._tasks[request_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))

@@ -43,12 +43,14 @@ def _nothing() -> None:
 
 
 class Migration:
-    """What the gateway knows of one request: the original prompt, a mirror of its output, its seed."""
+    """What the gateway knows of one request: the original prompt, a mirror of its output, its seed, its
+    LoRA adapter (every submission runs through the same one)."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 session: str | None = None) -> None:  # fmt: skip
+                 session: str | None = None, lora: str | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.lora = lora
         self.session = session  # the client's x-session-id, for the policies that keep a session on one group
         # One seed for every submission: the random stream is keyed by (seed, position), so a resubmission
         # continues it where the dead group left off.
@@ -75,7 +77,7 @@ class Migration:
         ids = self.prompt_ids + self.mirror.output_ids
         return generate_pb2.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=generate_pb2.TokenIds(ids=ids),
-            sampling=sampling_to_proto(params),
+            sampling=sampling_to_proto(params), lora_adapter=self.lora or "",
         )  # fmt: skip
 
     def take(self, reply: generate_pb2.GenerateResponse) -> generate_pb2.GenerateResponse | None:
@@ -181,7 +183,7 @@ class Router:
     async def _place(self, migration: Migration, deadline: float, avoid: set[str]) -> Backend:
         """The group for the request's (rest of) tokens, by policy; the policy learns where it went."""
         ids = migration.prompt_ids + migration.mirror.output_ids
-        request = self.policy.placement(ids, migration.remaining, migration.session)
+        request = self.policy.placement(ids, migration.remaining, migration.session, migration.lora)
         backend = await self.pool.acquire(deadline, avoid, migration.remaining,
                                           lambda backends: self.policy.choose(backends, request))  # fmt: skip
         self.policy.placed(backend, request)

@@ -65,7 +65,8 @@ class GatewayServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: it must contain at least one token")
         tokenizer = self.generator.tokenizer
         session = dict(context.invocation_metadata() or ()).get(SESSION_HEADER)
-        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer, session)
+        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer, session,
+                              request.lora_adapter or None)  # fmt: skip
         try:
             async for response in self.router.run(migration, context.time_remaining):
                 yield response
@@ -168,6 +169,7 @@ class _Public:
             return
         spec = json.loads(info.speculative_config_json) if info.speculative_config_json else None
         self.frontend.decoding = EngineConfig(speculative_config=spec).decoding()  # the groups', for /v1/models
+        self.frontend.lora_adapters = list(info.lora_adapters)
         self.router.policy.block_size, self.router.policy.max_num_seqs = info.kv_block_size, info.max_num_seqs
         self.generator.engine = RoutedEngine(self.router, self.tokenizer, info)
         log.info("engine groups serve %s in %s mode, max_model_len %d", self.model_name, info.mode, info.max_model_len)

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
@@ -37,6 +37,7 @@ class _Submit:
     params: SamplingParams
     prompt: str | None
     sink: Sink
+    lora: str | None = None
 
 
 @dataclass
@@ -108,6 +109,7 @@ class EngineLoop:
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
         self._limit_logged_at = 0.0
         self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
+        self.lora_adapters = [m.name for m in engine.config.lora_modules]
         self._speculation_at = 0.0
 
     def start(self) -> None:
@@ -130,8 +132,9 @@ class EngineLoop:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt_ids, params)  # reads only settings fixed at start: any thread may call
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink):
-        self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink))
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink,
+               lora: str | None = None) -> None:  # fmt: skip
+        self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink, lora))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -194,9 +197,8 @@ class EngineLoop:
             command.sink.put(EngineFailed(self.failed))
             return
         try:
-            self.engine.add_request(
-                command.prompt_ids, command.params, request_id=command.request_id, prompt=command.prompt
-            )
+            self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
+                                    prompt=command.prompt, lora=command.lora)  # fmt: skip
         except ValueError as exc:  # SamplingParams' and the engine's bounds are the wire's: nothing else fails later
             command.sink.put(exc)
             return
@@ -312,6 +314,9 @@ class EngineLoop:
             self.metrics.record_cache_config(batches.budget.num_blocks, batches.budget.block_size)
         self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = self.engine.num_preemptions
+        if self.engine.config.enable_lora:
+            running = (r for batch in batches.batches for r in batch)
+            self.metrics.record_lora(_adapters(running), _adapters(batches.waiting), self.engine.config.max_loras)
 
     def _safe(self, fn) -> None:
         """A failed step leaves the workers out of lockstep (a peer may be waiting in a collective), so no
@@ -437,3 +442,8 @@ class EngineLoop:
     def _report(self, serving: bool, reason: str) -> None:
         if self._on_state is not None:
             self._on_state(serving and not self.draining, reason)  # a draining scheduler stays NOT_SERVING
+
+
+def _adapters(requests: Iterable[Request]) -> list[str]:
+    """The distinct LoRA adapters of these requests, in the order first seen."""
+    return list(dict.fromkeys(r.lora for r in requests if r.lora is not None))
