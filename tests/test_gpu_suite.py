@@ -24,7 +24,7 @@ def test_dry_run_runs_what_it_can_and_names_what_it_skips(tmp_path) -> None:
     assert {name: step["status"] for name, step in steps.items()} == {
         "numerics": "skipped", "triton": "passed", "quant": "passed", "moe": "passed", "graphs": "skipped",
         "greedy": "passed",
-        "bench": "passed", "floor": "skipped",
+        "bench": "passed", "shapes": "passed", "floor": "skipped",
     }  # fmt: skip
     assert steps["numerics"]["reason"] == steps["floor"]["reason"] == steps["graphs"]["reason"] == "dry run"
     assert steps["triton"]["interpreted"] and steps["greedy"]["outputs_differing_from_ar"]["minedraft+pard"] == 0
