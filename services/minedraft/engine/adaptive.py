@@ -38,6 +38,8 @@ _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (unti
 # One decision in this many (16, doubling up to 128 while probes change nothing) takes the option tried longest
 # ago instead of the best: see SpeculationController._probe.
 _PROBE_EVERY, _PROBE_MAX = 16, 128
+_SWITCH_MARGIN = 0.05  # how much faster another shape must be predicted to leave the one in use
+_LOAD_CHANGE = 2.0  # running requests this many times more or fewer than at the last probe: probe again soon
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
 
@@ -149,6 +151,8 @@ class SpeculationController:
         self._last_tried: dict[tuple[Shape, int], int] = {}  # (shape, k) -> the decision that last took it
         self._probe_every = _PROBE_EVERY
         self._since_probe = 0
+        self._probe_load = 0  # requests running at the last probe
+        self._current: Shape | None = None  # the shape the fits chose last
         self._best_at_probe: Shape | None = None
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # the predicted tokens/second of each option at the last decision
@@ -234,8 +238,11 @@ class SpeculationController:
         else:
             decision = self._best(candidates, shapes, everyone, allow_plain=not seeded)
             self._since_probe += 1
+            if not self._probe_load / _LOAD_CHANGE <= everyone <= self._probe_load * _LOAD_CHANGE:
+                # Another load: the fits of the shapes not in use extrapolate from the old one; probe them soon.
+                self._probe_every = min(self._probe_every, _PROBE_EVERY)
             if self._since_probe >= self._probe_every:
-                decision = self._probe(decision, options, candidates)
+                decision = self._probe(decision, options, candidates, everyone)
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
@@ -254,22 +261,32 @@ class SpeculationController:
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)} if allow_plain else {}
         best = Decision(Shape.PLAIN, []) if allow_plain else None
         best_rate = rates.get(Shape.PLAIN.value, -1.0)
+        if best is not None and self._current not in (None, Shape.PLAIN) and self._current in shapes:
+            best_rate /= 1.0 + _SWITCH_MARGIN  # leaving a speculative shape for plain steps needs the margin too
         for shape in shapes:
             requests, caps = candidates[shape]
             survival = self._survival(requests)
             k, rate = self._best_k(costs, shape, survival, caps)
             rates[shape.value] = rate
             windows = self._trim(costs, shape, [min(k, cap) for cap in caps], survival, rate)
-            if rate > best_rate and any(windows):  # windows trimmed to nothing: a plain step
+            # A change of shape costs a step of transition and, after plain steps, the drafter's catch-up: the
+            # shape in use keeps its place unless another is predicted clearly faster.
+            stay = shape is self._current or best is not None and best.shape is self._current
+            margin = 1.0 if stay else 1.0 + _SWITCH_MARGIN
+            if rate > best_rate * margin and any(windows):  # windows trimmed to nothing: a plain step
                 best, best_rate = Decision(shape, windows), rate
         self.last_rates = rates
-        return best or Decision(shapes[0], [0] * len(candidates[shapes[0]][1]))
+        best = best or Decision(shapes[0], [0] * len(candidates[shapes[0]][1]))
+        self._current = best.shape
+        return best
 
-    def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates) -> Decision:
+    def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates,
+               everyone: int) -> Decision:
         """Now and then the option tried longest ago instead of the best: the fits stay anchored at each end of
         what they predict (a fit fed only what it chose extrapolates badly, and would stay where it is). Probes
-        grow rarer while they do not change the choice."""
+        grow rarer while they do not change the choice, and frequent again when the load changes."""
         self._since_probe = 0
+        self._probe_load = everyone
         steady = best.shape is self._best_at_probe
         self._probe_every = min(_PROBE_MAX, 2 * self._probe_every) if steady else _PROBE_EVERY
         self._best_at_probe = best.shape
