@@ -9,7 +9,8 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
 - cost: the seconds of a verify part as a + c x requests + b x target tokens, of a draft part as
   c' x draft forwards + d x draft tokens, each fitted twice: for a part that ran alone (plain steps, the
   halves of a one-batch step) and for one that ran beside the other part (overlapped steps; on one CPU the two
-  share its cores), and each step's overhead beyond its parts (planning, transport, the engine's bookkeeping);
+  share its cores), and each step's overhead beyond its parts (planning, transport, the engine's bookkeeping, and
+  for overlapped steps the wait at their synchronisation point), apart for steps of one part and of two;
   least squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one
   machine.
 
@@ -117,7 +118,8 @@ class Costs:
 
     alone: PartCosts  # a part with the machine to itself (plain steps, SD's halves)
     together: PartCosts  # both parts at once (on one CPU they share its cores)
-    overhead: float  # seconds per step beyond its slower part
+    overhead: float  # seconds per step of one part beyond that part
+    overhead_together: float  # seconds per overlapped step beyond its slower part
     one_forward_drafts: bool  # PARD: a window takes one forward
 
 
@@ -144,7 +146,8 @@ class SpeculationController:
         self._draft = {False: OnlineFit(2), True: OnlineFit(2)}
         # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
         self._slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
-        self._overhead_sums = (0.0, 0.0)  # decayed sum of the samples, decayed count
+        # Per kind of step (both parts at once or not): decayed sum of the overhead samples, decayed count.
+        self._overhead_sums = {False: (0.0, 0.0), True: (0.0, 0.0)}
         self._plain_seen = 0  # plain steps observed
         self._one_forward = one_forward_drafts
         self._last_end: float | None = None
@@ -190,11 +193,12 @@ class SpeculationController:
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
         if last is not None and slower > 0:
-            # Capped, so that time the engine sat idle between requests does not count as overhead.
+            # Signed samples (results that arrive together give one short and one long gap; clipping each at 0
+            # would bias the mean low), capped so that time the engine sat idle between requests does not count.
             parts = result.draft_seconds + result.verify_seconds if not together else slower
-            between = min(now - last, 2 * max(result.step_seconds, parts))
-            self._overhead_sums = (self._overhead_sums[0] * DECAY + max(0.0, between - parts),
-                                   self._overhead_sums[1] * DECAY + 1)  # fmt: skip
+            between = min(now - last, 4 * max(result.step_seconds, parts))
+            total, count = self._overhead_sums[together]
+            self._overhead_sums[together] = (total * DECAY + between - parts, count * DECAY + 1)
 
     def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
                seconds: float) -> None:
@@ -320,14 +324,17 @@ class SpeculationController:
         return survival
 
     def _costs(self) -> Costs:
-        total, count = self._overhead_sums
+        overhead = {key: max(0.0, total / count) if count else 0.0
+                    for key, (total, count) in self._overhead_sums.items()}  # fmt: skip
         alone = PartCosts(self._verify[False].weights(), self._draft[False].weights())
         fitted = PartCosts(self._verify[True].weights(), self._draft[True].weights())
         ratio = self._slowdowns(alone)
         scaled = alone.scaled(ratio["verify"], ratio["draft"])
         together = PartCosts(scaled.verify if self._alone_known("verify") else fitted.verify,
                              scaled.draft if self._alone_known("draft") else fitted.draft)  # fmt: skip
-        return Costs(alone, together, total / count if count else 0.0, self._one_forward)
+        # An overlapped step's overhead, until such steps were seen: a step of one part's.
+        beside = overhead[True] if self._overhead_sums[True][1] else overhead[False]
+        return Costs(alone, together, overhead[False], beside, self._one_forward)
 
     def _slowdowns(self, alone: PartCosts) -> dict[str, float]:
         return {"verify": self._slowdown["verify"].value(alone.verify),
@@ -340,7 +347,7 @@ class SpeculationController:
         if shape is Shape.OVERLAP:  # in steady state the batch verified beside this one looks like it
             part = costs.together
             verify = part.verify_seconds(count, count + sum(windows))
-            seconds = max(part.draft_seconds(windows, costs.one_forward_drafts), verify) + costs.overhead
+            seconds = max(part.draft_seconds(windows, costs.one_forward_drafts), verify) + costs.overhead_together
         else:
             part = costs.alone
             verify = part.verify_seconds(count, count + sum(windows))
@@ -386,7 +393,7 @@ class SpeculationController:
             "cost_model_seconds": {
                 "verify_alone": costs.alone.verify, "draft_alone": costs.alone.draft,
                 "verify_together": costs.together.verify, "draft_together": costs.together.draft,
-                "overhead": costs.overhead,
+                "overhead": costs.overhead, "overhead_together": costs.overhead_together,
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
