@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -56,15 +57,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bat
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """A CPU weight in oneDNN's blocked layout, or None where that does not apply (other devices, dtypes).
+    """A CPU weight in oneDNN's blocked layout, or None where that does not apply (other devices, dtypes) or does
+    not pay on this CPU.
 
-    On CPU, oneDNN's GEMM on a prepacked weight runs the decode and verification shapes (tens of rows)
-    2-2.5x faster than torch's BLAS GEMM (MKL) in our measurements on an AVX-512 EPYC (MKL takes slower
-    paths on AMD), which is how vLLM's CPU build runs its linear layers too."""
+    Which GEMM is faster depends on the CPU: oneDNN on a prepacked weight ran the decode and verification shapes
+    (tens of rows) 2-2.5x faster than torch's BLAS GEMM (MKL) on an AVX-512 EPYC (MKL takes slower paths on AMD),
+    which is how vLLM's CPU build runs its linear layers too, while on an Intel Xeon with AVX-512 and AMX MKL was
+    1.4x faster at one row and 4x at 160. So both are timed once, at start-up (`_onednn_faster`)."""
     usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-    if not usable or not _onednn_packs(weight.dtype):
+    if not usable or not _onednn_packs(weight.dtype) or not _onednn_faster(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+@functools.cache
+def _onednn_faster(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's GEMM on a prepacked weight beats torch's own on this CPU: both timed on a decode (1 row) and
+    a verification shape (64 rows), the best of a few repeats (a few milliseconds, once per process). Either is a
+    fast kernel of the default mode; the strict mode packs nothing."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 512, generator=generator).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    blas = onednn = 0.0
+    for rows in (1, 64):
+        x = torch.randn(rows, 512, generator=generator).to(dtype)
+        blas += _best_seconds(lambda x=x: F.linear(x, weight))
+        onednn += _best_seconds(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    return onednn < 0.9 * blas
+
+
+def _best_seconds(run: Callable[[], object], calls: int = 20, repeats: int = 5) -> float:
+    """The fastest of `repeats` timings of `calls` calls (the least disturbed by anything else running)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @functools.cache
