@@ -242,6 +242,22 @@ def test_a_killed_scheduler_is_restarted_with_every_kv_block_free(up) -> None:
     assert up.process.poll() is None
 
 
+def test_bench_chaos_kills_a_scheduler_and_no_request_is_lost(up, pair) -> None:
+    """`minedraft bench --chaos` against this `up`: one scheduler kill under load; the SDK resumes the broken
+    streams on the restarted scheduler, and every output equals the undisturbed pass."""
+    result = subprocess.run(
+        [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", up.address, "--chaos-targets", "scheduler",
+         "--chaos-interval", "8", "--chaos-duration", "12", "--dataset", "random", "--input-len", "16",
+         "--num-prompts", "4", "--max-tokens", "32", "--concurrency", "4", "--tokenizer", pair[0]],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SIGKILL group 0 scheduler" in result.stdout and "healed after" in result.stdout
+    assert "requests lost:          0 of" in result.stdout
+    assert "outputs != undisturbed: 0 of" in result.stdout
+    assert up.process.poll() is None
+
+
 def test_a_service_that_fails_on_every_restart_stops_up_with_one_line(up) -> None:
     """Last: it ends the module's `up`. The drafter served; from now on each start of it exits with code 3."""
     up.fault.touch()
