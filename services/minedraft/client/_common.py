@@ -174,19 +174,20 @@ class ResumableStream:
         self.original = request
         self.output_ids: list[int] = []
         self.finished = False
+        self.resumed = False  # the current submission continues an earlier one
 
     def request(self) -> pb.GenerateRequest:
         """What to submit now: the original, or its continuation after the tokens received."""
-        if not self.output_ids:
+        self.resumed = bool(self.output_ids)
+        if not self.resumed:
             return self.original
         return resume_request(self.original, self.original.prompt_token_ids.ids, self.output_ids)
 
     def take(self, msg: pb.GenerateResponse) -> Delta:
         delta = to_delta(msg)
-        resumed = len(self.output_ids) > 0
         self.output_ids.extend(delta.token_ids)
         self.finished = self.finished or delta.finish_reason is not None
-        if resumed and delta.usage is not None:  # the last submission counted its prompt from the break
+        if self.resumed and delta.usage is not None:  # the last submission counted its prompt from the break
             usage = Usage(len(self.original.prompt_token_ids.ids), len(self.output_ids))
             delta = dataclasses.replace(delta, usage=usage)
         return delta
