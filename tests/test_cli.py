@@ -50,6 +50,10 @@ def test_generate_json_equals_the_offline_api() -> None:
         (["bench", "--offline", "--repeats", "0"], "--repeats"),
         (["bench", "--offline", "--k", "3", "--speculative-config", '{"num_speculative_tokens": 4}'], "contradicts"),
         (["bench", "--target", "127.0.0.1:1", "--speculative-config", '{"num_speculative_tokens": 4}'], "engine flags"),
+        (["bench", "--chaos", "--k8s"], "--chaos needs --target HOST:PORT"),
+        (["bench", "--chaos", "--offline"], "--chaos needs --target HOST:PORT"),
+        (["bench", "--chaos", "--target", "127.0.0.1:1", "--chaos-targets", "drafter,router"], "--chaos-targets"),
+        (["bench", "--chaos", "--target", "127.0.0.1:1", "--chaos-interval", "0"], "--chaos-interval"),
         (["up", "--engine-config", "{not json"], "--engine-config is not valid JSON"),
         (["up", "--engine-config", '{"max_num_seqs": 0}'], "max_num_seqs"),
     ],
@@ -59,6 +63,14 @@ def test_bad_flags_fail_with_a_message(args: list[str], message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_chaos_without_a_local_up_on_the_target_port_is_one_line() -> None:
+    port = free_port()
+    result = _minedraft("bench", "--chaos", "--target", f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert result.stderr == (f"minedraft bench: no `minedraft up --port {port}` runs on this machine: --chaos kills "
+                             "the services of a local `minedraft up`, given as --target 127.0.0.1:PORT\n")  # fmt: skip
 
 
 def test_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path) -> None:

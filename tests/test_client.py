@@ -62,6 +62,7 @@ class FakeMineDraft(generate_pb2_grpc.MineDraftServicer):
         self.token: str | None = None  # required bearer token, if any
         self.unavailable_first = 0  # fail this many calls with UNAVAILABLE before answering
         self.fail_after_first = False  # UNAVAILABLE after the first message (must not be retried)
+        self.break_once = False  # the first call only: UNAVAILABLE after its first message
         self.no_finish = False  # end the stream with OK but without a finish reason
         self.delay = 0.0  # seconds before each message
         self.calls = 0
@@ -86,8 +87,11 @@ class FakeMineDraft(generate_pb2_grpc.MineDraftServicer):
         if sampling.HasField("temperature") and sampling.temperature < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
-        chunks, total = [], 0
+        chunks, total, skip = [], 0, sampling.resumed_tokens  # a resumed request continues the script
         for text, ids in SCRIPT:
+            if skip > 0:
+                skip -= len(ids)
+                continue
             if total + len(ids) > max_tokens:
                 break
             chunks.append((text, ids))
@@ -97,7 +101,7 @@ class FakeMineDraft(generate_pb2_grpc.MineDraftServicer):
         context.add_callback(lambda: sent[0] < len(chunks) and self.cancelled.set())
         for i, (text, ids) in enumerate(chunks):
             time.sleep(self.delay)
-            if i == 1 and self.fail_after_first:
+            if i == 1 and (self.fail_after_first or (self.break_once and self.calls == 1)):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
             msg = pb.GenerateResponse(request_id=request.request_id or "req-1", text=text, token_ids=ids)
             if i == len(chunks) - 1 and not self.no_finish:
@@ -280,6 +284,45 @@ def test_no_retry_after_the_first_message(address: str, fake: FakeMineDraft) -> 
         with pytest.raises(MineDraftError):
             client.generate("x")
     assert fake.calls == 2  # one per call: neither retried
+
+
+def test_a_token_id_stream_that_breaks_is_resumed_where_it_broke(address: str, fake: FakeMineDraft) -> None:
+    """Resubmitted as the gateway migrates a request: prompt + tokens received, marked resumed, the rest of
+    max_tokens, and the seed the client pinned on the first submission; the caller sees one stream."""
+    fake.break_once = True
+    with Client(address, retries=FAST_RETRY) as client:
+        deltas = list(client.stream([1, 2, 3], top_k=5))
+    _check_resumed(deltas, fake)
+
+
+def test_async_stream_that_breaks_is_resumed_where_it_broke(address: str, fake: FakeMineDraft) -> None:
+    async def main() -> list:
+        async with AsyncClient(address, retries=FAST_RETRY) as client:
+            return [d async for d in client.stream([1, 2, 3], top_k=5)]
+
+    fake.break_once = True
+    _check_resumed(asyncio.run(main()), fake)
+
+
+def _check_resumed(deltas: list, fake: FakeMineDraft) -> None:
+    assert "".join(d.text for d in deltas) == FULL_TEXT
+    assert [t for d in deltas for t in d.token_ids] == FULL_IDS
+    assert deltas[-1].usage.prompt_tokens == 3 and deltas[-1].usage.completion_tokens == len(FULL_IDS)
+    first, second = fake.requests
+    assert first.sampling.HasField("seed") and second.sampling.seed == first.sampling.seed
+    assert list(second.prompt_token_ids.ids) == [1, 2, 3, 10]
+    assert (second.sampling.resumed_tokens, second.sampling.max_tokens, second.sampling.top_k) == (1, 15, 5)
+
+
+def test_a_text_or_stop_string_stream_is_not_resumed(address: str, fake: FakeMineDraft) -> None:
+    """A text prompt's token ids are known to the server alone; text held back for a stop string at the break
+    was never sent: neither could be resumed exactly, so the break surfaces."""
+    for prompt, stop in (("x", None), ([1, 2, 3], "?")):
+        fake.reset()
+        fake.break_once = True
+        with Client(address, retries=FAST_RETRY) as client, pytest.raises(MineDraftError) as info:
+            list(client.stream(prompt, stop=stop))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and fake.calls == 1
 
 
 def test_retries_respect_the_overall_deadline(address: str, fake: FakeMineDraft) -> None:

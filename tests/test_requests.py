@@ -60,6 +60,18 @@ def test_multibyte_text_streams_without_broken_characters(tokenizer: _Decoder) -
     assert any(d == "" for d in deltas), "some tokens end mid-character and must be held back"
 
 
+def test_a_resumed_stream_continues_the_text_at_any_break(tokenizer: _Decoder) -> None:
+    """Resumed after any token (a break inside a character included), the text streamed before the break plus
+    the text of the resumed run is the text of one run: the resumed tokens are replayed, not taken as prompt."""
+    text, prompt = "héllo wörld → 世界 🙂 done", tokenizer.encode("prompt")
+    ids = tokenizer.encode(text)
+    for cut in range(1, len(ids)):
+        before = IncrementalDetokenizer(tokenizer, prompt)
+        streamed = "".join(before.add(i) for i in ids[:cut])
+        after = IncrementalDetokenizer(tokenizer, prompt + ids[:cut], resumed_tokens=cut)
+        assert streamed + "".join(after.add(i) for i in ids[cut:]) + after.flush() == text, f"break after {cut}"
+
+
 def test_tokens_after_eos_are_dropped(tokenizer: _Decoder) -> None:
     req = _request(tokenizer, SamplingParams(temperature=0, max_tokens=50))
     eos = tokenizer.tok.token_to_id(EOS)

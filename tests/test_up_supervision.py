@@ -8,12 +8,14 @@ output (strict kernels) across every kill; a service that fails on every restart
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -24,7 +26,7 @@ import grpc
 import openai
 import pytest
 
-from minedraft.client import Client, RetryPolicy
+from minedraft.client import AsyncClient, Client, RetryPolicy
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import free_port
 from minedraft.sampling.params import SamplingParams
@@ -240,6 +242,22 @@ def test_a_killed_scheduler_is_restarted_with_every_kv_block_free(up) -> None:
     assert up.process.poll() is None
 
 
+def test_bench_chaos_kills_a_scheduler_and_no_request_is_lost(up, pair) -> None:
+    """`minedraft bench --chaos` against this `up`: one scheduler kill under load; the SDK resumes the broken
+    streams on the restarted scheduler, and every output equals the undisturbed pass."""
+    result = subprocess.run(
+        [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", up.address, "--chaos-targets", "scheduler",
+         "--chaos-interval", "8", "--chaos-duration", "12", "--dataset", "random", "--input-len", "16",
+         "--num-prompts", "4", "--max-tokens", "32", "--concurrency", "4", "--tokenizer", pair[0]],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SIGKILL group 0 scheduler" in result.stdout and "healed after" in result.stdout
+    assert "requests lost:          0 of" in result.stdout
+    assert "outputs != undisturbed: 0 of" in result.stdout
+    assert up.process.poll() is None
+
+
 def test_a_service_that_fails_on_every_restart_stops_up_with_one_line(up) -> None:
     """Last: it ends the module's `up`. The drafter served; from now on each start of it exits with code 3."""
     up.fault.touch()
@@ -356,6 +374,43 @@ def test_a_killed_gateway_is_restarted(groups) -> None:
     assert time.monotonic() - killed_at < 30
     assert groups.process.poll() is None
     assert "the gateway was killed by SIGKILL; restarting it in 1s (restart 1)" in groups.said()
+
+
+def _stream_through(address: str, prompt: list[int], started: threading.Event, aio: bool,
+                    **sampling) -> tuple[str, list[int]]:  # fmt: skip
+    """One stream through the SDK (sync or asyncio), patient enough to outlast a restart of the gateway;
+    `started` is set at its first delta."""
+    retries, options = RetryPolicy(max_attempts=100, max_backoff=0.5), {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    def take(deltas: list) -> tuple[str, list[int]]:
+        return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+
+    async def run_async() -> tuple[str, list[int]]:
+        async with AsyncClient(address, timeout=180, token=KEY, retries=retries) as client:
+            return take([started.set() or d async for d in client.stream(prompt, **options, **sampling)])
+
+    if aio:
+        return asyncio.run(run_async())
+    with Client(address, timeout=180, token=KEY, retries=retries) as client:
+        return take([started.set() or d for d in client.stream(prompt, **options, **sampling)])
+
+
+def test_streams_through_a_killed_gateway_are_resumed_by_the_sdk(groups, texts, expected) -> None:
+    """The gateway SIGKILLed mid-stream: each SDK stream (sync and asyncio) is resubmitted from where it broke
+    through the restarted gateway and completes as one undisturbed run, text and tokens byte for byte."""
+    started = [threading.Event() for _ in _prompts()]
+    with ThreadPoolExecutor(len(started)) as pool:
+        streams = [pool.submit(_stream_through, groups.address, prompt, event, i % 2 == 1, temperature=0)
+                   for i, (prompt, event) in enumerate(zip(_prompts(), started, strict=True))]  # fmt: skip
+        assert all(event.wait(60) for event in started), "the streams never started"
+        killed = groups.kill("gateway")
+        unfinished = sum(not f.done() for f in streams)
+        results = [f.result(timeout=180) for f in streams]
+    assert unfinished > 0, "every stream had finished before the kill"
+    assert [ids for _, ids in results] == expected
+    assert [text for text, _ in results] == texts
+    groups.restarted("gateway", killed)
+    assert groups.process.poll() is None
 
 
 class _Exits:

@@ -29,6 +29,7 @@ from minedraft.settings import (
 )
 from minedraft.supervision import Supervisor, watch_parent_from_env
 
+CHAOS_ROLES = ("drafter", "verifier", "scheduler", "gateway")  # the services `bench --chaos` kills
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3",
               "pearl+eagle3", "minedraft+eagle3", "sd+p-eagle", "minedraft+p-eagle")
@@ -337,6 +338,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     _check_bench_args(args)
     requests = _bench_requests(args)
+    if args.chaos:
+        return _bench_chaos(args, requests)
     if args.offline:
         return _bench_offline(args, [r.prompt for r in requests])
     try:
@@ -395,6 +398,11 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         (not args.offline or not (args.json or args.trace or args.plot), "--json, --trace and --plot are for the "
          "online benchmarks"),
         (args.draft_model is None or args.launch, "--draft-model goes with --launch"),
+        (not args.chaos or args.target, "--chaos needs --target HOST:PORT, a `minedraft up` on this machine (it "
+         "kills up's services by pid; not --offline, --base-url, --launch or --k8s)"),
+        (args.chaos_interval > 0 and args.chaos_duration > 0, "--chaos-interval and --chaos-duration must be > 0"),
+        (set(args.chaos_targets.split(",")) <= set(CHAOS_ROLES),
+         f"--chaos-targets: roles of {','.join(CHAOS_ROLES)}, got {args.chaos_targets!r}"),
         (args.offline or args.launch or not _explicit_engine_flags(args), "engine flags ("
          f"{', '.join(_explicit_engine_flags(args))}) configure the engines that --offline and --launch start; "
          "a running server (--target, --base-url, --k8s) keeps its own"),
@@ -415,6 +423,25 @@ def _bench_requests(args: argparse.Namespace) -> list:
     output_len = args.output_len or args.max_tokens
     return random_requests(_bench_tokenizer(args), args.num_prompts, args.input_len, output_len,
                            args.random_range_ratio, seed=args.sampling_seed or 0)  # fmt: skip
+
+
+def _bench_chaos(args: argparse.Namespace, requests: list) -> int:
+    """`bench --chaos`: token-id prompts (a stream broken by a kill is then resumed by the SDK), greedy."""
+    from minedraft.bench.chaos import Chaos, Load, Stack, find_up, run_chaos
+
+    try:
+        stack = Stack(find_up(int(args.target.rsplit(":", 1)[1])))
+    except LookupError as exc:
+        print(f"minedraft bench: {exc}", file=sys.stderr)
+        return 1
+    tokenizer = _bench_tokenizer(args)
+    prompts = [tokenizer.encode(r.prompt) for r in requests]
+    token = args.bench_api_key or os.environ.get("OPENAI_API_KEY")
+    load = Load(args.target, prompts, args.concurrency, args.max_tokens, token)
+    chaos = Chaos(args.chaos_interval, args.chaos_duration, args.chaos_targets.split(","))
+    text, clean = run_chaos(stack, load, chaos, out=lambda line: print(line, flush=True))
+    print(text)
+    return 0 if clean else 1
 
 
 def _bench_tokenizer(args: argparse.Namespace):
@@ -857,6 +884,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     online.add_argument("--log-dir", default=None, help="--launch: service logs; default: a new temporary folder")
     online.add_argument("--log-level", default="INFO", help="--launch: the services' log level")
+    chaos = bench.add_argument_group("chaos (--chaos --target HOST:PORT of a `minedraft up` on this machine)")
+    chaos.add_argument(
+        "--chaos", action="store_true", help="SIGKILL the services of the `minedraft up` serving --target, one at a "
+        "time, under greedy load through the client SDK (retries and resumption on); report requests lost, "
+        "outputs changed against an undisturbed first pass, and time to heal",
+    )  # fmt: skip
+    chaos.add_argument("--chaos-interval", type=float, default=20.0, help="seconds between kills")
+    chaos.add_argument("--chaos-duration", type=float, default=60.0, help="seconds of the chaos pass")
+    chaos.add_argument(
+        "--chaos-targets", default=",".join(CHAOS_ROLES), help="the roles killed in turn (each group's in turn)"
+    )
     _add_engine_args(bench)
     _add_sampling_args(bench, temperature=0.0, max_tokens=64)
     bench.set_defaults(func=cmd_bench)

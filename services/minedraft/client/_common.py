@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import operator
 import os
+import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -13,7 +15,9 @@ from typing import Any, Literal, Union
 import grpc
 
 from minedraft.api import generate_pb2 as pb
+from minedraft.client.retry import RetryPolicy
 from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, TokenLogprob, Usage
+from minedraft.resume import resume_request
 from minedraft.version import __version__
 
 
@@ -147,6 +151,56 @@ def to_delta(msg: pb.GenerateResponse) -> Delta:
             num_accepted_tokens_per_pos=tuple(stats.num_accepted_tokens_per_pos),
         ),
     )
+
+
+class ResumableStream:
+    """One Generate stream across its submissions. When it breaks after some tokens (UNAVAILABLE: the gateway or
+    the scheduler died), it is submitted again as the gateway migrates a request (`resume_request`): prompt +
+    the tokens received, the remaining max_tokens, the same seed; the caller sees one stream.
+
+    Resumable only where the rest is exactly what one run would give: a prompt of token ids (a text prompt's ids
+    are known to the server alone) and no stop strings (text held back for a possible stop string at the break
+    was never sent, and would be lost).
+    """
+
+    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy) -> None:
+        sampling = request.sampling
+        self.resumable = (policy.max_attempts > 1 and request.HasField("prompt_token_ids")
+                          and not sampling.stop)  # fmt: skip
+        sampled = not sampling.HasField("temperature") or sampling.temperature > 0
+        if self.resumable and sampled and not sampling.HasField("seed"):
+            request = _copy(request)  # each draw is keyed by (seed, output position): one seed for every submission
+            request.sampling.seed = random.getrandbits(63)
+        self.original = request
+        self.output_ids: list[int] = []
+        self.finished = False
+        self.resumed = False  # the current submission continues an earlier one
+
+    def request(self) -> pb.GenerateRequest:
+        """What to submit now: the original, or its continuation after the tokens received."""
+        self.resumed = bool(self.output_ids)
+        if not self.resumed:
+            return self.original
+        return resume_request(self.original, self.original.prompt_token_ids.ids, self.output_ids)
+
+    def take(self, msg: pb.GenerateResponse) -> Delta:
+        delta = to_delta(msg)
+        self.output_ids.extend(delta.token_ids)
+        self.finished = self.finished or delta.finish_reason is not None
+        if self.resumed and delta.usage is not None:  # the last submission counted its prompt from the break
+            usage = Usage(len(self.original.prompt_token_ids.ids), len(self.output_ids))
+            delta = dataclasses.replace(delta, usage=usage)
+        return delta
+
+    def may_resume(self) -> bool:
+        """After a break: whether to submit the rest (the retry policy still decides when, and if at all)."""
+        return self.resumable and not self.finished
+
+
+def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    copy = pb.GenerateRequest()
+    copy.CopyFrom(request)
+    return copy
 
 
 def incomplete_stream_error() -> MineDraftError:

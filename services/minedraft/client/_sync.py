@@ -17,6 +17,7 @@ from minedraft.client._common import (
     UNSET,
     ChannelOptions,
     Prompt,
+    ResumableStream,
     Timeout,
     Tls,
     build_generate_request,
@@ -26,7 +27,6 @@ from minedraft.client._common import (
     completion_from_deltas,
     incomplete_stream_error,
     resolve_timeout,
-    to_delta,
 )
 from minedraft.client.retry import DEFAULT_RETRY_POLICY, Deadline, RetryPolicy, retry_delay
 from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo
@@ -142,28 +142,34 @@ class Client:
         raise AssertionError("unreachable")
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Delta]:
-        deadline = Deadline(timeout)
-        call, msg = self._open_stream(request, deadline)
-        finished = False
-        try:
-            while msg is not None:
-                delta = to_delta(msg)
-                finished = finished or delta.finish_reason is not None
-                yield delta
-                msg = next(call, None)
-        except grpc.RpcError as err:  # after the first message: never retried, it would repeat output
-            raise MineDraftError.from_rpc_error(err) from err
-        finally:
-            call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
-        if not finished:
-            raise incomplete_stream_error()
+        deadline, stream, attempt = Deadline(timeout), ResumableStream(request, self._retry), 1
+        while True:
+            call, msg, attempt = self._open_stream(stream.request(), deadline, attempt)
+            try:
+                while msg is not None:
+                    yield stream.take(msg)
+                    msg = next(call, None)
+            except grpc.RpcError as err:  # after the first message: resumed where that repeats no output
+                if not stream.may_resume():
+                    raise MineDraftError.from_rpc_error(err) from err
+                self._backoff_or_raise(err, attempt, deadline)
+                attempt += 1
+                continue
+            finally:
+                call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
+            if not stream.finished:
+                raise incomplete_stream_error()
+            return
 
-    def _open_stream(self, request: pb.GenerateRequest, deadline: Deadline) -> tuple[Any, pb.GenerateResponse | None]:
-        """Start Generate and wait for its first message, retrying while nothing has arrived."""
-        for attempt in itertools.count(1):
+    def _open_stream(
+        self, request: pb.GenerateRequest, deadline: Deadline, first: int
+    ) -> tuple[Any, pb.GenerateResponse | None, int]:
+        """Start Generate and wait for its first message, retrying while nothing has arrived; with the attempt
+        it took (attempts count over a whole stream, its resumptions included)."""
+        for attempt in itertools.count(first):
             call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
             try:
-                return call, next(call, None)
+                return call, next(call, None), attempt
             except grpc.RpcError as err:
                 self._backoff_or_raise(err, attempt, deadline)
         raise AssertionError("unreachable")

@@ -14,8 +14,10 @@ class RetryPolicy:
     """When and how long to wait before another attempt.
 
     Only UNAVAILABLE is retried (the server was unreachable, draining or overloaded, so the request
-    did not run), and a stream only until its first message arrives: later, a retry would repeat
-    output the caller has already seen.
+    did not run). A stream that breaks after tokens arrived is resumed from where it broke (prompt + the
+    tokens received, `ResumableStream`) when its prompt is token ids and it has no stop strings; otherwise
+    only until its first message arrives, since a retry would repeat output the caller has already seen.
+    The attempts count over the whole stream, its resumptions included.
     """
 
     max_attempts: int = 5  # the first attempt included; 1 disables retries

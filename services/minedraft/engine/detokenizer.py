@@ -21,11 +21,17 @@ class IncrementalDetokenizer:
     U+FFFD. Such a tail is held back until the tokens that complete the character arrive.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], resumed_tokens: int = 0) -> None:
+        """`resumed_tokens`: the prompt's last tokens are output of an earlier run (already streamed). They are
+        replayed as output, so a character they leave unfinished comes out whole with the next token, as it
+        would have in one run."""
         self._tokenizer = tokenizer
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        prompt = prompt_ids[: max(0, len(prompt_ids) - resumed_tokens)]
+        self._ids = list(prompt[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        for token_id in prompt_ids[len(prompt) :]:
+            self.add(token_id)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text that is now final (possibly empty)."""

@@ -116,7 +116,7 @@ class Request:
             seed=seed,
             max_new_tokens=min(params.max_tokens, max_model_len - len(prompt_ids)),
             eos_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids),
-            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids, params.resumed_tokens),
             prompt=prompt,
             logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [],

@@ -30,6 +30,7 @@ from minedraft.engine.request import Request
 from minedraft.gateway.policies import LeastWork
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer
+from minedraft.resume import resume_request
 from minedraft.sampling.params import SamplingParams
 from minedraft.wire import FINISH_REASONS, finish_reason_from_proto, sampling_to_proto, stats_from_proto, stats_to_proto
 
@@ -67,18 +68,10 @@ class Migration:
         return self.params.max_tokens - len(self.mirror.output_ids)
 
     def submission(self) -> generate_pb2.GenerateRequest:
-        """Prompt + tokens so far (resumed: they count as output for min_tokens and penalties), the remaining
-        max_tokens, the pinned seed."""
-        produced = len(self.mirror.output_ids)
-        params = self.params.model_copy(update={"max_tokens": self.remaining,
-                                                "resumed_tokens": self.params.resumed_tokens + produced})  # fmt: skip
-        if produced:  # the client has the prompt's logprobs already (they came with the first tokens)
-            params = params.model_copy(update={"prompt_logprobs": None})
-        ids = self.prompt_ids + self.mirror.output_ids
-        return generate_pb2.GenerateRequest(
-            request_id=self.request_id, prompt_token_ids=generate_pb2.TokenIds(ids=ids),
-            sampling=sampling_to_proto(params), lora_adapter=self.lora or "",
-        )  # fmt: skip
+        """Prompt + tokens so far (`resume_request`), the remaining max_tokens, the pinned seed."""
+        original = generate_pb2.GenerateRequest(request_id=self.request_id, sampling=sampling_to_proto(self.params),
+                                                lora_adapter=self.lora or "")  # fmt: skip
+        return resume_request(original, self.prompt_ids, self.mirror.output_ids)
 
     def take(self, reply: generate_pb2.GenerateResponse) -> generate_pb2.GenerateResponse | None:
         """Apply one message of a group; return the message for the client (None when it has nothing new)."""
