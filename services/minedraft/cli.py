@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from minedraft.bench import CHAOS_ROLES
 from minedraft.extras import require
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
@@ -29,7 +30,6 @@ from minedraft.settings import (
 )
 from minedraft.supervision import Supervisor, watch_parent_from_env
 
-CHAOS_ROLES = ("drafter", "verifier", "scheduler", "gateway")  # the services `bench --chaos` kills
 # Decoding modes of `minedraft bench` (minedraft.bench.offline.mode_configs; not imported here: torch).
 MODE_NAMES = ("ar", "sd", "pearl", "minedraft", "minedraft+tetris", "sd+pard", "minedraft+pard", "sd+eagle3",
               "pearl+eagle3", "minedraft+eagle3", "sd+p-eagle", "minedraft+p-eagle")

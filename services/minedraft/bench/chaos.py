@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.cli import CHAOS_ROLES as ROLES
+from minedraft.bench import CHAOS_ROLES as ROLES
 from minedraft.client import Client, RetryPolicy
 from minedraft.serving import is_serving
 
