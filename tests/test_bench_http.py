@@ -41,7 +41,8 @@ def up(pair, tmp_path_factory) -> Iterator[Up]:
     shutil.copytree(pair[0], target)
     (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     port, http_port, metrics_port = free_port(), free_port(), free_port()
-    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": pair[1]}
+    # Fixed k: the report's acceptance is checked, and adaptive speculation may rightly stop drafting here.
+    spec = {"num_speculative_tokens": 3, "is_parallel": True, "model": pair[1], "adaptive": False}
     process = subprocess.Popen(
         [sys.executable, "-m", "minedraft", "up", "--model", str(target), "--speculative-config", json.dumps(spec),
          "--device", "cpu", "--max-model-len", "128", "--port", str(port), "--http-port", str(http_port),
