@@ -2,7 +2,9 @@
 
 Each row is a machine: what a verify part and a draft part cost (seconds per step, per token, per forward),
 how much slower each part runs beside the other (`beside`: 1.0 when the drafter has compute of its own, about
-2 when the two share one CPU's cores) and how often a draft token is accepted. The controller is fed the
+2 when the two share one CPU's cores), what each half of a one-batch step costs beyond its part (`handoff`: served,
+the windows go from one process to the other and one waits for the other) and how often a draft token is
+accepted. The controller reads the machine's clock, which advances by each step's wall time. The controller is fed the
 StepResults such a machine would report for what it chose, as the engine feeds it, and must settle on the shape
 that machine makes fastest: the shares asserted leave room for the warm-up and the probes.
 """
@@ -16,6 +18,7 @@ import pytest
 from test_pipelines import Letters
 
 from minedraft.engine.adaptive import Shape, SpeculationController
+from minedraft.engine.fits import Realized
 from minedraft.engine.plans import StepResult, Verified
 from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams
@@ -31,6 +34,7 @@ class Machine:
     draft_token: float  # seconds per draft token
     beside: float  # how much slower each part runs while the other runs too
     acceptance: float  # chance each draft token is accepted when those before it were
+    handoff: float = 0.0  # wall seconds of each half of a one-batch step beyond its part, which it does not report
 
     def verify(self, tokens: int, together: bool) -> float:
         return (self.verify_step + self.verify_token * tokens) * (self.beside if together else 1.0)
@@ -59,12 +63,14 @@ def _verified(requests: list[Request], windows: list[int], machine: Machine, rng
 
 
 def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: list[int], everyone: list[Request],
-           rng: random.Random) -> list[StepResult]:
-    """What the machine reports for one decision: one step, or a one-batch step's two halves."""
+           rng: random.Random) -> list[tuple[StepResult, float]]:
+    """What the machine reports for one decision, with each step's wall time: one step, or a one-batch step's
+    two halves."""
     n = len(everyone)
     if shape is Shape.PLAIN:
-        return [StepResult(verified=_verified(everyone, [0] * n, machine, rng), verify_tokens=n,
-                           verify_seconds=machine.verify(n, together=False))]  # fmt: skip
+        seconds = machine.verify(n, together=False)
+        return [(StepResult(verified=_verified(everyone, [0] * n, machine, rng), verify_tokens=n,
+                            verify_seconds=seconds), seconds)]  # fmt: skip
     tokens = len(windows) + sum(windows)
     drafted = {r.request_id: w for r, w in zip(drafting, windows)}
     if shape is Shape.SPECULATE:
@@ -72,17 +78,29 @@ def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: lis
                            draft_seconds=machine.draft(windows, together=False))  # fmt: skip
         verify = StepResult(verified=_verified(drafting, windows, machine, rng), verify_tokens=tokens,
                             verify_seconds=machine.verify(tokens, together=False))  # fmt: skip
-        return [draft, verify]
+        return [(draft, draft.draft_seconds + machine.handoff), (verify, verify.verify_seconds + machine.handoff)]
     # Overlap: this batch drafts while the other, drafted alike the step before, is verified.
-    return [StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, verify_tokens=tokens,
-                       verify_seconds=machine.verify(tokens, together=True), draft_forwards=max(windows),
-                       draft_tokens=tokens, draft_seconds=machine.draft(windows, together=True))]  # fmt: skip
+    step = StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, verify_tokens=tokens,
+                      verify_seconds=machine.verify(tokens, together=True), draft_forwards=max(windows),
+                      draft_tokens=tokens, draft_seconds=machine.draft(windows, together=True))  # fmt: skip
+    return [(step, max(step.draft_seconds, step.verify_seconds))]
+
+
+class Clock:
+    """The machine's time, as the controller reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _settle(machine: Machine, shapes: tuple[Shape, ...], decisions: int = 400,
             seed: int | None = None) -> tuple[SpeculationController, dict[Shape, float]]:
     """Run the controller against the machine; the share of each shape over the second half of the decisions."""
-    controller = SpeculationController(K, shapes, one_forward_drafts=False)
+    clock = Clock()
+    controller = SpeculationController(K, shapes, one_forward_drafts=False, clock=clock)
     everyone = _requests(2 * PER_BATCH, seed)
     batches = [everyone[:PER_BATCH], everyone[PER_BATCH:]]
     rng, late = random.Random(0), []
@@ -91,8 +109,9 @@ def _settle(machine: Machine, shapes: tuple[Shape, ...], decisions: int = 400,
         candidates = {Shape.OVERLAP: (own, [K] * len(own)), Shape.SPECULATE: (everyone, [K] * len(everyone))}
         decision = controller.decide({s: candidates[s] for s in shapes}, everyone=len(everyone))
         drafting = candidates[decision.shape][0] if decision.shape is not Shape.PLAIN else []
-        for result in _steps(machine, decision.shape, drafting, decision.windows, everyone, rng):
-            controller.observe(result)
+        for result, seconds in _steps(machine, decision.shape, drafting, decision.windows, everyone, rng):
+            clock.now += seconds
+            controller.observe(result, decision.shape)
         if step >= decisions // 2:
             late.append(decision.shape)
     return controller, {shape: late.count(shape) / len(late) for shape in Shape}
@@ -104,6 +123,9 @@ CHEAP_TOKENS = dict(verify_step=2 * MS, verify_token=0.02 * MS)
 SHARED_CORES = Machine(**CHEAP_TOKENS, draft_forward=0.4 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.8)
 # The drafter on compute of its own, and drafting as costly per token as verifying: overlap hides it.
 OWN_DRAFTER = Machine(**CHEAP_TOKENS, draft_forward=0.2 * MS, draft_token=0.05 * MS, beside=1.0, acceptance=0.8)
+# Served on shared cores: each half of a one-batch step waits 2 ms on the other process, which plain steps do not.
+HANDOFF = Machine(**CHEAP_TOKENS, draft_forward=0.4 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.8,
+                  handoff=2 * MS)  # fmt: skip
 USELESS_DRAFT = Machine(**CHEAP_TOKENS, draft_forward=0.4 * MS, draft_token=0.01 * MS, beside=1.0, acceptance=0.0)
 # A compute-bound target (each token costs a quarter of a step) and mediocre drafts.
 COMPUTE_BOUND = Machine(verify_step=1 * MS, verify_token=0.5 * MS, draft_forward=0.4 * MS, draft_token=0.02 * MS,
@@ -120,10 +142,12 @@ BOTH = (Shape.OVERLAP, Shape.SPECULATE)
         (USELESS_DRAFT, (Shape.SPECULATE,), Shape.PLAIN),
         (COMPUTE_BOUND, BOTH, Shape.PLAIN),
         (SHARED_CORES, (Shape.SPECULATE,), Shape.SPECULATE),
+        (HANDOFF, BOTH, Shape.PLAIN),  # the hand-over's wait is the sd shape's own overhead, not plain's
+        (HANDOFF, (Shape.SPECULATE,), Shape.PLAIN),
         (OWN_DRAFTER, (Shape.OVERLAP,), Shape.OVERLAP),  # PEARL's shape
     ],
     ids=["shared-cores-sd", "own-drafter-overlap", "useless-plain", "useless-plain-sd-mode", "compute-bound-plain",
-         "sd-mode-sd", "pearl-overlap"],
+         "sd-mode-sd", "handoff-plain", "handoff-plain-sd-mode", "pearl-overlap"],
 )
 def test_the_shape_the_machine_makes_fastest_is_chosen(machine: Machine, shapes, expected: Shape) -> None:
     controller, share = _settle(machine, shapes)
@@ -160,3 +184,23 @@ def test_operators_see_the_choice_and_the_costs_behind_it() -> None:
         assert predicted == pytest.approx(SHARED_CORES.verify(tokens, together=False), rel=0.05)
     assert state["slowdown_beside"]["verify"] == pytest.approx(SHARED_CORES.beside, rel=0.05)
     assert state["acceptance_by_position"][0] == pytest.approx(0.8, abs=0.1)
+
+
+def test_a_shape_that_realized_less_than_promised_is_scaled_down_and_tried_again_later() -> None:
+    realized = Realized()
+    for _ in range(50):  # the model promised 100 tokens a step, the steps made 60
+        realized.add(100.0, 60.0)
+    measured = realized.value(0.2, 5.0)
+    assert 0.6 < measured < 0.65  # shrunk a little towards the model by its prior
+    for _ in range(150):  # not taken for a while: the measurement fades towards the model
+        realized.fade()
+    assert measured < realized.value(0.2, 5.0) < 0.95
+    for _ in range(300):
+        realized.fade()
+    assert realized.value(0.2, 5.0) > 0.99
+
+
+def test_the_chosen_shape_realizes_what_the_model_predicts() -> None:
+    controller, share = _settle(HANDOFF, BOTH)  # every step's time is in the fits: nothing left to calibrate
+    assert share[Shape.PLAIN] >= 0.85
+    assert controller.describe()["realized_over_predicted"]["plain"] == pytest.approx(1.0, abs=0.05)

@@ -10,28 +10,30 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
   c' x draft forwards + d x draft tokens, each fitted twice: for a part that ran alone (plain steps, the
   halves of a one-batch step) and for one that ran beside the other part (overlapped steps; on one CPU the two
   share its cores), and each step's overhead beyond its parts (planning, transport, the engine's bookkeeping, and
-  for overlapped steps the wait at their synchronisation point), apart for steps of one part and of two;
+  for overlapped steps the wait at their synchronisation point), per shape, from the wall time between results;
   least squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one
   machine.
 
 Each decision compares the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
 drafting beside verification) and, for each speculative shape, the k in 1..max with the most expected tokens
 per second, then trims each request's window where its next token is expected to be worth less than it costs.
-Until a shape's fits have data it is tried as it is; now and then (more rarely while it changes nothing) the
-option tried longest ago is probed. The choice reads only verifications already made, never the token about to
-be sampled, so every output stays exactly the target's. Requests that sample with a seed keep the mode's own
-shape and the fixed k, so that their text is the same on every run.
+Until a shape's fits have data it is tried as it is; now and then (more rarely while it changes nothing) the option
+tried longest ago is probed. What the model leaves out (the wait of one process for the other, the frontends' share
+of the cores, prefills) is caught per shape: each shape's predicted rate is scaled by the tokens it realized over
+those predicted for the wall time its steps took, while it ran. The choice reads only verifications already made,
+never the token about to be sampled, so every output stays exactly the target's. Requests that sample with a seed
+keep the mode's own shape and the fixed k, so that their text is the same on every run.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from minedraft.engine.fits import DECAY, OnlineFit, Ratio
+from minedraft.engine.fits import DECAY, OnlineFit, Ratio, Realized
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 
@@ -43,6 +45,8 @@ _SWITCH_MARGIN = 0.05  # how much faster another shape must be predicted to leav
 _LOAD_CHANGE = 2.0  # running requests this many times more or fewer than at the last probe: probe again soon
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
+_CALIBRATION_BOUNDS = (0.2, 5.0)  # realized over predicted: a ratio outside these is a transient, not the model's error
+_RUN_SETTLED = 3  # steps of a run of one shape before its steps show the shape's own rate (see _learn_realized)
 
 
 class Acceptance:
@@ -118,8 +122,7 @@ class Costs:
 
     alone: PartCosts  # a part with the machine to itself (plain steps, SD's halves)
     together: PartCosts  # both parts at once (on one CPU they share its cores)
-    overhead: float  # seconds per step of one part beyond that part
-    overhead_together: float  # seconds per overlapped step beyond its slower part
+    overhead: Mapping[Shape, float]  # seconds per step of each shape beyond its parts (an overlapped one's slower part)
     one_forward_drafts: bool  # PARD: a window takes one forward
 
 
@@ -135,7 +138,8 @@ class SpeculationController:
 
     `shapes`: the speculative shapes the mode allows, its own (fixed) shape first; PLAIN is always allowed."""
 
-    def __init__(self, max_k: int, shapes: Sequence[Shape], one_forward_drafts: bool) -> None:
+    def __init__(self, max_k: int, shapes: Sequence[Shape], one_forward_drafts: bool,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.max_k = max_k
         self.shapes = tuple(shapes)
         self.acceptance = Acceptance(max_k)
@@ -146,11 +150,18 @@ class SpeculationController:
         self._draft = {False: OnlineFit(2), True: OnlineFit(2)}
         # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
         self._slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
-        # Per kind of step (both parts at once or not): decayed sum of the overhead samples, decayed count.
-        self._overhead_sums = {False: (0.0, 0.0), True: (0.0, 0.0)}
+        # Per shape: decayed sum of its steps' overhead samples, decayed count. Per shape, not per kind of step:
+        # served, an sd half hands its windows from one process to the other, which a plain step does not.
+        self._overhead_sums = {shape: (0.0, 0.0) for shape in Shape}
         self._plain_seen = 0  # plain steps observed
         self._one_forward = one_forward_drafts
+        self._clock = clock
         self._last_end: float | None = None
+        # Per shape: the tokens its steps realized over those its predicted rate promised for their wall time;
+        # the shape of the last step observed, and how many steps in a row had it.
+        self._realized = {shape: Realized() for shape in Shape}
+        self._run: tuple[Shape | None, int] = (None, 0)
+        self._raw_rates: dict[Shape, float] = {}  # the model's rates at the last decision, before calibration
         self._last_tried: dict[tuple[Shape, int], int] = {}  # (shape, k) -> the decision that last took it
         self._probe_every = _PROBE_EVERY
         self._since_probe = 0
@@ -170,8 +181,9 @@ class SpeculationController:
     def last_k(self) -> list[int]:
         return self.last.windows if self.last else []
 
-    def observe(self, result: StepResult) -> None:
-        """Learn from one step's results: acceptance per position, and what its parts cost."""
+    def observe(self, result: StepResult, shape: Shape) -> None:
+        """Learn from one step's results (a step of `shape`): acceptance per position, what its parts and the
+        step beyond them cost, and what the shape realized."""
         self.acceptance.decay()
         for verified in result.verified:
             if verified.num_draft_tokens:
@@ -189,16 +201,28 @@ class SpeculationController:
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
             self._learn("draft", self._draft, together, (result.draft_forwards, result.draft_tokens),
                         result.draft_seconds)
-        now, last = time.perf_counter(), self._last_end
+        now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
-        if last is not None and slower > 0:
-            # Signed samples (results that arrive together give one short and one long gap; clipping each at 0
-            # would bias the mean low), capped so that time the engine sat idle between requests does not count.
-            parts = result.draft_seconds + result.verify_seconds if not together else slower
-            between = min(now - last, 4 * max(result.step_seconds, parts))
-            total, count = self._overhead_sums[together]
-            self._overhead_sums[together] = (total * DECAY + between - parts, count * DECAY + 1)
+        if last is None or slower <= 0:
+            return
+        # Signed samples (results that arrive together give one short and one long gap; clipping each at 0
+        # would bias the mean low), capped so that time the engine sat idle between requests does not count.
+        parts = result.draft_seconds + result.verify_seconds if not together else slower
+        between = min(now - last, 4 * max(result.step_seconds, parts))
+        total, count = self._overhead_sums[shape]
+        self._overhead_sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
+        self._learn_realized(shape, result, between)
+
+    def _learn_realized(self, shape: Shape, result: StepResult, seconds: float) -> None:
+        """What a shape made in `seconds` of wall time against what its rate promised. Only the steps of a run of
+        the shape from its third on count: the first ones after a change carry the transition (windows drafted in
+        the other shape, the drafter's catch-up), and a probe is a run of one or two."""
+        last, length = self._run
+        self._run = (shape, length + 1 if shape is last else 1)
+        predicted = self._raw_rates.get(shape)
+        if self._run[1] >= _RUN_SETTLED and predicted:
+            self._realized[shape].add(predicted * seconds, sum(len(v.token_ids) for v in result.verified))
 
     def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
                seconds: float) -> None:
@@ -261,8 +285,9 @@ class SpeculationController:
 
     def _best(self, candidates: Candidates, shapes: list[Shape], everyone: int, allow_plain: bool) -> Decision:
         costs = self._costs()
-        plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead
-        rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)} if allow_plain else {}
+        plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
+        self._raw_rates = {Shape.PLAIN: everyone / max(1e-9, plain_seconds)}
+        rates = {Shape.PLAIN.value: self._calibrated(Shape.PLAIN)} if allow_plain else {}
         best = Decision(Shape.PLAIN, []) if allow_plain else None
         best_rate = rates.get(Shape.PLAIN.value, -1.0)
         if best is not None and self._current not in (None, Shape.PLAIN) and self._current in shapes:
@@ -271,8 +296,9 @@ class SpeculationController:
             requests, caps = candidates[shape]
             survival = self._survival(requests)
             k, rate = self._best_k(costs, shape, survival, caps)
-            rates[shape.value] = rate
             windows = self._trim(costs, shape, [min(k, cap) for cap in caps], survival, rate)
+            self._raw_rates[shape] = rate
+            rate = rates[shape.value] = self._calibrated(shape)
             # A change of shape costs a step of transition and, after plain steps, the drafter's catch-up: the
             # shape in use keeps its place unless another is predicted clearly faster.
             stay = shape is self._current or best is not None and best.shape is self._current
@@ -283,6 +309,13 @@ class SpeculationController:
         best = best or Decision(shapes[0], [0] * len(candidates[shapes[0]][1]))
         self._current = best.shape
         return best
+
+    def _calibrated(self, shape: Shape) -> float:
+        """The shape's rate from the model, scaled by what the shape realized against it (once seen enough)."""
+        return self._raw_rates[shape] * self._calibration(shape)
+
+    def _calibration(self, shape: Shape) -> float:
+        return self._realized[shape].value(*_CALIBRATION_BOUNDS)
 
     def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates,
                everyone: int) -> Decision:
@@ -302,6 +335,9 @@ class SpeculationController:
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
         self.last = decision
+        for shape, realized in self._realized.items():
+            if shape is not decision.shape:
+                realized.fade()
         self.windows.update(decision.windows if decision.shape is not Shape.PLAIN else [0] * everyone)
         self.chosen[decision.shape] += 1
         self.num_decisions += 1
@@ -324,17 +360,20 @@ class SpeculationController:
         return survival
 
     def _costs(self) -> Costs:
-        overhead = {key: max(0.0, total / count) if count else 0.0
-                    for key, (total, count) in self._overhead_sums.items()}  # fmt: skip
         alone = PartCosts(self._verify[False].weights(), self._draft[False].weights())
         fitted = PartCosts(self._verify[True].weights(), self._draft[True].weights())
         ratio = self._slowdowns(alone)
         scaled = alone.scaled(ratio["verify"], ratio["draft"])
         together = PartCosts(scaled.verify if self._alone_known("verify") else fitted.verify,
                              scaled.draft if self._alone_known("draft") else fitted.draft)  # fmt: skip
-        # An overlapped step's overhead, until such steps were seen: a step of one part's.
-        beside = overhead[True] if self._overhead_sums[True][1] else overhead[False]
-        return Costs(alone, together, overhead[False], beside, self._one_forward)
+        return Costs(alone, together, self._overheads(), self._one_forward)
+
+    def _overheads(self) -> dict[Shape, float]:
+        """Each shape's overhead per step; a shape not seen yet borrows from one that was (plain and sd from
+        each other, overlap from either)."""
+        seen = {shape: max(0.0, total / count) for shape, (total, count) in self._overhead_sums.items() if count}
+        fallback = seen.get(Shape.SPECULATE, seen.get(Shape.PLAIN, seen.get(Shape.OVERLAP, 0.0)))
+        return {shape: seen.get(shape, fallback) for shape in Shape}
 
     def _slowdowns(self, alone: PartCosts) -> dict[str, float]:
         return {"verify": self._slowdown["verify"].value(alone.verify),
@@ -347,11 +386,11 @@ class SpeculationController:
         if shape is Shape.OVERLAP:  # in steady state the batch verified beside this one looks like it
             part = costs.together
             verify = part.verify_seconds(count, count + sum(windows))
-            seconds = max(part.draft_seconds(windows, costs.one_forward_drafts), verify) + costs.overhead_together
+            seconds = max(part.draft_seconds(windows, costs.one_forward_drafts), verify) + costs.overhead[shape]
         else:
             part = costs.alone
             verify = part.verify_seconds(count, count + sum(windows))
-            seconds = part.draft_seconds(windows, costs.one_forward_drafts) + verify + 2 * costs.overhead
+            seconds = part.draft_seconds(windows, costs.one_forward_drafts) + verify + 2 * costs.overhead[shape]
         return tokens / max(1e-9, seconds)
 
     def _best_k(self, costs: Costs, shape: Shape, survival: list[list[float]],
@@ -393,9 +432,10 @@ class SpeculationController:
             "cost_model_seconds": {
                 "verify_alone": costs.alone.verify, "draft_alone": costs.alone.draft,
                 "verify_together": costs.together.verify, "draft_together": costs.together.draft,
-                "overhead": costs.overhead, "overhead_together": costs.overhead_together,
+                "overhead_by_shape": {shape.value: seconds for shape, seconds in costs.overhead.items()},
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
+            "realized_over_predicted": {s.value: round(self._calibration(s), 3) for s in Shape},
             "probe_every": self._probe_every,
         }

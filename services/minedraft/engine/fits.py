@@ -86,3 +86,29 @@ class Ratio:
     def value(self, alone: Sequence[float]) -> float:
         predicted = sum(w * x for w, x in zip(alone, self.work))
         return self.seconds / predicted if predicted > 0 else 1.0
+
+
+class Realized:
+    """What a choice made over what the model promised for the same wall time (tokens, say), as a factor on
+    the model's prediction: a decayed ratio, shrunk towards 1 by the weight of its samples. The weight fades
+    while the choice is not taken, so one measured poor long ago (or in a passing state) is tried again, and
+    a few fresh samples then settle it."""
+
+    _PRIOR = 4.0  # samples' weight of the prior (the model is right)
+
+    def __init__(self) -> None:
+        self.made = self.promised = self.weight = 0.0
+
+    def add(self, promised: float, made: float) -> None:
+        self.made = self.made * DECAY + made
+        self.promised = self.promised * DECAY + promised
+        self.weight = self.weight * DECAY + 1.0
+
+    def fade(self) -> None:
+        self.weight *= DECAY
+
+    def value(self, low: float, high: float) -> float:
+        if self.promised <= 0:
+            return 1.0
+        raw = min(high, max(low, self.made / self.promised))
+        return 1.0 + (raw - 1.0) * self.weight / (self.weight + self._PRIOR)

@@ -39,6 +39,7 @@ class Pipeline(ABC):
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
         self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
         self.steps_by_shape: Counter[Shape] = Counter()  # planned steps, for the metrics
+        self.step_shape = Shape.PLAIN  # the shape of the step planned last (its result teaches the controller)
         spec = self.spec
         self.controller = (
             SpeculationController(spec.num_speculative_tokens, self.shapes, one_forward_drafts=spec.parallel_drafting)
@@ -53,6 +54,8 @@ class Pipeline(ABC):
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""
         admitted, draft, verify = self._schedule()
+        if draft is not None or verify is not None:
+            self.steps_by_shape[self.step_shape] += 1
         for request in admitted:
             request.num_prefilled = 0 if len(request.token_ids) > self.max_num_batched_tokens else None
         draft, verify = self._chunk_prefills(draft, verify)
@@ -135,8 +138,6 @@ class AutoregressivePipeline(Pipeline):
     def _schedule(self) -> Schedule:
         admitted = self.batches.admit_into(0)
         batch = self.batches.batches[0]
-        if batch:
-            self.steps_by_shape[Shape.PLAIN] += 1
         return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in batch]) if batch else None
 
 
@@ -172,8 +173,7 @@ class TwoBatchPipeline(Pipeline):
         if not everyone:
             return admitted, None, None
         shape, windows, drafting = self._decide(fresh, everyone) if fresh else (self._shape, [], [])
-        self._shape = shape
-        self.steps_by_shape[shape] += 1
+        self._shape = self.step_shape = shape
         if shape is Shape.PLAIN:
             return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in everyone])
         if not drafting or shape is Shape.SPECULATE and pending:
@@ -235,8 +235,7 @@ class PearlPipeline(Pipeline):
         if self.controller is not None and not self._tetris(batch):
             decision = self.controller.decide({Shape.OVERLAP: (batch, windows)}, everyone=len(batch))
             windows = decision.windows or [0] * len(batch)
-        if batch:
-            self.steps_by_shape[Shape.OVERLAP if any(windows) else Shape.PLAIN] += 1
+        self.step_shape = Shape.OVERLAP if any(windows) else Shape.PLAIN
         draft = self._draft_plan(batch, windows, continuing) if batch and self.spec else None
         continued = {t.request_id for t in draft.tasks if t.continue_window and t.num_tokens > 0} if draft else set()
         verify = [VerifyTask(r.request_id, keep_bonus=r.request_id not in continued) for r in verifying]

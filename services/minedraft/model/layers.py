@@ -73,29 +73,33 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 @functools.cache
 def _onednn_faster(dtype: torch.dtype) -> bool:
     """Whether oneDNN's GEMM on a prepacked weight beats torch's own on this CPU: both timed on a decode (1 row) and
-    a verification shape (64 rows), the best of a few repeats (a few milliseconds, once per process). Either is a
-    fast kernel of the default mode; the strict mode packs nothing."""
+    a verification shape (64 rows), a few milliseconds once per process. The two are timed in turns and the fastest
+    turn of each compared, so that other work on the machine during the timing, which can make either look many
+    times slower for a while, does not decide. Either is a fast kernel of the default mode; the strict mode packs
+    nothing."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(512, 512, generator=generator).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    blas = onednn = 0.0
-    for rows in (1, 64):
-        x = torch.randn(rows, 512, generator=generator).to(dtype)
-        blas += _best_seconds(lambda x=x: F.linear(x, weight))
-        onednn += _best_seconds(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    return onednn < 0.9 * blas
+    inputs = [torch.randn(rows, 512, generator=generator).to(dtype) for rows in (1, 64)]
+
+    def blas() -> None:
+        for x in inputs:
+            F.linear(x, weight)
+
+    def onednn() -> None:
+        for x in inputs:
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    blas(), onednn()
+    turns = [(_seconds(blas), _seconds(onednn)) for _ in range(9)]
+    return min(t for _, t in turns) < 0.9 * min(t for t, _ in turns)
 
 
-def _best_seconds(run: Callable[[], object], calls: int = 20, repeats: int = 5) -> float:
-    """The fastest of `repeats` timings of `calls` calls (the least disturbed by anything else running)."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _seconds(run: Callable[[], object], calls: int = 10) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return time.perf_counter() - start
 
 
 @functools.cache
