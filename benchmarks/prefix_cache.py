@@ -31,53 +31,22 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from openai_serve import start_server, wait_healthy  # noqa: E402
 from vs_vllm import ensure_venv  # noqa: E402
 
+from minedraft.bench.conversations import HttpServer, Run, Workload, converse, percentile  # noqa: E402
 from minedraft.bench.offline import mode_configs  # noqa: E402
 from minedraft.bench.prompts import load_prompts  # noqa: E402
+from minedraft.bench.rounds import interleaved, median_by  # noqa: E402
 from minedraft.config import BUNDLED_TARGET, EngineConfig  # noqa: E402
-from minedraft.metrics import scrape  # noqa: E402
 from minedraft.model.tokenizer import load_tokenizer  # noqa: E402
 
 SETTINGS = {"cache on": True, "cache off": False}
-
-
-@dataclass
-class Turn:
-    conversation: int
-    turn: int
-    ttft: float
-    answer: str
-
-
-@dataclass
-class Run:
-    """One round of one load under one setting."""
-
-    seconds: float
-    turns: list[Turn]
-    output_tokens: int
-    hit_rate: float
-
-    def ttfts(self, later: bool) -> list[float]:
-        return [t.ttft for t in self.turns if (t.turn > 0) == later]
-
-
-@dataclass
-class Workload:
-    """The shared system prompt and each conversation's user turns, as text."""
-
-    system: str
-    users: list[list[str]]  # [conversation][turn]
 
 
 def build_workloads(args: argparse.Namespace, round_: int) -> dict[str, Workload]:
@@ -98,28 +67,6 @@ def build_workloads(args: argparse.Namespace, round_: int) -> dict[str, Workload
         "chat": Workload(tokenizer.decode(pool[: args.system_tokens]), users),
         "no shared prefix": Workload("", [[u] for u in unique]),
     }
-
-
-Send = Callable[[str], Awaitable[tuple[float, str, int]]]  # prompt -> (ttft, answer, output tokens)
-
-
-async def converse(workload: Workload, send: Send) -> tuple[list[Turn], int]:
-    """Every conversation at once; each turn waits for the previous answer. Returns the turns, output tokens."""
-    tokens = 0
-
-    async def one(c: int) -> list[Turn]:
-        nonlocal tokens
-        prompt, turns = workload.system, []
-        for t, user in enumerate(workload.users[c]):
-            prompt += user
-            ttft, answer, n = await send(prompt)
-            tokens += n
-            turns.append(Turn(c, t, ttft, answer))
-            prompt += answer
-        return turns
-
-    results = await asyncio.gather(*(one(c) for c in range(len(workload.users))))
-    return [turn for turns in results for turn in turns], tokens
 
 
 # --- offline: the engine in this process, stepped by a small event loop ----------------------------------
@@ -167,49 +114,6 @@ class OfflineServer:
         self.engine.executor.close()
 
 
-# --- served: any OpenAI-compatible server, one streaming client -------------------------------------------
-
-
-class HttpServer:
-    def __init__(self, url: str, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
-
-    async def run(self, workload: Workload) -> Run:
-        before = self._counters()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-            async with session.get(f"{self.url}/v1/models") as response:
-                model = (await response.json())["data"][0]["id"]
-
-            async def send(prompt: str) -> tuple[float, str, int]:
-                body = {"model": model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-                start, first, text, tokens = time.perf_counter(), None, [], 0
-                async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                    response.raise_for_status()
-                    async for raw in response.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[len("data: "):])
-                        delta = "".join(c.get("text", "") for c in chunk.get("choices", []))
-                        if delta and first is None:
-                            first = time.perf_counter() - start
-                        text.append(delta)
-                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                return first or 0.0, "".join(text), tokens
-
-            start = time.perf_counter()
-            turns, tokens = await converse(workload, send)
-            seconds = time.perf_counter() - start
-        after = self._counters()
-        queries = after[0] - before[0]
-        return Run(seconds, turns, tokens, (after[1] - before[1]) / queries if queries else 0.0)
-
-    def _counters(self) -> tuple[float, float]:
-        samples = scrape(f"{self.url}/metrics")
-        return samples.get("vllm:prefix_cache_queries_total", 0.0), samples.get("vllm:prefix_cache_hits_total", 0.0)
-
-
 # --- the comparison --------------------------------------------------------------------------------------
 
 
@@ -222,12 +126,7 @@ class Results:
 
 
 def median_run(runs: list[Run]) -> Run:
-    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
+    return median_by(runs, lambda r: r.seconds)
 
 
 def table(results: Results) -> str:
@@ -281,18 +180,20 @@ def measure(servers: dict[str, OfflineServer | HttpServer], args: argparse.Names
     """A warm-up on unshared prompts of their own, then the rounds, the servers taking turns."""
     for server in servers.values():
         asyncio.run(server.run(build_workloads(args, args.rounds)["no shared prefix"]))
-    for round_ in range(args.rounds):
-        for load, workload in build_workloads(args, round_).items():
-            if load not in args.loads:
-                continue
-            # Alternate which setting goes first (A B, then B A): a run's place after the other load counts too.
-            order = list(servers.items())[:: -1 if round_ % 2 else 1]
-            for name, server in order:
-                time.sleep(args.settle)
-                run = asyncio.run(server.run(workload))
-                results.add(name, load, run)
-                print(f"round {round_ + 1} {load} {name}: {run.output_tokens / run.seconds:.0f} tok/s, hit rate "
-                      f"{run.hit_rate:.2f}", flush=True)  # fmt: skip
+    workloads = [build_workloads(args, round_) for round_ in range(args.rounds)]
+    loads = [load for load in workloads[0] if load in args.loads]
+
+    def runner(name: str, load: str):
+        return lambda round_: asyncio.run(servers[name].run(workloads[round_][load]))
+
+    def report(round_: int, key: tuple[str, str], run: Run) -> None:
+        results.add(*key, run)
+        print(f"round {round_ + 1} {key[1]} {key[0]}: {run.output_tokens / run.seconds:.0f} tok/s, hit rate "
+              f"{run.hit_rate:.2f}", flush=True)  # fmt: skip
+
+    # Alternating order (A B, then B A): a run's place after another setting or load counts too.
+    runners = {(name, load): runner(name, load) for load in loads for name in servers}
+    interleaved(runners, args.rounds, settle_s=args.settle, report=report)
 
 
 def served(args: argparse.Namespace, running: ExitStack, logs: Path) -> dict[str, HttpServer]:

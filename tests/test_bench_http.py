@@ -19,6 +19,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from minedraft.bench.backends import read_spec_decode_metrics
+from minedraft.bench.records import RequestRecord
 from minedraft.launcher import free_port
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -46,7 +48,8 @@ def up(pair, tmp_path_factory) -> Iterator[Up]:
     process = subprocess.Popen(
         [sys.executable, "-m", "minedraft", "up", "--model", str(target), "--speculative-config", json.dumps(spec),
          "--device", "cpu", "--max-model-len", "128", "--port", str(port), "--http-port", str(http_port),
-         "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+         "--metrics-port", str(metrics_port), "--per-request-spec-decode-metrics", "summary", "--log-level",
+         "WARNING"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -130,6 +133,27 @@ def test_figures_follow_from_the_trace(openai_run) -> None:
     assert arrivals == sorted(arrivals) and 0.02 < arrivals[-1] < 5
 
 
+def test_acceptance_from_the_responses_without_metrics_url(up: Up, tmp_path) -> None:
+    """The server reports each request's drafts (`--per-request-spec-decode-metrics summary`): the report and
+    its JSON show the mean accepted length and the acceptance per draft position (from vLLM's acceptance
+    histogram) with no scrape of the server's counters."""
+    done = bench("--backend", "openai", "--base-url", up.http, *random_load(up), "--json", str(tmp_path / "run.json"),
+                 "--trace", str(tmp_path / "trace.jsonl"))  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    data = json.loads((tmp_path / "run.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert data["minedraft"]["server"] is None  # nothing scraped
+    assert all(r["num_drafts"] > 0 for r in records)  # fixed k: every request drafted
+    drafts, accepted = sum(r["num_drafts"] for r in records), sum(r["num_accepted_tokens"] for r in records)
+    assert data["minedraft"]["mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+    rates = data["minedraft"]["acceptance_per_position"]
+    assert 1 <= len(rates) <= 3 and rates == sorted(rates, reverse=True)  # a position needs the one before it
+    assert sum(rates) * drafts == pytest.approx(accepted)
+    shown = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if ":" in line}
+    assert float(shown["Mean accepted length"]) >= 1
+    assert [float(r) for r in shown["Acceptance per draft position"].split()] == pytest.approx(rates, abs=0.005)
+
+
 def test_the_figure_is_a_png(openai_run) -> None:
     _, out = openai_run
     image = matplotlib.image.imread(out / "run.png")
@@ -192,3 +216,14 @@ def test_errors_a_user_can_fix() -> None:
     ):
         done = bench(*flags)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
+
+
+def test_vllms_per_request_metrics_read_alike() -> None:
+    """vLLM's `metrics.speculative_decoding` (the example in its PR): the histogram gives the positions."""
+    record = RequestRecord(index=0)
+    read_spec_decode_metrics({"mean_acceptance_length": 1.2325581395348837, "draft_acceptance_rate": 0.0775,
+                              "acceptance_histogram": [39, 1, 0, 3], "num_spec_steps": 43,
+                              "num_accepted_draft_tokens": 10, "num_draft_tokens": 129, "num_spec_tokens": 3},
+                             record)  # fmt: skip
+    assert (record.num_drafts, record.num_draft_tokens, record.num_accepted_tokens) == (43, 129, 10)
+    assert record.accepted_per_pos == [4, 3, 3]

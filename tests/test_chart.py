@@ -83,7 +83,8 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
         "podDisruptionBudget": {"enabled": True},
         "networkPolicy": {"enabled": True},
     },
-    "tetris": {"speculativeConfig": {"tetris": True, "tetris_capacity": 48, "num_speculative_tokens": 3}},
+    "tetris": {"speculativeConfig": {"tetris": True, "tetris_capacity": 48, "num_speculative_tokens": 3},
+               "scheduler": {"perRequestSpecDecodeMetrics": "detailed"}},
     "tls-keys": {
         "apiKeys": {"existingSecret": "minedraft-api-keys"},
         "tls": {"existingSecret": "minedraft-tls"},
@@ -412,7 +413,8 @@ def _check_scheduler_settings(settings: SchedulerSettings, values: dict[str, Any
     expected = {"http_port": values["httpPort"], "max_prompt_bytes": values["maxPromptBytes"],
                 "max_waiting_requests": values["maxWaitingRequests"], "metrics_port": values["metricsPort"],
                 "request_drain_timeout": values["drainTimeoutSeconds"],
-                "served_model_name": values.get("servedModelName") or None}  # fmt: skip
+                "served_model_name": values.get("servedModelName") or None,
+                "per_request_spec_decode_metrics": values.get("perRequestSpecDecodeMetrics") or None}  # fmt: skip
     assert {k: getattr(settings, k) for k in expected} == expected
 
 

@@ -281,6 +281,24 @@ def test_the_gateway_checks_the_keys_and_reaches_the_schedulers_with_its_own(nam
         assert args["backend_tls_ca"] is None
 
 
+def test_routing_policy_and_per_request_speculation_metrics_reach_the_gateway() -> None:
+    """`gateway.routingPolicy` and `scheduler.perRequestSpecDecodeMetrics` (the public API setting the gateway
+    shares with the schedulers) become its flags; by default least-work and no per-request metrics."""
+    args = _gateway_args(render("default"))
+    assert (args["routing_policy"], args["per_request_spec_decode_metrics"]) == ("least-work", None)
+    for policy, metrics in (("prefix", "summary"), ("predicted", "detailed")):
+        values = {**GROUPS, "gateway": {"routingPolicy": policy},
+                  "scheduler": {"perRequestSpecDecodeMetrics": metrics}}  # fmt: skip
+        objs = [m.obj for m in renderer.render(gpu_ok(values))]
+        assert (_gateway_args(objs)["routing_policy"], _gateway_args(objs)["per_request_spec_decode_metrics"]) == (
+            policy, metrics)  # fmt: skip
+        data = one(objs, "ConfigMap", "minedraft-engine")["data"]
+        assert data["MINEDRAFT_PER_REQUEST_SPEC_DECODE_METRICS"] == metrics  # the groups' schedulers too
+    for values in ({"gateway": {"routingPolicy": "random"}}, {"scheduler": {"perRequestSpecDecodeMetrics": "all"}}):
+        with pytest.raises(helm.HelmValuesError, match="value must be one of"):
+            renderer.render(gpu_ok(values))
+
+
 def test_the_gateway_serves_http_by_default() -> None:
     objs = render("default")
     assert int(_gateway_args(objs)["http_port"]) == 8000

@@ -149,6 +149,10 @@ def _check_counts(counts: dict) -> None:
     assert sum(counts["num_accepted_tokens_per_pos"]) == counts["num_accepted_tokens"]
     assert len(counts["num_accepted_tokens_per_pos"]) <= 3  # num_speculative_tokens
     assert counts["mean_acceptance_length"] == pytest.approx(1 + counts["num_accepted_tokens"] / counts["num_drafts"])
+    histogram = counts["acceptance_histogram"]  # vLLM's: verifications by how many drafts they accepted
+    assert sum(histogram) == counts["num_spec_steps"] == counts["num_drafts"]
+    assert sum(j * n for j, n in enumerate(histogram)) == counts["num_accepted_draft_tokens"]
+    assert counts["draft_acceptance_rate"] == pytest.approx(counts["num_accepted_tokens"] / counts["num_draft_tokens"])
 
 
 def test_responses_carry_the_requests_speculative_decoding_counts(clients) -> None:

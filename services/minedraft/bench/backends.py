@@ -178,14 +178,25 @@ class OpenAIBackend(Backend):
             record.prompt_tokens = usage.get("prompt_tokens") or record.prompt_tokens
             record.completion_tokens = usage.get("completion_tokens") or 0
         if stats := (event.get("metrics") or {}).get("speculative_decoding"):  # --per-request-spec-decode-metrics
-            record.num_drafts, record.num_draft_tokens = stats["num_drafts"], stats["num_draft_tokens"]
-            record.num_accepted_tokens = stats["num_accepted_tokens"]
-            record.accepted_per_pos = list(stats.get("num_accepted_tokens_per_pos") or [])
+            read_spec_decode_metrics(stats, record)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def read_spec_decode_metrics(stats: dict[str, Any], record: RequestRecord) -> None:
+    """A response's `metrics.speculative_decoding` into `record`, in our names or vLLM's (whose summary has
+    an acceptance histogram: index j counts the verifications that accepted exactly j draft tokens, so
+    position i was accepted in those that accepted more than i)."""
+    record.num_drafts = int(stats.get("num_drafts", stats.get("num_spec_steps", 0)))
+    record.num_draft_tokens = int(stats.get("num_draft_tokens", 0))
+    record.num_accepted_tokens = int(stats.get("num_accepted_tokens", stats.get("num_accepted_draft_tokens", 0)))
+    per_pos = stats.get("num_accepted_tokens_per_pos")
+    if not per_pos and (histogram := stats.get("acceptance_histogram")):
+        per_pos = [sum(histogram[i + 1:]) for i in range(len(histogram) - 1)]
+    record.accepted_per_pos = [int(n) for n in per_pos or []]
 
 
 def make_backend(

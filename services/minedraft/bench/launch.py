@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import BenchResult, run_online_bench
+from minedraft.bench.rounds import interleaved, median_by
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
@@ -36,7 +37,6 @@ def run_launch_bench(
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(configs)}")
     # Validate every mode's config before starting anything, so a typo fails in a second, not a stack later.
     engines = {m: EngineConfig(**engine_kwargs, speculative_config=configs[m]) for m in modes}
-    rounds: dict[str, list[BenchResult]] = {m: [] for m in modes}
     with ExitStack() as running:
         stacks = {}
         for mode, config in engines.items():
@@ -46,20 +46,17 @@ def run_launch_bench(
             settings = scheduler_settings(metrics_port=metrics_port)
             stack = LocalStack(config, scheduler=settings, log_dir=log_dir / mode, log_level=log_level)
             stacks[mode] = (running.enter_context(stack), f"http://127.0.0.1:{metrics_port}/metrics")
-        for round_ in range(repeats):
-            for mode, (stack, url) in stacks.items():
-                result = run_online_bench(stack.address, prompts, metrics_url=url, label=mode, **bench_kwargs)
-                rounds[mode].append(result)
-                print(
-                    f"   round {round_ + 1}/{repeats} {mode}: {len(result.ok)} ok, {result.failed} failed, "
-                    f"{result.output_throughput:.1f} tok/s",
-                    flush=True,
-                )
-    return {mode: _median_round(results) for mode, results in rounds.items()}
 
+        def runner(stack: LocalStack, url: str, mode: str) -> Callable[[int], BenchResult]:
+            return lambda _: run_online_bench(stack.address, prompts, metrics_url=url, label=mode, **bench_kwargs)
 
-def _median_round(results: list[BenchResult]) -> BenchResult:
-    return sorted(results, key=lambda r: r.output_throughput)[len(results) // 2]
+        def report(round_: int, mode: str, result: BenchResult) -> None:
+            print(f"   round {round_ + 1}/{repeats} {mode}: {len(result.ok)} ok, {result.failed} failed, "
+                  f"{result.output_throughput:.1f} tok/s", flush=True)  # fmt: skip
+
+        runners = {mode: runner(stack, url, mode) for mode, (stack, url) in stacks.items()}
+        rounds = interleaved(runners, repeats, alternate=False, report=report)
+    return {mode: median_by(results, lambda r: r.output_throughput) for mode, results in rounds.items()}
 
 
 def greedy_mismatches(results: dict[str, BenchResult]) -> dict[str, int]:

@@ -290,7 +290,8 @@ def _plot_acceptance(ax, names: list[str], runs: list[BenchResult]) -> None:
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
     else:
-        unknown = "not known: no drafts, or neither the gRPC\nstream nor --metrics-url reported them"
+        unknown = ("not known: no drafts, or neither the gRPC stream,\nthe responses' per-request metrics nor "
+                   "--metrics-url\nreported them")
         ax.text(0.5, 0.5, unknown, ha="center", va="center", transform=ax.transAxes)
 
 

@@ -568,6 +568,16 @@ _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of one request's samples over 
 Logprobs = list[tuple[int, TokenLogprob]] | None  # (token id, its logprobs) per output token
 
 
+def _vllm_spec_counts(stats: SpecDecodeStats) -> dict:
+    """vLLM's names for the same counts, and its acceptance histogram (index j: the verifications that
+    accepted exactly j draft tokens). Acceptance stops at the first rejection, so position i was accepted in
+    the verifications that accepted more than i tokens, whatever k each one drafted."""
+    at_least = [stats.num_drafts, *stats.num_accepted_tokens_per_pos, 0]  # verifications accepting >= j
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
+    return {"num_spec_steps": stats.num_drafts, "num_accepted_draft_tokens": stats.num_accepted_tokens,
+            "draft_acceptance_rate": rate, "acceptance_histogram": [a - b for a, b in zip(at_least, at_least[1:])]}
+
+
 class _Stream:
     """Builds one endpoint's chunks and final body from the generate interface's items; choice `index` i is
     the i-th generation of the request (prompt by prompt, `n` samples each)."""
@@ -586,7 +596,7 @@ class _Stream:
             stats.merge(request.stats)
         counts = {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
                   "num_accepted_tokens": stats.num_accepted_tokens,
-                  "mean_acceptance_length": stats.mean_accepted_length}  # fmt: skip
+                  "mean_acceptance_length": stats.mean_accepted_length} | _vllm_spec_counts(stats)  # fmt: skip
         if self.spec_decode_metrics == "detailed":
             counts["num_accepted_tokens_per_pos"] = list(stats.num_accepted_tokens_per_pos)
         return body | {"metrics": {"speculative_decoding": counts}}

@@ -45,13 +45,17 @@ class GatewayStack:
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
         metrics_ports: list[int] | None = None,
+        group_configs: Sequence[EngineConfig] | None = None,
     ) -> None:
-        """Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
+        """Group i runs group_configs[i] if given (the same target, e.g. with another draft), else `config`.
+        Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
         metrics_ports[i], else on scheduler.metrics_port + i (0 = off). With `api_keys` (the clients' keys,
         checked by the gateway) the groups take one key only, made here for the gateway alone. With TLS on the
         gateway, the start-up health checks trust its tls_cert (which must name `host`)."""
         if groups < 1:
             raise ValueError(f"engine groups must be >= 1, got {groups}")
+        if group_configs is not None and len(group_configs) != groups:
+            raise ValueError(f"group_configs names {len(group_configs)} configs for {groups} groups")
         self.config = config
         scheduler = scheduler or scheduler_settings()
         self._api_keys = list(api_keys)
@@ -60,7 +64,7 @@ class GatewayStack:
         metrics_ports = metrics_ports or [base + i if base else 0 for i in range(groups)]
         self.groups = [
             LocalStack(
-                config,
+                group_configs[i] if group_configs is not None else config,
                 scheduler=scheduler.model_copy(update={"metrics_port": metrics_ports[i]}),
                 worker=worker,
                 log_level=log_level,
@@ -91,9 +95,13 @@ class GatewayStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def gateway_command(self, port: int | None = None, settings: GatewaySettings | None = None) -> list[str]:
-        """The gateway's command line; another `port` gives a second replica in front of the same groups."""
-        backends = [arg for group in self.groups for arg in ("--backend", _backend_spec(group))]
+    def gateway_command(
+        self, port: int | None = None, settings: GatewaySettings | None = None, groups: Sequence[int] | None = None
+    ) -> list[str]:
+        """The gateway's command line; another `port` gives a second replica in front of the same groups (or of
+        the `groups` named by index)."""
+        chosen = self.groups if groups is None else [self.groups[i] for i in groups]
+        backends = [arg for group in chosen for arg in ("--backend", _backend_spec(group))]
         host, own_port = self.address.rsplit(":", 1)
         port = str(port or own_port)
         return [
