@@ -185,8 +185,8 @@ class TwoBatchPipeline(Pipeline):
 
     def _decide(self, fresh: list[Request], everyone: list[Request]) -> tuple[Shape, list[int], list[Request]]:
         """The step's shape, the requests it drafts and their windows."""
-        own = [r for r in fresh if r.batch == self._x] or fresh
-        candidates = {Shape.OVERLAP: own, Shape.SPECULATE: fresh}
+        candidates = {Shape.OVERLAP: self._overlap_batch(fresh), Shape.SPECULATE: fresh}
+        own = candidates[Shape.OVERLAP]
         if self.controller is None or self._tetris(candidates[self.shapes[0]]):  # Tetris: its fixed shape, k + e
             shape = self.shapes[0]
             requests = candidates[shape]
@@ -201,6 +201,15 @@ class TwoBatchPipeline(Pipeline):
             shape, windows = decision.shape, decision.windows
             requests = candidates.get(shape, [])
         return (shape, windows, requests) if any(windows) else (Shape.PLAIN, [], [])
+
+    def _overlap_batch(self, fresh: list[Request]) -> list[Request]:
+        """The fresh requests an overlapped step drafts: those of the batch whose turn it is, or of the other batch
+        where nobody in this one may draft (requests capped at 0 would otherwise make every step plain)."""
+        mine = [r for r in fresh if r.batch == self._x]
+        others = [r for r in fresh if r.batch != self._x]
+        if not any(self._caps(mine)) and any(self._caps(others)):
+            return others
+        return mine or fresh
 
     @staticmethod
     def _verify(pending: list[Request]) -> VerifyPlan | None:
