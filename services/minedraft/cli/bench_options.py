@@ -38,14 +38,14 @@ class BenchWay(CliModel):
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
         if value is not None and ":" not in value:
-            raise ValueError("give host:port")
+            raise ValueError("must be host:port")
         return value
 
     @field_validator("base_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("give an http:// or https:// URL")
+            raise ValueError("must be an http:// or https:// URL")
         return value
 
 
@@ -146,7 +146,7 @@ class LoadOptions(CliModel):
     @classmethod
     def _sweep(cls, value: str | None) -> str | None:
         if value is not None and not _concurrencies(value):
-            raise ValueError("give integers >= 1 like 1,4,16")
+            raise ValueError("wants integers >= 1 like 1,4,16")
         return value
 
     @property
