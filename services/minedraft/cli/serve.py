@@ -106,24 +106,25 @@ def dist_config(args: argparse.Namespace) -> DistributedConfig:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from minedraft.serving import configure_logging
     from minedraft.verifier.service import serve_verifier
 
-    config, listen = engine_config(args), listen_settings(args)
-    check_model_folders(config, draft=False)
-    configure_logging(listen.log_level)
-    serve_verifier(config, dist_config(args), settings(args, WorkerSettings), listen.host, listen.port)
-    return 0
+    return _serve_worker(args, serve_verifier, target=True)
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.drafter.service import serve_drafter
+
+    return _serve_worker(args, serve_drafter, target=False)
+
+
+def _serve_worker(args: argparse.Namespace, serve: Any, target: bool) -> int:
+    """A verifier (it loads the target) or a drafter (the draft), serving until it is stopped."""
     from minedraft.serving import configure_logging
 
     config, listen = engine_config(args), listen_settings(args)
-    check_model_folders(config, target=False)
+    check_model_folders(config, target=target, draft=not target)
     configure_logging(listen.log_level)
-    serve_drafter(config, dist_config(args), settings(args, WorkerSettings), listen.host, listen.port)
+    serve(config, dist_config(args), settings(args, WorkerSettings), listen.host, listen.port)
     return 0
 
 
