@@ -96,13 +96,12 @@ def add_flags(
     for name, field in model.model_fields.items():
         if name in shared:
             continue
-        extra, default = _extra(field), (base or {}).get(name, field.default)
+        extra, default = _extra(field), (base or {}).get(name, field.default)  # help names a default once
         kind = _flag_kind(field, switch=not env and default is False)
+        said = "default" in (field.description or "") and default is None or not env and default in (None, False)
+        help_text = field.description + ("" if said else f" (default: {_shown(default)})")
         if env:
-            help_text = f"{field.description} (default: {_shown(default)}) [env {env_name(name)}]"
-        else:
-            said = default in (None, False) or "default" in (field.description or "")
-            help_text = field.description + ("" if said else f" (default: {_shown(default)})")
+            help_text += f" [env {env_name(name)}]"
         if extra.get("metavar"):
             kind["metavar"] = extra["metavar"]
         container.add_argument(
