@@ -17,7 +17,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from minedraft.cli import _dist_config, _engine_config, _settings, build_parser
+from minedraft.cli import build_parser
+from minedraft.cli.common import engine_config as parsed_engine_config
+from minedraft.cli.common import settings
+from minedraft.cli.serve import dist_config
 from minedraft.config import EngineConfig, SpeculativeConfig
 from minedraft.settings import SchedulerSettings, WorkerSettings
 
@@ -389,18 +392,18 @@ def test_services_accept_the_rendered_configuration(name: str, monkeypatch) -> N
         for key, value in _container_env(objs, component).items():
             monkeypatch.setenv(key, value)
         args = build_parser().parse_args(pod(objs, component)["containers"][0]["args"])
-        config = _engine_config(args)
+        config = parsed_engine_config(args)
         assert config.tensor_parallel_size == COMBINATIONS[name].get("verifier", {}).get(
             "tensorParallelSize", 4 if name != "cpu" else 1
         )
         assert config.speculative_config is not None
         if component != "scheduler":
-            dist = _dist_config(args)
+            dist = dist_config(args)
             expected = "127.0.0.1" if component == "verifier" else "minedraft-verifier.default.svc"
             assert (dist.master_addr, dist.master_port) == (expected, 29500)
-            assert _settings(args, WorkerSettings).step_drain_timeout == values["drainTimeoutSeconds"]
+            assert settings(args, WorkerSettings).step_drain_timeout == values["drainTimeoutSeconds"]
         else:
-            _check_scheduler_settings(_settings(args, SchedulerSettings), values)
+            _check_scheduler_settings(settings(args, SchedulerSettings), values)
     if name == "existing-claim":
         assert config.model == "/models/llama-3-8b"
         assert config.speculative_config.model == "/models/llama-3-draft"

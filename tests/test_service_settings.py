@@ -10,7 +10,9 @@ import os
 
 import pytest
 
-from minedraft.cli import _settings, _up_stack, build_parser
+from minedraft.cli import build_parser
+from minedraft.cli.common import settings
+from minedraft.cli.serve import up_stack
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.launcher import child_env
 from minedraft.settings import (
@@ -57,12 +59,12 @@ def _flags(settings: ServiceSettings) -> list[str]:
 
 
 def _up(*argv: str):
-    return _up_stack(build_parser().parse_args(["up", *argv]))
+    return up_stack(build_parser().parse_args(["up", *argv]))
 
 
 def _child(argv: list[str], model: type[ServiceSettings]) -> ServiceSettings:
     """What a child process started with `argv` runs with."""
-    return _settings(build_parser().parse_args(argv), model)
+    return settings(build_parser().parse_args(argv), model)
 
 
 @pytest.fixture
@@ -167,7 +169,7 @@ def test_up_reads_its_supervision_settings_and_logs_where_they_say(tmp_path) -> 
     supervisor = _off_default(SupervisorSettings(restart_backoff_max=3.0, crash_loop_restarts=2,
                                                  crash_loop_window=30.0, log_dir=str(tmp_path)))  # fmt: skip
     argv = ["up", *_flags(supervisor)]
-    assert _settings(build_parser().parse_args(argv), SupervisorSettings) == supervisor
+    assert settings(build_parser().parse_args(argv), SupervisorSettings) == supervisor
     assert _up(*argv[1:]).log_path("drafter") == tmp_path / "drafter.log"
     stack = _up("--engine-groups", "2", *argv[1:])
     assert stack.log_path("group 1 verifier") == tmp_path / "group-1" / "verifier.log"
