@@ -747,8 +747,10 @@ ENGINE_VALUES = {
     "max_loras": ("engine", "maxLoras"),
     "max_cpu_loras": ("engine", "maxCpuLoras"),
     "max_lora_rank": ("engine", "maxLoraRank"),
+    "allow_runtime_lora_updating": ("engine", "allowRuntimeLoraUpdating"),
 }
-DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules"}
+DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules",
+           "lora_root": "loraAdapters.mountPath"}
 
 
 def _schema(*path: str) -> dict[str, Any]:
