@@ -752,8 +752,10 @@ ENGINE_VALUES = {
     "max_loras": ("engine", "maxLoras"),
     "max_cpu_loras": ("engine", "maxCpuLoras"),
     "max_lora_rank": ("engine", "maxLoraRank"),
+    "allow_runtime_lora_updating": ("engine", "allowRuntimeLoraUpdating"),
 }
-DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules"}
+DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules",
+           "lora_root": "loraAdapters.mountPath"}
 
 
 def _schema(*path: str) -> dict[str, Any]:
@@ -811,9 +813,10 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
                    "batchInvariant": True, "draftSupportSize": 8, "kvCacheMemoryBytes": 20 << 30,
                    "gpuMemoryUtilization": 0.8, "blockSize": 32, "maxNumBatchedTokens": 512,
                    "enablePrefixCaching": False, "enforceEager": True, "enableLora": True, "maxLoras": 3,
-                   "maxCpuLoras": 5, "maxLoraRank": 64},
+                   "maxCpuLoras": 5, "maxLoraRank": 64, "allowRuntimeLoraUpdating": True},
         "verifier": {"tensorParallelSize": 2},
         "models": {"target": "t", "draft": "d", "volume": {"type": "existingClaim", "existingClaim": "m"}},
+        "loraAdapters": {"volume": {"type": "existingClaim", "existingClaim": "a"}},
         "speculativeConfig": {"num_speculative_tokens": 3, "tetris": True},
     }  # fmt: skip
     config = json.loads(one([m.obj for m in renderer.render(values)], "ConfigMap")["data"]["MINEDRAFT_ENGINE_CONFIG"])
@@ -821,6 +824,7 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
     for name, (section, key) in ENGINE_VALUES.items():
         assert getattr(parsed, name) == values[section][key], name
     assert parsed.model == "/models/t" and parsed.speculative_config.model == "/models/d"
+    assert parsed.lora_root == "/adapters"  # loraAdapters.mountPath
     assert (parsed.speculative_config.num_speculative_tokens, parsed.speculative_config.tetris) == (3, True)
 
 

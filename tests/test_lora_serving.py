@@ -5,6 +5,7 @@ offline engine with that adapter, /v1/models lists it under its base, and /metri
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from pathlib import Path
 
@@ -148,3 +149,14 @@ def test_prefix_routing_keeps_each_adapters_cache_apart() -> None:
     policy.block_size = 4
     keys = {lora: policy.placement(list(range(12)), 8, None, lora).keys for lora in (None, "a", "b")}
     assert len(keys[None]) == 2 and not set(keys[None]) & set(keys["a"]) and not set(keys["a"]) & set(keys["b"])
+
+
+def test_runtime_loading_is_refused_where_not_enabled(front) -> None:
+    """Without allow_runtime_lora_updating the routes answer 404 (as vLLM's, where they are off), naming the
+    flags that turn them on; the gateway passes the groups' answer on."""
+    from services import post_json
+
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "b"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a"})):  # fmt: skip
+        status, data = post_json(front[1] + path, json.dumps(body).encode())
+        assert status == 404 and "--allow-runtime-lora-updating" in json.loads(data)["error"]["message"], data

@@ -220,6 +220,14 @@ class EngineConfig(BaseModel):
         None, ge=1, description="Adapters kept loaded in host memory, least recently used dropped (None: max_loras)."
     )
     max_lora_rank: int = Field(16, ge=1, le=512, description="The largest adapter rank served.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters loaded "
+        "and unloaded while the server runs, on every worker (needs enable_lora and lora_root).",
+    )  # fmt: skip
+    lora_root: str | None = Field(
+        None, description="The folder whose subfolders /v1/load_lora_adapter may load (lora_path and draft_path "
+        "must lie inside it); none: run-time loading is off.",
+    )  # fmt: skip
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -232,6 +240,9 @@ class EngineConfig(BaseModel):
     def _check_lora(self) -> EngineConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        if self.allow_runtime_lora_updating and not (self.enable_lora and self.lora_root):
+            raise ValueError("allow_runtime_lora_updating needs enable_lora and lora_root (the folder adapters are "
+                             "loaded from)")
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names an adapter twice: {names}")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from minedraft.config import LoraModule
 from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 
@@ -91,3 +92,9 @@ class EngineClient(Protocol):
         """Queue a request, through LoRA adapter `lora` (one of `lora_adapters`; None: the base model)."""
 
     def abort(self, request_id: str) -> None: ...
+
+    async def load_lora(self, module: LoraModule) -> None:
+        """Serve one more LoRA adapter, loaded on every worker (of every group); raises engine.LoraRefused."""
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter once the requests running through it have finished; raises LoraRefused."""

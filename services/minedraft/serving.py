@@ -86,14 +86,20 @@ def _unknown_fields(message) -> str | None:
 
 
 def add_public_api(servicer, server: grpc.aio.Server) -> None:
-    """Register the MineDraft service with raw-bytes requests: `servicer.Generate` and `GetServerInfo` take
-    (request bytes, context) and parse them with `parse_request`."""
+    """Register the MineDraft service with raw-bytes requests: `servicer.Generate`, `GetServerInfo`,
+    `LoadLoraAdapter` and `UnloadLoraAdapter` take (request bytes, context) and parse them with `parse_request`."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, response_serializer=generate_pb2.GenerateResponse.SerializeToString
         ),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetServerInfo, response_serializer=generate_pb2.ServerInfo.SerializeToString
+        ),
+        "LoadLoraAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.LoadLoraAdapter, response_serializer=generate_pb2.LoraAdapterReply.SerializeToString
+        ),
+        "UnloadLoraAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.UnloadLoraAdapter, response_serializer=generate_pb2.LoraAdapterReply.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PUBLIC_SERVICE, handlers),))

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from minedraft.api import generate_pb2, worker_pb2
+from minedraft.config import LoraModule
 from minedraft.engine.plans import (
     Admission,
     DraftPlan,
     DraftTask,
+    LoraChange,
     PrefillTask,
     StepResult,
     Verified,
@@ -137,6 +139,7 @@ def plan_to_proto(
     release: list[str],
     draft: DraftPlan | None,
     verify: VerifyPlan | None,
+    lora_changes: list[LoraChange] = (),  # type: ignore[assignment]
 ) -> worker_pb2.StepPlan:
     msg = worker_pb2.StepPlan(
         step_id=step_id,
@@ -144,6 +147,7 @@ def plan_to_proto(
         release=release,
         has_draft=draft is not None,
         has_verify=verify is not None,
+        lora_changes=[lora_change_to_proto(c) for c in lora_changes],
     )
     if draft is not None:
         msg.draft.extend(
@@ -178,6 +182,25 @@ def plan_from_proto(
     return admit, list(msg.release), draft, verify
 
 
+def lora_adapter_to_proto(module: LoraModule) -> worker_pb2.LoraAdapter:
+    return worker_pb2.LoraAdapter(name=module.name, path=module.path, draft_path=module.draft_path or "")
+
+
+def lora_adapter_from_proto(msg: worker_pb2.LoraAdapter) -> LoraModule:
+    return LoraModule(name=msg.name, path=msg.path, draft_path=msg.draft_path or None)
+
+
+def lora_change_to_proto(change: LoraChange) -> worker_pb2.LoraChange:
+    if isinstance(change, str):
+        return worker_pb2.LoraChange(unload=change)
+    return worker_pb2.LoraChange(load=lora_adapter_to_proto(change))
+
+
+def lora_changes_from_proto(msg: worker_pb2.StepPlan) -> list[LoraChange]:
+    return [c.unload if c.WhichOneof("change") == "unload" else lora_adapter_from_proto(c.load)
+            for c in msg.lora_changes]  # fmt: skip
+
+
 def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
     return [
         worker_pb2.Verified(
@@ -210,4 +233,6 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
         result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
+        for name, error in reply.lora_loaded.items():  # one worker's refusal is the group's
+            result.lora_loaded[name] = result.lora_loaded.get(name) or (f"the {role}: {error}" if error else "")
     return result

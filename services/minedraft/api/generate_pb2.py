@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bminedraft/v1/generate.proto\x12\x0cminedraft.v1\"\xed\x06\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0c \x03(\x0b\x32/.minedraft.v1.SamplingParameters.LogitBiasEntry\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x1b\n\x0eresumed_tokens\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x12;\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1f.minedraft.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0c\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x14 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x11\n\x0f_resumed_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_num_speculative_tokens\"r\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x13\n\x0bjson_object\x18\x04 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regex\"b\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.minedraft.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x14\n\x0clora_adapter\x18\x05 \x01(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x81\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x04 \x03(\r\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\x38\n\x11spec_decode_stats\x18\x06 \x01(\x0b\x32\x1d.minedraft.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\x16\n\x14GetServerInfoRequest\"\xda\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x1f\n\x17speculative_config_json\x18\x05 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0e \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0f \x01(\x08\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x1a\n\x12\x64raft_quantization\x18\x11 \x01(\t\x12\x18\n\x10speculation_json\x18\x12 \x01(\t\x12\x15\n\rlora_adapters\x18\x13 \x03(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa7\x01\n\tMineDraft\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12M\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a\x18.minedraft.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bminedraft/v1/generate.proto\x12\x0cminedraft.v1\"R\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x12\n\ndraft_path\x18\x03 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"#\n\x10LoraAdapterReply\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xed\x06\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0c \x03(\x0b\x32/.minedraft.v1.SamplingParameters.LogitBiasEntry\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x1b\n\x0eresumed_tokens\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x12;\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1f.minedraft.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0c\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x14 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x11\n\x0f_resumed_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_num_speculative_tokens\"r\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x13\n\x0bjson_object\x18\x04 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regex\"b\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.minedraft.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x14\n\x0clora_adapter\x18\x05 \x01(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x81\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x04 \x03(\r\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\x38\n\x11spec_decode_stats\x18\x06 \x01(\x0b\x32\x1d.minedraft.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\x16\n\x14GetServerInfoRequest\"\xda\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x1f\n\x17speculative_config_json\x18\x05 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0e \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0f \x01(\x08\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x1a\n\x12\x64raft_quantization\x18\x11 \x01(\t\x12\x18\n\x10speculation_json\x18\x12 \x01(\t\x12\x15\n\rlora_adapters\x18\x13 \x03(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdd\x02\n\tMineDraft\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12M\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a\x18.minedraft.v1.ServerInfo\x12W\n\x0fLoadLoraAdapter\x12$.minedraft.v1.LoadLoraAdapterRequest\x1a\x1e.minedraft.v1.LoraAdapterReply\x12[\n\x11UnloadLoraAdapter\x12&.minedraft.v1.UnloadLoraAdapterRequest\x1a\x1e.minedraft.v1.LoraAdapterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2369
-  _globals['_FINISHREASON']._serialized_end=2464
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=46
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=923
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=645
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=693
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=925
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1039
-  _globals['_TOKENLOGPROB']._serialized_start=1041
-  _globals['_TOKENLOGPROB']._serialized_end=1139
-  _globals['_TOKENIDS']._serialized_start=1141
-  _globals['_TOKENIDS']._serialized_end=1164
-  _globals['_GENERATEREQUEST']._serialized_start=1167
-  _globals['_GENERATEREQUEST']._serialized_end=1357
-  _globals['_USAGE']._serialized_start=1359
-  _globals['_USAGE']._serialized_end=1416
-  _globals['_SPECDECODESTATS']._serialized_start=1419
-  _globals['_SPECDECODESTATS']._serialized_end=1548
-  _globals['_GENERATERESPONSE']._serialized_start=1551
-  _globals['_GENERATERESPONSE']._serialized_end=1866
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1868
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1890
-  _globals['_SERVERINFO']._serialized_start=1893
-  _globals['_SERVERINFO']._serialized_end=2367
-  _globals['_MINEDRAFT']._serialized_start=2467
-  _globals['_MINEDRAFT']._serialized_end=2634
+  _globals['_FINISHREASON']._serialized_start=2537
+  _globals['_FINISHREASON']._serialized_end=2632
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=45
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=127
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=129
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=174
+  _globals['_LORAADAPTERREPLY']._serialized_start=176
+  _globals['_LORAADAPTERREPLY']._serialized_end=211
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=214
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1091
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=813
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=861
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1093
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1207
+  _globals['_TOKENLOGPROB']._serialized_start=1209
+  _globals['_TOKENLOGPROB']._serialized_end=1307
+  _globals['_TOKENIDS']._serialized_start=1309
+  _globals['_TOKENIDS']._serialized_end=1332
+  _globals['_GENERATEREQUEST']._serialized_start=1335
+  _globals['_GENERATEREQUEST']._serialized_end=1525
+  _globals['_USAGE']._serialized_start=1527
+  _globals['_USAGE']._serialized_end=1584
+  _globals['_SPECDECODESTATS']._serialized_start=1587
+  _globals['_SPECDECODESTATS']._serialized_end=1716
+  _globals['_GENERATERESPONSE']._serialized_start=1719
+  _globals['_GENERATERESPONSE']._serialized_end=2034
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2036
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2058
+  _globals['_SERVERINFO']._serialized_start=2061
+  _globals['_SERVERINFO']._serialized_end=2535
+  _globals['_MINEDRAFT']._serialized_start=2635
+  _globals['_MINEDRAFT']._serialized_end=2984
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,16 @@ class MineDraftStub:
                 request_serializer=minedraft_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_generate__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/minedraft.v1.MineDraft/LoadLoraAdapter',
+                request_serializer=minedraft_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/minedraft.v1.MineDraft/UnloadLoraAdapter',
+                request_serializer=minedraft_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
 
 
 class MineDraftServicer:
@@ -65,6 +75,23 @@ class MineDraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter while serving (vLLM's /v1/load_lora_adapter): off unless the server allows run-time
+        LoRA updating (UNIMPLEMENTED then); a path outside its lora_root or a bad folder is INVALID_ARGUMENT, a name
+        already served ALREADY_EXISTS. Returns once every worker of the group holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload one: new requests for it are refused at once; the reply comes when no request runs through it any
+        more and the workers have dropped it. An unknown name is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MineDraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +104,16 @@ def add_MineDraftServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=minedraft_dot_v1_dot_generate__pb2.GetServerInfoRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_generate__pb2.ServerInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=minedraft_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=minedraft_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +170,60 @@ class MineDraft:
             '/minedraft.v1.MineDraft/GetServerInfo',
             minedraft_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
             minedraft_dot_v1_dot_generate__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.MineDraft/LoadLoraAdapter',
+            minedraft_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.MineDraft/UnloadLoraAdapter',
+            minedraft_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            minedraft_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

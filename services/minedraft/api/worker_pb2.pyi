@@ -47,12 +47,32 @@ class VerifyTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keep_bonus: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("epoch", "has_drafter")
+    __slots__ = ("epoch", "has_drafter", "lora_adapters")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     has_drafter: bool
-    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "draft_path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    draft_path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., draft_path: _Optional[str] = ...) -> None: ...
+
+class LoraChange(_message.Message):
+    __slots__ = ("load", "unload")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    load: LoraAdapter
+    unload: str
+    def __init__(self, load: _Optional[_Union[LoraAdapter, _Mapping]] = ..., unload: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("epoch",)
@@ -69,7 +89,7 @@ class FollowerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill")
+    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill", "lora_changes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +100,7 @@ class StepPlan(_message.Message):
     HAS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LORA_CHANGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     admit: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -90,7 +111,8 @@ class StepPlan(_message.Message):
     has_verify: bool
     verify: _containers.RepeatedCompositeFieldContainer[VerifyTask]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillTask]
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ...) -> None: ...
+    lora_changes: _containers.RepeatedCompositeFieldContainer[LoraChange]
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ..., lora_changes: _Optional[_Iterable[_Union[LoraChange, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
     __slots__ = ("request_id", "num_tokens")
@@ -117,7 +139,7 @@ class Verified(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded")
     class DraftedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +147,13 @@ class StepReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraLoadedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +166,7 @@ class StepReply(_message.Message):
     VERIFY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     verified: _containers.RepeatedCompositeFieldContainer[Verified]
     drafted: _containers.ScalarMap[str, int]
@@ -149,7 +179,8 @@ class StepReply(_message.Message):
     verify_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    lora_loaded: _containers.ScalarMap[str, str]
+    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from minedraft.api import worker_pb2
@@ -11,8 +12,10 @@ from minedraft.engine.local_executor import draft_runner, draft_worker
 from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
-from minedraft.wire import plan_from_proto
+from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto
 from minedraft.worker_node import check_epoch, join_world, max_model_len_of, topology_of, worker_info
+
+log = logging.getLogger("minedraft.drafter")
 
 
 class DrafterNode:
@@ -34,6 +37,8 @@ class DrafterNode:
         """Drop every request and meet the verifier ranks in a new world (a store client per join: the
         verifier may have restarted since the last one)."""
         self.leave()
+        for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
+            log.error("the drafter cannot serve LoRA adapter %r: %s", name, error)
         store = rendezvous_store(self.dist.master_addr, self.dist.master_port, is_master=False,
                                  timeout_s=self.dist.timeout_s)
         self.groups = join_world(self.config, self.dist, self.rank, self.device, store=store, epoch=request.epoch,
@@ -53,8 +58,9 @@ class DrafterNode:
         check_epoch(self.epoch, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
+        loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
-        reply = worker_pb2.StepReply(step_id=plan.step_id)
+        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         if draft is not None:
             self.threads.use(together=verify is not None)
             start = time.perf_counter()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minedraft.config import EngineConfig, num_slots
+from minedraft.config import EngineConfig, LoraModule, num_slots
 from minedraft.engine.adaptive import Shape
 from minedraft.engine.batch_manager import BlockBudget
 from minedraft.engine.detokenizer import Decoder
@@ -26,6 +27,29 @@ def check_structured_outputs(structured: StructuredOutputs) -> None:
     from minedraft.sampling.grammar import check_grammar
 
     check_grammar(structured)
+
+
+class LoraRefused(ValueError):
+    """A run-time LoRA load or unload the engine refuses: `kind` is off (not enabled), invalid (a bad name, path
+    or folder), exists (a name already served) or not_found (a name not served); the message says why."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+LoraDone = Callable[[LoraRefused | None], None]
+
+
+def rooted(path: str, root: str, name: str) -> str:
+    """`path` (absolute, or relative to `root`) as an absolute path, if it lies inside `root`. Only the words of
+    the path are compared (the workers read the folder; this process may not see it)."""
+    base = os.path.normpath(os.path.abspath(root))
+    full = os.path.normpath(os.path.join(base, path))
+    if os.path.commonpath([full, base]) != base:
+        raise LoraRefused("invalid", f"{name} {path!r} is outside lora_root ({root}): adapters are loaded from there "
+                          "only")  # fmt: skip
+    return full
 
 
 @dataclass
@@ -87,6 +111,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        self.lora_modules = {m.name: m for m in config.lora_modules}  # the adapters served, run-time loads included
+        self._lora_loading: dict[str, LoraDone] = {}  # loads sent to the workers, waiting for their word
+        self._lora_closing: dict[str, LoraDone] = {}  # unloads waiting for their requests to finish
 
     def add_request(
         self,
@@ -132,10 +159,72 @@ class LLMEngine:
         return request
 
     def _check_lora(self, name: str | None) -> str | None:
-        served = [m.name for m in self.config.lora_modules]
+        served = self.lora_adapters
         if name is not None and name not in served:
             raise ValueError(f"unknown LoRA adapter {name!r}: this server has {served or 'none'}")
         return name
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The adapters a new request may run through: not one still loading, nor one being unloaded."""
+        return [n for n in self.lora_modules if n not in self._lora_loading and n not in self._lora_closing]
+
+    def load_lora(self, module: LoraModule, done: LoraDone) -> None:
+        """Load an adapter while serving (allow_runtime_lora_updating; its folders inside lora_root). It goes to
+        every worker with the next step; `done(None)` once all of them hold it, `done(refusal)` naming the file
+        if one could not (it is unloaded again). Raises LoraRefused for what is refused before the workers."""
+        root = self._check_lora_updating()
+        if module.name in self.lora_modules:
+            raise LoraRefused("exists", f"LoRA adapter {module.name!r} is already loaded: unload it first")
+        draft = module.draft_path and rooted(module.draft_path, root, "draft_path")
+        if draft and self.config.speculative_config is not None and (
+                self.config.uses_eagle_head or self.config.speculative_config.parallel_drafting):
+            raise LoraRefused("invalid", "draft_path: a drafter adapter is for draft-model drafting, not EAGLE heads "
+                              "or PARD (parallel_drafting)")  # fmt: skip
+        module = LoraModule(name=module.name, path=rooted(module.path, root, "lora_path"), draft_path=draft or None)
+        self.lora_modules[module.name] = module
+        self._lora_loading[module.name] = done
+        self.executor.change_loras([module])
+
+    def unload_lora(self, name: str, done: LoraDone) -> None:
+        """Unload an adapter: new requests for it are refused from now on; the running and waiting ones finish
+        first, then the workers drop it and `done(None)` is called (see `settle_loras`)."""
+        self._check_lora_updating()
+        if name not in self.lora_adapters:
+            raise LoraRefused("not_found", f"LoRA adapter {name!r} is not loaded (loaded: {self.lora_adapters})")
+        self._lora_closing[name] = done
+        self.settle_loras()
+
+    def settle_loras(self) -> None:
+        """Finish each unload whose adapter no request (running, waiting or held) uses any more."""
+        if not self._lora_closing:
+            return
+        in_use = {r.lora for r in self.requests.values()}
+        for name in [n for n in self._lora_closing if n not in in_use]:
+            del self.lora_modules[name]
+            self.executor.change_loras([name])
+            self._lora_closing.pop(name)(None)
+
+    def _check_lora_updating(self) -> str:
+        if not (self.config.allow_runtime_lora_updating and self.config.lora_root):
+            raise LoraRefused("off", "loading and unloading LoRA adapters at run time is off on this server (start it "
+                              "with --enable-lora --allow-runtime-lora-updating --lora-root DIR)")  # fmt: skip
+        return self.config.lora_root
+
+    def _loras_loaded(self, result: StepResult | None) -> None:
+        """The workers' word on the loads a step carried: a load one of them refused is undone everywhere."""
+        for name, error in (result.lora_loaded if result is not None else {}).items():
+            done = self._lora_loading.pop(name, None)
+            if done is None:
+                continue
+            if error:
+                del self.lora_modules[name]
+                self.executor.change_loras([name])
+            done(LoraRefused("invalid", error) if error else None)
+
+    def flush(self) -> None:
+        """Apply pending admissions, releases and adapter changes now (the engine is idle)."""
+        self._loras_loaded(self.executor.flush())
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the target tokenizes it, without and with a leading space (as vLLM does): the
@@ -269,6 +358,7 @@ class LLMEngine:
         """Apply the oldest step in flight; return the requests that got new tokens or finished in it."""
         step, shape = self._in_flight.popleft()
         result = self.executor.collect()
+        self._loras_loaded(result)
         if self.pipeline.controller is not None:
             self.pipeline.controller.observe(result, shape)
         self.step_stats.add(result)
@@ -293,7 +383,7 @@ class LLMEngine:
                 request.pending_drafts = num_tokens
         touched.extend(r for r in self._release_finished() if r not in touched)
         if not self.requests and not self._in_flight:
-            self.executor.flush()  # idle: free the last requests' KV now, not with a next step
+            self.flush()  # idle: free the last requests' KV now, not with a next step
         return touched
 
     def _running_since(self, request_id: str, step: int) -> Request | None:
@@ -319,6 +409,8 @@ class LLMEngine:
         exactly the requests for which `may_run` is false are held (see `hold`): held ones that may run now
         are queued again."""
         self._in_flight.clear()  # the steps in flight were lost with the old world
+        if self._lora_loading:  # the new world's join brought them; their word comes with the next step
+            self.executor.change_loras([self.lora_modules[n] for n in self._lora_loading])
         batches = self.pipeline.batches
         running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
         for request in [r for r in running if r.finished]:

@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -13,7 +14,7 @@ import torch
 
 from minedraft.config import EngineConfig
 from minedraft.engine.eagle_drafter import EagleDraftWorker
-from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
+from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.checkpoint import resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
@@ -52,7 +53,8 @@ class LocalExecutor:
         self.max_in_flight = max_in_flight
         self._admit: list[Admission] = []
         self._release: list[str] = []
-        self._submitted: deque[tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]] = deque()
+        self._lora_changes: list[LoraChange] = []
+        self._submitted: deque[tuple[_Changes, DraftPlan | None, VerifyPlan | None]] = deque()
         # Without a drafter nothing overlaps: verify on the caller's thread.
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
@@ -76,28 +78,42 @@ class LocalExecutor:
         """Queue a step with the admissions and releases made since the last one; it runs when collected,
         in order (one caller thread does both). With `max_in_flight` 2 the engine plans a step before the
         previous one has run, as it does over the services' streams: the same schedules, in one process."""
-        self._submitted.append((self._admit, self._release, draft, verify))
-        self._admit, self._release = [], []
+        self._submitted.append((self._take_changes(), draft, verify))
+
+    def change_loras(self, changes: list[LoraChange]) -> None:
+        self._lora_changes.extend(changes)
 
     def collect(self) -> StepResult:
-        admit, release, draft, verify = self._submitted.popleft()
-        self._apply(admit, release)
-        return self._run(draft, verify)
+        changes, draft, verify = self._submitted.popleft()
+        loaded = self._apply(changes)
+        result = self._run(draft, verify)
+        result.lora_loaded = loaded
+        return result
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
         self.submit(draft, verify)
         return self.collect()
 
-    def flush(self) -> None:
-        """Apply the admissions and releases made since the last step (the engine is idle)."""
-        self._apply(self._admit, self._release)
-        self._admit, self._release = [], []
+    def flush(self) -> StepResult:
+        """Apply the admissions, releases and adapter changes made since the last step (the engine is idle)."""
+        return StepResult(lora_loaded=self._apply(self._take_changes()))
 
-    def _apply(self, admit: list[Admission], release: list[str]) -> None:
+    def _take_changes(self) -> _Changes:
+        changes = _Changes(self._admit, self._release, self._lora_changes)
+        self._admit, self._release, self._lora_changes = [], [], []
+        return changes
+
+    def _apply(self, changes: _Changes) -> dict[str, str]:
+        """Releases, then adapter changes (no request left uses an adapter unloaded), then admissions; returns
+        each load's outcome, the first worker's refusal winning."""
+        loaded: dict[str, str] = {}
         for worker in (self.verifier, self.drafter):
             if worker is not None:
-                worker.release(release)
-                worker.admit(admit)
+                worker.release(changes.release)
+                for name, error in worker.change_loras(changes.lora).items():
+                    loaded[name] = loaded.get(name) or error
+                worker.admit(changes.admit)
+        return loaded
 
     def _run(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
         start = time.perf_counter()
@@ -138,6 +154,15 @@ class LocalExecutor:
                 thread.shutdown(wait=True)
 
 
+@dataclass
+class _Changes:
+    """What a step applies before it runs: admissions, releases and LoRA adapter changes."""
+
+    admit: list[Admission]
+    release: list[str]
+    lora: list[LoraChange]
+
+
 def _stage_thread(name: str, threads: int | None) -> ThreadPoolExecutor:
     """One long-lived thread per stage (torch's intra-op thread count is a per-thread setting)."""
     init = (lambda: torch.set_num_threads(threads)) if threads else None
@@ -176,8 +201,8 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
         check_eagle_head(config)
         options.update(target_path=config.target_path, enable_prefix_caching=False)
     drafter_adapters = {m.name: m.draft_path for m in config.lora_modules if m.draft_path}
-    if drafter_adapters:
-        options.update(lora=lora_options(config, drafter_adapters))
+    if drafter_adapters or config.allow_runtime_lora_updating and takes_drafter_adapters(config):
+        options.update(lora=lora_options(config, drafter_adapters))  # run-time loads may bring drafter adapters
     return ModelRunner(
         config.draft_path,
         num_slots=num_slots,
@@ -214,6 +239,12 @@ def target_options(config: EngineConfig) -> dict[str, Any]:
     if config.enable_lora:
         options.update(lora=lora_options(config, {m.name: m.path for m in config.lora_modules}))
     return options
+
+
+def takes_drafter_adapters(config: EngineConfig) -> bool:
+    """Whether the drafter can apply LoRA adapters of its own: a draft model does; EAGLE heads and PARD do not."""
+    spec = config.speculative_config
+    return spec is not None and not config.uses_eagle_head and not spec.parallel_drafting
 
 
 def lora_options(config: EngineConfig, adapters: dict[str, str]) -> LoraOptions:

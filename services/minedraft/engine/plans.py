@@ -19,10 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from minedraft.config import LoraModule
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
     import torch
+
+# A change to the LoRA adapters served, made while serving: an adapter to load, or the name of one to unload.
+LoraChange = LoraModule | str
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ class StepResult:
     prefix_cache_queries: dict[str, int] = field(default_factory=dict)
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)
 
+    # Each adapter this step's plan loaded: "" when every worker holds it now, else why one could not.
+    lora_loaded: dict[str, str] = field(default_factory=dict)
+
     def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
         self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats
 
@@ -158,13 +165,18 @@ class Executor(Protocol):
 
     def release(self, request_ids: list[str]) -> None: ...
 
+    def change_loras(self, changes: list[LoraChange]) -> None:
+        """Load or unload LoRA adapters on every worker with the next step (or `flush`), before its admissions;
+        that step's result says, in `lora_loaded`, whether each load took."""
+
     def submit(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> None: ...
 
     def collect(self) -> StepResult: ...
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult: ...
 
-    def flush(self) -> None:
-        """Apply pending admissions and releases now (the engine is idle)."""
+    def flush(self) -> StepResult | None:
+        """Apply pending admissions, releases and adapter changes now (the engine is idle); the result of the
+        step that carried them, if one was needed."""
 
     def close(self) -> None: ...

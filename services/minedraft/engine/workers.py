@@ -16,7 +16,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, PrefillTask, Verified, VerifyPlan
+from minedraft.config import LoraModule
+from minedraft.engine.plans import (
+    Admission,
+    DraftPlan,
+    Drafts,
+    DraftTask,
+    LoraChange,
+    PrefillTask,
+    Verified,
+    VerifyPlan,
+)
+from minedraft.model.lora import LoraError
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.logprobs import prompt_token_logprobs, token_logprobs
 from minedraft.sampling.params import SamplingParams, TokenLogprob
@@ -100,6 +111,42 @@ class _Worker:
     def _adapter(self, name: str | None) -> str | None:
         """The LoRA adapter this worker's model applies for a request of adapter `name`: the target its own."""
         return name
+
+    def _adapter_folder(self, module: LoraModule) -> str | None:
+        """The folder of `module` this worker's model loads: the target its own."""
+        return module.path
+
+    def change_loras(self, changes: list[LoraChange]) -> dict[str, str]:
+        """Load and unload LoRA adapters while serving, in order (no running request uses one unloaded). Returns,
+        for each load, "" or why this worker could not (its adapters are then as before that load)."""
+        lora, loaded = self.runner.lora, {}
+        for change in changes:
+            name = change if isinstance(change, str) else change.name
+            folder = None if isinstance(change, str) else self._adapter_folder(change)
+            if lora is not None:
+                lora.remove(name)  # an unload, or a load that takes a folder's place (or has none for this model)
+            if isinstance(change, str) or folder is None:
+                loaded.update({} if isinstance(change, str) else {name: ""})
+                continue
+            try:
+                if lora is None:
+                    raise LoraError(f"{self.runner.path} was started without LoRA (enable_lora)")
+                lora.add(name, folder)
+                loaded[name] = ""
+            except LoraError as exc:
+                loaded[name] = str(exc)
+        return loaded
+
+    def set_loras(self, modules: list[LoraModule]) -> dict[str, str]:
+        """Serve exactly these adapters (a new world's set: a restarted worker catches up with the group's
+        run-time loads and unloads). Returns, for each that could not be loaded, why."""
+        lora = self.runner.lora
+        if lora is None:
+            return {}
+        wanted = {m.name: m for m in modules}
+        changes: list[LoraChange] = [n for n in list(lora.options.adapters) if n not in wanted]
+        changes += [m for m in modules if lora.options.adapters.get(m.name, None) != self._adapter_folder(m)]
+        return {name: error for name, error in self.change_loras(changes).items() if error}
 
     def admit(self, admissions: list[Admission]) -> None:
         """Hold new requests; each starts from the longest cached prefix of its tokens (its own earlier blocks
@@ -233,6 +280,9 @@ class DraftWorker(_Worker):
         self.mask_token = mask_token
         self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
         self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
+
+    def _adapter_folder(self, module: LoraModule) -> str | None:
+        return module.draft_path  # none: the draft model drafts that domain with its base weights
 
     def _adapter(self, name: str | None) -> str | None:
         """The drafter adapter of a request's domain where the draft model has one, else its base weights:

@@ -9,7 +9,8 @@ from pathlib import Path
 import grpc
 
 from minedraft.api import generate_pb2
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, LoraModule
+from minedraft.engine.engine import LoraRefused
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
 from minedraft.model.config import load_model_config
@@ -24,9 +25,54 @@ STATUS = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+# LoraRefused.kind -> status; the gateway reads them back (`lora_refusal`)
+LORA_STATUS = {
+    "off": grpc.StatusCode.UNIMPLEMENTED,
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+}
 
 
-class MineDraftServicer:
+def lora_refusal(code: grpc.StatusCode, details: str) -> LoraRefused | None:
+    """A group's refusal of a LoRA load or unload, as the engine raised it (None: another failure)."""
+    kind = next((k for k, c in LORA_STATUS.items() if c == code), None)
+    return LoraRefused(kind, details) if kind else None
+
+
+class LoraUpdates:
+    """LoadLoraAdapter and UnloadLoraAdapter over the generator's engine (the scheduler's, or the gateway's
+    over every group): what the HTTP routes /v1/load_lora_adapter and /v1/unload_lora_adapter do."""
+
+    generator: Generator
+
+    async def LoadLoraAdapter(self, request_bytes: bytes, context) -> generate_pb2.LoraAdapterReply:  # noqa: N802
+        request = await parse_request(generate_pb2.LoadLoraAdapterRequest, request_bytes, context)
+        if not request.lora_name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required")
+        module = LoraModule(name=request.lora_name, path=request.lora_path, draft_path=request.draft_path or None)
+        await self._update(context, self._engine_call("load_lora", module))
+        return generate_pb2.LoraAdapterReply(message=f"LoRA adapter {request.lora_name!r} loaded")
+
+    async def UnloadLoraAdapter(self, request_bytes: bytes, context) -> generate_pb2.LoraAdapterReply:  # noqa: N802
+        request = await parse_request(generate_pb2.UnloadLoraAdapterRequest, request_bytes, context)
+        await self._update(context, self._engine_call("unload_lora", request.lora_name))
+        return generate_pb2.LoraAdapterReply(message=f"LoRA adapter {request.lora_name!r} unloaded")
+
+    async def _engine_call(self, method: str, argument) -> None:
+        await getattr(self.generator.check_ready(), method)(argument)
+
+    @staticmethod
+    async def _update(context, call) -> None:
+        try:
+            await call
+        except GenerateError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        except LoraRefused as exc:
+            await context.abort(LORA_STATUS[exc.kind], str(exc))
+
+
+class MineDraftServicer(LoraUpdates):
     def __init__(self, generator: Generator, config: EngineConfig) -> None:
         self.generator = generator
         self.config = config

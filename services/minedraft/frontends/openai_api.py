@@ -32,6 +32,7 @@ from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generation, Generator
 from minedraft.frontends.openai_fields import NOT_IMPLEMENTED, refusals
+from minedraft.frontends.openai_lora import LoraRoutes
 from minedraft.frontends.tools import Tool, ToolChoice, ToolUse, new_call_id, resolve
 from minedraft.model.tokenizer import Tokenizer
 from minedraft.sampling.params import GREEDY_EPSILON, MAX_LOGPROBS, SamplingParams, Text, TokenLogprob
@@ -345,7 +346,7 @@ class OpenAIFrontend:
     ) -> None:
         """`spec_decode_metrics`: 'summary' or 'detailed' (see settings' per_request_spec_decode_metrics).
         `lora_adapters`: the LoRA adapters served, which a request's `model` picks by name (as vLLM's)."""
-        self.lora_adapters = lora_adapters or []
+        self._lora_adapters = lora_adapters or []
         self.generator = generator
         self.spec_decode_metrics = spec_decode_metrics
         self.decoding = decoding or {}
@@ -356,6 +357,16 @@ class OpenAIFrontend:
         self.is_serving = is_serving
         self.registry = registry
         self.created = int(time.time())
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The adapters served now: the engine's (they change with run-time loads), or those given at start."""
+        engine = self.generator.engine
+        return engine.lora_adapters if engine is not None else self._lora_adapters
+
+    @lora_adapters.setter
+    def lora_adapters(self, names: list[str]) -> None:
+        self._lora_adapters = names
 
     async def check_key(self, request: Request) -> None:  # async: FastAPI runs sync dependencies in threads
         if not self.api_keys.allows(request.headers.get("authorization")):
@@ -449,6 +460,7 @@ class OpenAIFrontend:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
         app.add_api_route("/debug/speculation", self.speculation, methods=["GET"], dependencies=auth)
+        LoraRoutes(self.generator, self.model_name, APIError).add_to(app, auth)
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         if self.registry is not None:  # a route, not a mounted app: /metrics answers itself, no redirect

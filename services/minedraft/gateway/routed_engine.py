@@ -14,10 +14,11 @@ import json
 import grpc
 
 from minedraft.api import generate_pb2
-from minedraft.config import EngineConfig
+from minedraft.config import EngineConfig, LoraModule
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine_client import Sink, StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError
+from minedraft.frontends.grpc_api import lora_refusal
 from minedraft.gateway.policies import SESSION_HEADER
 from minedraft.gateway.router import Migration, Refused, Router
 from minedraft.model.tokenizer import Tokenizer
@@ -90,6 +91,36 @@ class RoutedEngine:
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
+
+    async def load_lora(self, module: LoraModule) -> None:
+        """Load the adapter on every engine group (each on all its workers)."""
+        await self._every_group("LoadLoraAdapter", generate_pb2.LoadLoraAdapterRequest(
+            lora_name=module.name, lora_path=module.path, draft_path=module.draft_path or ""))
+        self.lora_adapters = [*self.lora_adapters, module.name]
+
+    async def unload_lora(self, name: str) -> None:
+        await self._every_group("UnloadLoraAdapter", generate_pb2.UnloadLoraAdapterRequest(lora_name=name))
+        self.lora_adapters = [n for n in self.lora_adapters if n != name]
+
+    async def _every_group(self, method: str, request) -> None:
+        """Call `method` on every group's scheduler at once; the first refusal is raised as the group gave it
+        (a group that refuses is named when there are several)."""
+        backends = list(self.router.pool.backends.values())
+        if not backends:
+            raise GenerateError(ErrorKind.UNAVAILABLE, "no engine group is known")
+        metadata = self.router.pool.access.metadata
+        replies = await asyncio.gather(*(getattr(b.stub, method)(request, metadata=metadata) for b in backends),
+                                       return_exceptions=True)  # fmt: skip
+        for backend, reply in zip(backends, replies, strict=True):
+            if not isinstance(reply, grpc.aio.AioRpcError):
+                if isinstance(reply, BaseException):
+                    raise reply
+                continue
+            where = f"engine group {backend.address}: " if len(backends) > 1 else ""
+            refusal = lora_refusal(reply.code(), where + (reply.details() or ""))
+            if refusal is not None:
+                raise refusal
+            raise GenerateError(KINDS.get(reply.code(), ErrorKind.INTERNAL), where + (reply.details() or ""))
 
     async def _stream(self, migration: Migration, sink: Sink) -> None:
         try:

@@ -25,6 +25,7 @@ from minedraft.config import EngineConfig
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import GenerateError, Generator, Limits
+from minedraft.frontends.grpc_api import LoraUpdates
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.gateway.policies import SESSION_HEADER, make_policy
@@ -45,9 +46,10 @@ from minedraft.settings import GatewaySettings
 log = logging.getLogger("minedraft.gateway")
 
 
-class GatewayServicer:
+class GatewayServicer(LoraUpdates):
     """The public gRPC API at the gateway: prompts checked and tokenized as the HTTP API's (and a scheduler's)
-    generate interface does, then routed (migration keeps the client's deadline for each placement)."""
+    generate interface does, then routed (migration keeps the client's deadline for each placement). LoRA
+    adapters loaded or unloaded here are so on every engine group."""
 
     def __init__(self, router: Router, generator: Generator) -> None:
         self.router = router

@@ -74,7 +74,11 @@ def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise LoraError(f"{folder} is not a LoRA adapter: {CONFIG_FILE} not found")
-    config = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        rank = int(config["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoraError(f"{path}: not a readable PEFT adapter config ({type(exc).__name__}: {exc})") from None
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{folder}: peft_type {config['peft_type']!r} is not supported (LORA only)")
     if config.get("use_dora"):
@@ -87,7 +91,7 @@ def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
     named = [m for m in _UNSUPPORTED_MODULES if (m in targets if isinstance(targets, list) else m in str(targets))]
     if named:
         raise LoraError(f"{folder}: adapters on {', '.join(named)} (embedding / LM head) are not supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    alpha = float(config.get("lora_alpha", rank))
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoraError(f"{folder}: rank_pattern / alpha_pattern is not supported")
     if rank > max_rank:
@@ -97,9 +101,18 @@ def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
 
 def load_adapter(name: str, folder: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Read an adapter's weights, by module path; each module must be a projection we adapt."""
-    folder = Path(folder)
+    path = Path(folder) / WEIGHTS_FILE
+    try:
+        return _read_pairs(name, path)
+    except LoraError:
+        raise
+    except Exception as exc:  # a missing or truncated file: safetensors' and the OS's own errors
+        raise LoraError(f"{path}: cannot read the adapter's weights ({type(exc).__name__}: {exc})") from None
+
+
+def _read_pairs(name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(folder / WEIGHTS_FILE, framework="pt") as handle:
+    with safe_open(path, framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = _TENSOR.fullmatch(key.removeprefix(_PREFIX))
             module = match["module"] if match else key
@@ -196,6 +209,23 @@ class LoraManager:
         for name in options.adapters:  # read every adapter once: a bad one is refused at start-up, not mid-step
             self._adapter(name)
 
+    def add(self, name: str, folder: str) -> None:
+        """Register (or replace) adapter `name` while serving: read and check it whole first, so a bad folder is
+        refused (LoraError naming the file) and changes nothing. A replaced adapter leaves its slot."""
+        rank, scaling = read_adapter_config(Path(folder), self.options.max_rank)
+        adapter = LoraAdapter(name, rank, scaling, load_adapter(name, folder))
+        self._check_modules(adapter)
+        self.remove(name)
+        self.options.adapters[name], self.configs[name] = folder, (rank, scaling)
+        self._keep(adapter)
+
+    def remove(self, name: str) -> None:
+        """Forget adapter `name` (no sequence may run through it any more); its slot is free for another."""
+        self.options.adapters.pop(name, None)
+        self.configs.pop(name, None)
+        self._loaded.pop(name, None)
+        self._slots.pop(name, None)
+
     def check(self, name: str) -> None:
         if name not in self.options.adapters:
             raise LoraError(f"unknown LoRA adapter {name!r} (registered: {sorted(self.options.adapters)})")
@@ -229,10 +259,15 @@ class LoraManager:
         rank, scaling = self.configs[name]
         adapter = LoraAdapter(name, rank, scaling, load_adapter(name, self.options.adapters[name]))
         self._check_modules(adapter)
-        self._loaded[name] = adapter
+        self._keep(adapter)
+        return adapter
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        """Hold `adapter` on the host, dropping the least recently used past max_cpu_loras (an adapter in a slot
+        keeps serving from there; it is read again from its folder when it needs a slot once more)."""
+        self._loaded[adapter.name] = adapter
         while len(self._loaded) > max(self.options.max_cpu_loras or 0, self.options.max_loras):
             self._loaded.popitem(last=False)
-        return adapter
 
     def _check_modules(self, adapter: LoraAdapter) -> None:
         known = {f"{_parent(path)}.{part}" for path, slots in self.layers.items() for part, _ in slots.parts}

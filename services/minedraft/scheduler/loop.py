@@ -7,6 +7,7 @@ thread applies between steps. Outputs go back to each request's asyncio queue wi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
-from minedraft.engine.engine import LLMEngine
+from minedraft.config import LoraModule
+from minedraft.engine.engine import LLMEngine, LoraRefused
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
 from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamItem, send_all
@@ -43,6 +45,12 @@ class _Submit:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _LoraUpdate:
+    change: LoraModule | str  # an adapter to load, or the name of one to unload
+    done: Callable[[LoraRefused | None], None]
 
 
 @dataclass
@@ -94,7 +102,7 @@ class EngineLoop:
         self._next_drafter_check = 0.0
         self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
         self._next_retry = 0.0
-        self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Submit | _Abort | _LoraUpdate | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._unstarted: set[str] = set()  # requests whose sink has not been told that they left the queue
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -109,7 +117,7 @@ class EngineLoop:
         self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
         self._limit_logged_at = 0.0
         self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
-        self.lora_adapters = [m.name for m in engine.config.lora_modules]
+        self.lora_adapters = engine.lora_adapters  # replaced (never changed in place) when adapters change
         self._speculation_at = 0.0
 
     def start(self) -> None:
@@ -139,6 +147,25 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def load_lora(self, module: LoraModule) -> None:
+        """Load an adapter on every worker (see `LLMEngine.load_lora`); raises LoraRefused."""
+        await self._update_lora(module)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload one once no request runs through it (see `LLMEngine.unload_lora`); raises LoraRefused."""
+        await self._update_lora(name)
+
+    async def _update_lora(self, change: LoraModule | str) -> None:
+        event_loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = event_loop.create_future()
+
+        def settle(refused: LoraRefused | None) -> None:
+            if not future.done():
+                future.set_result(None) if refused is None else future.set_exception(refused)
+
+        self._commands.put(_LoraUpdate(change, lambda refused: event_loop.call_soon_threadsafe(settle, refused)))
+        await future
+
     def _run(self) -> None:
         while not self._stopped:
             # Stalled: the last step could not be planned (every request held or out of room): wait for a
@@ -147,11 +174,12 @@ class EngineLoop:
             if self.failed is not None:
                 self._retry_after_failure()
             elif idle:
-                self._safe(self.world.flush)  # release the KV of finished/aborted requests now
+                self._safe(self.engine.flush)  # release the KV of finished/aborted requests now
                 self._record_load()  # the gauges go back to what is left (cancelled requests leave no step)
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
             self._take_drafter_back()
+            self._settle_loras()
             if (self.engine.has_unfinished() or self.engine.in_flight) and self.failed is None:
                 self._safe(self._step)
 
@@ -164,6 +192,8 @@ class EngineLoop:
         while command is not None:
             if isinstance(command, _Submit):
                 self._add(command)
+            elif isinstance(command, _LoraUpdate):
+                self._change_lora(command)
             else:
                 self._abort(command.request_id)
             try:
@@ -171,6 +201,25 @@ class EngineLoop:
             except queue.Empty:
                 return True
         return False
+
+    def _change_lora(self, command: _LoraUpdate) -> None:
+        def done(refused: LoraRefused | None) -> None:  # the frontends see the change before the reply
+            self.lora_adapters = self.engine.lora_adapters
+            command.done(refused)
+
+        try:
+            if isinstance(command.change, str):
+                self.engine.unload_lora(command.change, done)
+            else:
+                self.engine.load_lora(command.change, done)
+        except LoraRefused as exc:
+            command.done(exc)
+        self.lora_adapters = self.engine.lora_adapters
+
+    def _settle_loras(self) -> None:
+        """Unloads whose requests have finished complete; the frontends see the adapters served now."""
+        self.engine.settle_loras()
+        self.lora_adapters = self.engine.lora_adapters
 
     def drain(self, timeout_s: float) -> int:
         """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, then stop

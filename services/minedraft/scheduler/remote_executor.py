@@ -13,14 +13,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
-from minedraft.config import EngineConfig, check_fits_one_request, config_differences
+from minedraft.config import EngineConfig, LoraModule, check_fits_one_request, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import Admission, DraftPlan, StepResult, VerifyPlan
+from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import grpc_options, is_serving
 from minedraft.settings import SchedulerSettings
-from minedraft.wire import plan_to_proto, result_from_replies
+from minedraft.wire import lora_adapter_to_proto, plan_to_proto, result_from_replies
 
 
 class WorkerClient:
@@ -76,7 +76,7 @@ class WorkerWorld(Protocol):
         self, config: EngineConfig, with_drafter: bool, timeout_s: float
     ) -> dict[str, worker_pb2.WorkerInfo]: ...
 
-    def flush(self) -> None: ...
+    def flush(self) -> StepResult | None: ...
 
 
 class RemoteExecutor:
@@ -101,6 +101,10 @@ class RemoteExecutor:
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
+        self._lora_changes: list[LoraChange] = []
+        # The LoRA adapters served now (lora_modules, then the run-time changes): each new world's workers get
+        # exactly these at their join, so a restarted worker serves what the group serves.
+        self.loras: dict[str, LoraModule] | None = None
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
         self._streams: dict[str, PlanStream] = {}  # per member, for the life of a world
@@ -136,7 +140,10 @@ class RemoteExecutor:
         kv_pool = infos["verifier"].num_blocks, block_size
         draft_kv_blocks = infos["drafter"].num_blocks if "drafter" in infos else None
         self.epoch += 1
-        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1)
+        if self.loras is None:
+            self.loras = {m.name: m for m in config.lora_modules}
+        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1,
+                                      lora_adapters=[lora_adapter_to_proto(m) for m in self.loras.values()])
         calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
         for call, worker in calls.items():
             try:
@@ -145,7 +152,7 @@ class RemoteExecutor:
                 raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
         self.members = members
         self.kv_pool, self.draft_kv_blocks = kv_pool, draft_kv_blocks
-        self._admit, self._release = [], []
+        self._admit, self._release, self._lora_changes = [], [], []  # the join brought the adapters' changes
         return infos
 
     def wait_until_serving(self, timeout_s: float) -> None:
@@ -187,9 +194,19 @@ class RemoteExecutor:
     def release(self, request_ids: list[str]) -> None:
         self._release.extend(request_ids)
 
-    def flush(self) -> None:
-        if self._admit or self._release:
-            self.step(None, None)
+    def change_loras(self, changes: list[LoraChange]) -> None:
+        self._lora_changes.extend(changes)
+        assert self.loras is not None, "a world is formed before the engine changes adapters"
+        for change in changes:
+            if isinstance(change, str):
+                self.loras.pop(change, None)
+            else:
+                self.loras[change.name] = change
+
+    def flush(self) -> StepResult | None:
+        if self._admit or self._release or self._lora_changes:
+            return self.step(None, None)
+        return None
 
     def step(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepResult:
         self.submit(draft, verify)
@@ -203,9 +220,9 @@ class RemoteExecutor:
         if not self._streams:
             self._streams = {w.role: PlanStream(w) for w in self.members}
         self._step_id += 1
-        plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify)
+        plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify, self._lora_changes)
         plan.epoch = self.epoch
-        self._admit, self._release = [], []
+        self._admit, self._release, self._lora_changes = [], [], []
         for stream in self._streams.values():
             stream.send(plan)
         self._submitted.append((self._step_id, time.perf_counter()))

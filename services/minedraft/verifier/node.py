@@ -17,7 +17,7 @@ from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
-from minedraft.wire import plan_from_proto, verified_to_proto
+from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
 from minedraft.worker_node import check_epoch, join_world, max_model_len_of, worker_info
 
 log = logging.getLogger("minedraft.verifier")
@@ -67,6 +67,8 @@ class VerifierNode:
         A lone verifier rank without a drafter needs no world at all."""
         self.worker.reset()
         self.epoch, self.channel = None, None
+        for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
+            log.error("verifier rank %d cannot serve LoRA adapter %r: %s", self.rank, name, error)
         if self.groups is not None:
             self.groups.close()
             self.groups = None
@@ -115,8 +117,9 @@ class VerifierNode:
     def _run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
+        loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
-        reply = worker_pb2.StepReply(step_id=plan.step_id)
+        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         if verify is not None:
             self.threads.use(together=draft is not None and self._has_drafter)
             start = time.perf_counter()
