@@ -1,9 +1,11 @@
 """How the local stack shares one machine's cores among its model processes."""
 
+from collections import Counter
+
 import torch
 
 from minedraft.config import EngineConfig
-from minedraft.engine.threads import StepThreads
+from minedraft.engine.threads import StepThreads, ThreadCounts
 from minedraft.launcher import threads_beside, threads_per_worker
 
 
@@ -24,15 +26,61 @@ def test_tensor_parallel_ranks_split_the_cores_and_overlapped_parts_take_a_share
     assert threads_per_worker(EngineConfig(tensor_parallel_size=4), 2) == 1
 
 
-def test_a_worker_takes_its_share_beside_the_other_and_every_thread_alone() -> None:
+def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        threads = StepThreads("cpu", beside=1)
+        assert StepThreads("cuda", beside=1).beside == 4  # a GPU worker's host threads are left alone
+        clock = [0.0]
+        threads = StepThreads("cpu", beside=1, clock=lambda: clock[0])
         threads.use(together=True)
         assert torch.get_num_threads() == 1
-        threads.use(together=False)
-        assert torch.get_num_threads() == 4
-        assert StepThreads("cuda", beside=1).beside == 4  # a GPU worker's host threads are left alone
+        # This machine: a step's forward is fastest on 4 threads, but with 2 the next step starts soonest (the
+        # scheduler and the clients keep their share of the cores): the cycle decides.
+        forward, cycle = {1: 3e-3, 2: 2.5e-3, 4: 2e-3}, {1: 3.5e-3, 2: 3e-3, 4: 4.5e-3}
+        for _ in range(20):
+            threads.use(together=False, requests=1)
+            threads.done(forward[torch.get_num_threads()])
+            clock[0] += cycle[torch.get_num_threads()]
+        threads.use(together=False, requests=1)
+        assert torch.get_num_threads() == 2
+        threads.done(forward[2])
+        clock[0] += 1.0  # idle: no request for a second, which is not the step's
+        threads.use(together=False, requests=1)
+        assert threads._counts.best((1, False)) == 2
     finally:
         torch.set_num_threads(before)
+
+
+class Cores:
+    """A machine where a step's time is its count's steady cycle, except the first steps after a change of count,
+    which carry what the steps before did to the other processes (a backlog: 5 ms more)."""
+
+    def __init__(self, counts: ThreadCounts) -> None:
+        self.counts, self.last, self.streak = counts, 0, 0
+
+    def run(self, kind: tuple[int, bool], seconds: dict[int, float], steps: int) -> Counter[int]:
+        picked: Counter[int] = Counter()
+        for _ in range(steps):
+            count = self.counts.pick(kind)
+            self.streak = self.streak + 1 if count == self.last else 1
+            self.last = count
+            picked[count] += 1
+            self.counts.add(kind, count, seconds[count] + (5e-3 if self.streak <= 2 else 0.0))
+        return picked
+
+
+def test_thread_counts_follow_the_machine_per_kind_of_step() -> None:
+    counts = ThreadCounts(2)
+    cores = Cores(counts)
+    one, many = (1, False), (6, False)  # one request a step; 32-63 requests a step
+    cores.run(one, {1: 6e-3, 2: 3e-3}, 300)  # a quiet machine: both threads win
+    assert counts.best(one) == 2
+    # Served at one request (the scheduler and the clients on the same cores): one thread wins, though a step of
+    # one thread after steps of two takes 8.5 ms, longer than a step of two (4.3): only settled runs count.
+    cores.run(one, {1: 3.5e-3, 2: 4.3e-3}, 1024)
+    assert counts.best(one) == 1
+    picked = cores.run(one, {1: 3.5e-3, 2: 4.3e-3}, 1024)
+    assert picked[2] <= 6 * (1024 // 256)  # settled: one run of the other count per probe
+    cores.run(many, {1: 9e-3, 2: 6e-3}, 64)  # a batch of 40: both threads win, its own choice
+    assert counts.best(many) == 2 and counts.best(one) == 1

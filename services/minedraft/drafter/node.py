@@ -62,10 +62,11 @@ class DrafterNode:
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         if draft is not None:
-            self.threads.use(together=verify is not None)
+            self.threads.use(together=verify is not None, requests=len(draft.tasks), prefill=bool(draft.prefill))
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start
+            self.threads.done(reply.draft_seconds)
             reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
         if verify is not None:
             self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))

@@ -1,27 +1,119 @@
-"""A worker's intra-op threads on a CPU that it shares with the other worker, chosen per step part.
+"""A worker's intra-op threads on a CPU that it shares with the other worker and the services, chosen per step part.
 
-Drafter and verifier processes on one machine (`minedraft up`, a laptop) share its cores. A part that runs
-while the other worker computes too (an overlapped step) takes its share of the cores, since two thread pools
-that oversubscribe them spin against each other; a part that runs alone (a plain step, either half of a
-one-batch step) takes every core the process was started with. Switching costs well under a microsecond when
-the count is unchanged and a few when it changes (torch keeps its pool)."""
+Drafter and verifier processes on one machine (`minedraft up`, a laptop) share its cores with each other, the
+scheduler and its clients. A part that runs while the other worker computes too (an overlapped step) takes its
+share of the cores, since two thread pools that oversubscribe them spin against each other. A part that runs
+alone takes the thread count measured fastest here for steps of its size (`ThreadCounts`), timed from its start
+to the next part's: what the whole stack makes of the count, not the forward alone. On a quiet machine every
+core wins at any batch; served at one request the scheduler and the clients wake on every token, and a forward
+of a few hundred small parallel regions on both cores of a 2-core machine waits at each barrier for a thread that
+lost its core: there one thread made 3.5 ms per token where two made 4.2, while from 8 requests a step on two
+threads win. Switching costs a few microseconds when the count changes (torch keeps its pool)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
+
+# A part's cycle (its start to the next part's) counts while under this many times its own seconds plus the slack.
+_CYCLE_WITHIN, _CYCLE_SLACK = 3.0, 0.005
 
 
 class StepThreads:
-    """`beside`: threads for a part that runs beside the other worker's (0: as many as alone)."""
+    """`beside`: threads for a part that runs beside the other worker's (0: as many as alone). A part that runs
+    alone uses the count `ThreadCounts` finds fastest for its kind of step, timed from its start to the start of
+    the next part: a count that speeds up this process's forward but slows the scheduler and the clients (which
+    share the cores, and send the next plan) shows as a longer cycle, not a shorter forward."""
 
-    def __init__(self, device: str, beside: int) -> None:
+    def __init__(self, device: str, beside: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.alone = torch.get_num_threads()
+        self._clock = clock
         self.beside = min(beside, self.alone) if device == "cpu" and beside > 0 else self.alone
         self._current = self.alone
+        self._counts = ThreadCounts(self.alone) if device == "cpu" and self.alone > 1 else None
+        # The part running alone: its kind of step, thread count and start; and its own seconds (`done`).
+        self._measuring: tuple[tuple[int, bool], int, float] | None = None
+        self._part_seconds: float | None = None
 
-    def use(self, together: bool) -> None:
-        """Set this thread's intra-op threads for a part that runs beside the other's (`together`) or alone."""
-        count = self.beside if together else self.alone
+    def use(self, together: bool, requests: int = 1, prefill: bool = False) -> None:
+        """Set this thread's intra-op threads for a part of `requests` (and prompt chunks, if `prefill`) that
+        runs beside the other's (`together`) or alone."""
+        now = self._clock()
+        self._finish_cycle(now)
+        count = self.beside
+        if not together:
+            count = self.alone
+            if self._counts is not None:
+                kind = (min(requests, 1 << 12).bit_length(), prefill)
+                count = self._counts.pick(kind)
+                self._measuring = (kind, count, now)
         if count != self._current:
             torch.set_num_threads(count)
             self._current = count
+
+    def done(self, seconds: float) -> None:
+        """The part set up by the last `use` computed for `seconds`."""
+        self._part_seconds = seconds
+
+    def _finish_cycle(self, now: float) -> None:
+        """Time the last part alone up to now, unless the process sat idle in between (no next step for a while:
+        then the gap is not the part's)."""
+        if self._measuring is not None and self._part_seconds is not None and self._counts is not None:
+            kind, count, start = self._measuring
+            if now - start <= _CYCLE_WITHIN * self._part_seconds + _CYCLE_SLACK:
+                self._counts.add(kind, count, now - start)
+        self._measuring, self._part_seconds = None, None
+
+
+class ThreadCounts:
+    """Per kind of step (its size in requests, by powers of two, and whether it prefills), the intra-op thread
+    count whose steps took the least time here. A count is tried for a run of steps, and only the steps after the
+    first few of a run count: what a count does to the other processes on the cores (a scheduler that falls
+    behind, say) shows only after a few steps, so one step alone would carry its predecessors' effect. Each
+    candidate runs once first; then the fastest runs, and every `_PROBE_EVERY` steps of a kind another candidate
+    runs again, so that a change (a neighbour process that starts or stops) is noticed."""
+
+    _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
+    _PROBE_EVERY = 256
+    _DECAY = 0.8  # per sample: a probe's few settled steps outweigh what that count measured long ago
+
+    def __init__(self, most: int) -> None:
+        self.candidates = sorted({1, max(1, most // 2), most})
+        # kind -> candidate -> (decayed seconds, decayed count); kind -> steps picked; kind -> (count, steps left)
+        # of the run being tried; the last count picked and how many picks in a row it has had.
+        self._seconds: dict[tuple[int, bool], dict[int, tuple[float, float]]] = {}
+        self._steps: dict[tuple[int, bool], int] = {}
+        self._trial: dict[tuple[int, bool], tuple[int, int]] = {}
+        self._last, self._streak = 0, 0
+
+    def pick(self, kind: tuple[int, bool]) -> int:
+        seconds = self._seconds.setdefault(kind, {c: (0.0, 0.0) for c in self.candidates})
+        step = self._steps[kind] = self._steps.get(kind, 0) + 1
+        count, left = self._trial.get(kind, (0, 0))
+        if not left:
+            unseen = [c for c in self.candidates if not seconds[c][1]]
+            best = self.best(kind)
+            others = [c for c in self.candidates if c != best]
+            if unseen:
+                count, left = unseen[0], self._RUN
+            elif step % self._PROBE_EVERY == 0 and others:
+                count, left = others[step // self._PROBE_EVERY % len(others)], self._RUN
+            else:
+                count = best
+        self._trial[kind] = (count, max(0, left - 1))
+        self._streak = self._streak + 1 if count == self._last else 1
+        self._last = count
+        return count
+
+    def best(self, kind: tuple[int, bool]) -> int:
+        seconds = self._seconds[kind]
+        return min(self.candidates, key=lambda c: seconds[c][0] / seconds[c][1] if seconds[c][1] else float("inf"))
+
+    def add(self, kind: tuple[int, bool], count: int, seconds: float) -> None:
+        """The step just picked for `kind` took `seconds` (counted once its run has settled)."""
+        if self._streak <= self._SETTLE:
+            return
+        total, weight = self._seconds[kind][count]
+        self._seconds[kind][count] = (total * self._DECAY + seconds, weight * self._DECAY + 1.0)

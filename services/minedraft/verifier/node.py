@@ -121,11 +121,13 @@ class VerifierNode:
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         if verify is not None:
-            self.threads.use(together=draft is not None and self._has_drafter)
+            self.threads.use(together=draft is not None and self._has_drafter, requests=len(verify.tasks),
+                             prefill=bool(verify.prefill))  # fmt: skip
             start = time.perf_counter()
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None
             reply.verify_seconds = time.perf_counter() - start
+            self.threads.done(reply.verify_seconds)
             reply.verify_tokens = self.worker.runner.take_work()[1]
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
