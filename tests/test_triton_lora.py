@@ -1,24 +1,38 @@
 """Batched LoRA's Triton kernels (model/triton_lora.py) against lora.py's torch math, on CPU through Triton's
 interpreter: packed q/k/v and gate/up projections and a row-parallel one, a tensor-parallel rank's share,
 three adapters of ranks 8 and 16 (one on some parts only) mixed with tokens of none, batches of one token
-and of several tiles.
+and of several tiles; then a model runner whose adapters run as the kernels, its decode and verification
+steps through a CUDA graph's padded forward (graphs.StaticForward), against the runner on the torch path.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from minedraft.model.graphs import StaticForward  # noqa: E402
 from minedraft.model.layers import (  # noqa: E402
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minedraft.model.lora import ADAPTED_LAYERS, LoraAdapter, LoraSlots, TokenSlots, lora_kernel_available  # noqa: E402
+from minedraft.model.lora import (  # noqa: E402
+    ADAPTED_LAYERS,
+    LoraAdapter,
+    LoraOptions,
+    LoraSlots,
+    TokenSlots,
+    lora_kernel_available,
+)
 from minedraft.model.parallel import TensorParallel  # noqa: E402
+from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 HIDDEN, MAX_RANK = 32, 16
 # (adapter rank, parts it adapts: None for all)
@@ -112,3 +126,33 @@ def test_kernel_chosen_only_on_cuda_in_the_default_mode():
     assert not lora_kernel_available(torch.device("cpu"), batch_invariant=False)
     assert not lora_kernel_available(torch.device("cuda"), batch_invariant=True)
     assert lora_kernel_available(torch.device("cuda"), batch_invariant=False)  # triton is installed here
+
+
+def test_runner_with_lora_kernels_and_padded_graph_forward(tmp_path):
+    """Three adapters (ranks 8 and 16, one on attention only) and a sequence without one in every step."""
+    pytest.importorskip("peft")
+    from test_lora import make_adapter
+
+    base = make_tiny_checkpoint(tmp_path / "base", "qwen3", hidden_size=64, num_layers=2, seed=3)
+    adapters = {"a": make_adapter(base, tmp_path / "a", seed=1, rank=8),
+                "b": make_adapter(base, tmp_path / "b", seed=2, rank=16),
+                "c": make_adapter(base, tmp_path / "c", seed=3, rank=8, targets=["q_proj", "v_proj", "o_proj"])}
+    runners = [ModelRunner(base, max_seq_len=64, num_slots=4, attention_kernel="triton",
+                           lora=LoraOptions({n: str(p) for n, p in adapters.items()}, max_loras=3, max_rank=16))
+               for _ in range(2)]  # fmt: skip
+    eager, kernels = runners
+    assert eager.graphs is None and not eager.lora.kernel  # CPU: the torch path, eagerly
+    for slots in kernels.lora.layers.values():
+        slots.kernel = True
+    kernels.graphs = StaticForward(kernels.model, kernels.kv_cache, kernels.max_seq_len, kernels.device,
+                                   max_tokens=16)  # fmt: skip
+    rng = random.Random(0)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (5, 1, 9, 3)]
+    for runner in runners:
+        for name in ("a", None, "b", "c"):
+            runner.allocate_slot(name)
+    steps = [[SeqInput(i, p, 0, num_logits=1) for i, p in enumerate(prompts)],  # eager: a prefill
+             [SeqInput(i, [7], len(p)) for i, p in enumerate(prompts)],  # the padded forward: 4 of 8 tokens
+             [SeqInput(i, [9, 4, 11], len(p) + 1, num_logits=3) for i, p in enumerate(prompts)]]
+    for step in steps:
+        torch.testing.assert_close(kernels.forward(step), eager.forward(step), atol=1e-4, rtol=1e-4)

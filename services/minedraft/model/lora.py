@@ -236,6 +236,11 @@ class LoraManager:
         for name in options.adapters:  # read every adapter once: a bad one is refused at start-up, not mid-step
             self._adapter(name)
 
+    @property
+    def kernel(self) -> bool:
+        """Whether the adapters run as Triton kernels (then CUDA graphs may capture them: model/graphs.py)."""
+        return all(slots.kernel for slots in self.layers.values())
+
     def add(self, name: str, folder: str) -> None:
         """Register (or replace) adapter `name` while serving: read and check it whole first, so a bad folder is
         refused (LoraError naming the file) and changes nothing. A replaced adapter leaves its slot."""
