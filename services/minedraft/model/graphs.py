@@ -16,6 +16,11 @@ A target that feeds an EAGLE head also has the head's features captured (EAGLE-3
 layers; EAGLE-1: its final normed state): each bucket keeps the buffer its replays write them to, and a step
 reads the rows of its real tokens.
 
+With LoRA adapters run by the Triton kernels (model/triton_lora.py), each bucket also keeps each token's
+adapter slot in a buffer the captured kernels read; padding tokens are in slot 0 (no adapter). The
+adapters' weights sit in fixed pools that loading an adapter overwrites in place, so a replay applies
+whatever adapters the step's tokens name.
+
 Only steps the static shapes cover use a graph: the paged (Triton) attention kernel, dense models (MoE
 routing has data-dependent shapes), at most `max_tokens` tokens, and every sequence's query at most
 `MAX_QUERY` tokens (k + 1 verification tokens; a prefill chunk is longer and runs eagerly). Everything else
@@ -62,6 +67,7 @@ class StaticBuffers:
     block_tables: torch.Tensor  # [tokens, width] int32 (one sequence per token at most)
     starts: torch.Tensor  # [tokens] int32
     query_starts: torch.Tensor  # [tokens + 1] int32
+    lora_slots: torch.Tensor  # [tokens] int64 each token's LoRA adapter slot (0: none)
 
     @classmethod
     def allocate(cls, tokens: int, width: int, device: torch.device) -> StaticBuffers:
@@ -69,7 +75,8 @@ class StaticBuffers:
         ints = {"dtype": torch.int32, "device": device}
         return cls(torch.zeros(tokens, **longs), torch.zeros(tokens, **longs), torch.zeros(tokens, **longs),
                    torch.zeros(tokens, **longs), torch.full((tokens, width), NULL_BLOCK, **ints),
-                   torch.zeros(tokens, **ints), torch.zeros(tokens + 1, **ints))  # fmt: skip
+                   torch.zeros(tokens, **ints), torch.zeros(tokens + 1, **ints),
+                   torch.zeros(tokens, **longs))  # fmt: skip
 
     def fill(self, batch, scratch_slot: int) -> None:
         """Copy a ForwardBatch in and pad the rest (see the module docstring); `batch` is on the host."""
@@ -91,6 +98,8 @@ class StaticBuffers:
         query_starts[0] = 0
         query_starts[1 : seqs + 1] = torch.cumsum(batch.query_lens, 0)
         self.query_starts.copy_(query_starts, non_blocking=True)
+        lora = batch.lora_slots if batch.lora_slots is not None else torch.zeros(tokens, dtype=torch.int64)
+        self.lora_slots.copy_(host(lora, 0), non_blocking=True)
 
 
 class StaticForward:
@@ -104,6 +113,9 @@ class StaticForward:
         self.width = -(-max_seq_len // kv_cache.block_size)
         self.scratch_slot = kv_cache.scratch_block * kv_cache.block_size
         self.buffers: dict[int, StaticBuffers] = {}
+        # The adapters' per-token slots (lora.TokenSlots, shared by the model's adapted layers), if any.
+        self.lora_tokens = next((m.lora.tokens for m in model.modules() if getattr(m, "lora", None) is not None),
+                                None)  # fmt: skip
 
     def fits(self, batch) -> bool:
         """Whether the step's shapes are ones a bucket covers (the batch is on the host)."""
@@ -136,6 +148,8 @@ class StaticForward:
         from minedraft.model.transformer import ForwardContext  # transformer imports this module's users
         from minedraft.model.triton_attention import PagedMeta
 
+        if self.lora_tokens is not None:  # the adapted layers read each token's slot from the bucket's buffer
+            self.lora_tokens.set(buffers.lora_slots)
         meta = PagedMeta(buffers.block_tables, buffers.starts, buffers.query_starts, MAX_QUERY, self.max_seq_len)
         ctx = ForwardContext(positions=buffers.positions, token_index=buffers.token_index,
                              attention=AttentionPlan([], [], paged=meta), kv_cache=self.kv_cache)  # fmt: skip

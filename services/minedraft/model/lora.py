@@ -10,6 +10,10 @@ every token by the A of all slots at once, keeps only its own slot's columns (a 
 B of all slots: two GEMMs per projection whatever the mix of adapters, and a token without one adds an
 exact zero. Tensor parallel: A and B are split the way the base layer is (column-parallel: B along its
 output rows; row-parallel: A along its input columns, the partial sums reduced with the base layer's).
+
+On CUDA in the default mode, where triton is installed, the same pools are multiplied by the Triton kernels
+of model/triton_lora.py instead (`lora_kernel_available`): each token by its own slot's A and B only, each
+packed part by its own rows of B. The strict mode (batch_invariant) and the CPU keep the two GEMMs above.
 """
 
 from __future__ import annotations
@@ -126,6 +130,18 @@ def _read_pairs(name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Te
     return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}  # type: ignore[return-value]
 
 
+def lora_kernel_available(device: torch.device, batch_invariant: bool) -> bool:
+    """Whether the adapters run as Triton kernels (model/triton_lora.py): on CUDA, in the default mode, where
+    triton is installed. Elsewhere the torch GEMMs of `LoraSlots.add_to` do."""
+    if device.type != "cuda" or batch_invariant:
+        return False
+    try:
+        import minedraft.model.triton_lora  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class TokenSlots:
     """Each token's adapter slot for the forward under way (shared by every adapted layer of a model)."""
 
@@ -157,10 +173,21 @@ class LoraSlots:
         out, inp = layer.quantized.shape if layer.quantized is not None else weight.shape
         self.a = torch.zeros(num_slots * self.width, inp, dtype=weight.dtype, device=weight.device)
         self.b = torch.zeros(out, num_slots * self.width, dtype=weight.dtype, device=weight.device)
+        # Each part's output rows in this rank's B (first, count), for the kernel's per-part expand.
+        rows = [(offset, length) if dim == 0 else (0, out)
+                for dim, offset, length, _, _ in (layer.shard(shard_id) for _, shard_id in parts)]
+        self.part_rows = torch.tensor(rows, dtype=torch.int32, device=weight.device)
+        self.longest_part = max(length for _, length in rows)
+        self.kernel = lora_kernel_available(weight.device, layer.batch_invariant)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.tokens.slots is None:
             return y
+        if self.kernel:
+            from minedraft.model.triton_lora import add_lora  # triton is imported only where it runs
+
+            return add_lora(y, x, self.a, self.b, self.tokens.slots, self.part_rows, self.longest_part,
+                            self.max_rank)
         h = linear(x, self.a, None, self.layer.batch_invariant)
         h = h * self.tokens.mask(self.width, self.num_slots, h.dtype)
         return y + linear(h, self.b, None, self.layer.batch_invariant)
@@ -208,6 +235,11 @@ class LoraManager:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot 1..max_loras, least recent first
         for name in options.adapters:  # read every adapter once: a bad one is refused at start-up, not mid-step
             self._adapter(name)
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the adapters run as Triton kernels (then CUDA graphs may capture them: model/graphs.py)."""
+        return all(slots.kernel for slots in self.layers.values())
 
     def add(self, name: str, folder: str) -> None:
         """Register (or replace) adapter `name` while serving: read and check it whole first, so a bad folder is

@@ -106,7 +106,7 @@ class ModelRunner:
         SiLU-and-mul as Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default
         mode where triton is installed; never in the strict mode, nor for an EAGLE head).
         lora: the LoRA adapters a sequence may name (SeqInput.lora), applied in batches (model/lora.py); the
-        forward runs eagerly (no CUDA graphs) with them."""
+        forward runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: use auto or dummy")
         self.load_format = load_format
@@ -152,7 +152,7 @@ class ModelRunner:
         self.fused_kernels = self._use_fused(fused_kernels)
         if self.fused_kernels:  # before the graphs capture the forward
             self.model.model.fused_kernels = True
-        eager = enforce_eager or self.head_kind is not None or self.lora is not None
+        eager = enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
@@ -422,7 +422,7 @@ class ModelRunner:
         """Run the model on a prepared batch (every TP rank calls this with the same batch)."""
         if len(batch.input_ids) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        if self.graphs is not None and self.graphs.fits(batch):  # never with LoRA (eager)
+        if self.graphs is not None and self.graphs.fits(batch):  # with LoRA only through its Triton kernels
             return self.graphs.run(batch)
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
