@@ -33,7 +33,7 @@ SCHEDULER = SchedulerSettings(
 )  # fmt: skip
 # `up --engine-groups N`: the gateway is the public edge (HTTP port, TLS); the groups serve gRPC to it alone
 GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
-WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0, cpu_threads_beside=3)
+WORKER = WorkerSettings(dist_timeout=9.0, step_drain_timeout=4.0, cpu_threads_beside=3, colocate_drafter=True)
 PUBLIC = {name: getattr(SCHEDULER, name) for name in PublicApiSettings.model_fields}  # up's flags for both
 GATEWAY = GatewaySettings(placement_timeout=3.0, backend_tls_ca="ca.pem", backend_tls_server_name="groups",
                           routing_policy="predicted", **PUBLIC)  # fmt: skip
@@ -54,8 +54,11 @@ def _off_default(settings: ServiceSettings, *exempt: str) -> ServiceSettings:
 
 def _flags(settings: ServiceSettings) -> list[str]:
     """The settings as a user types them: one flag per field."""
-    values = settings.model_dump(exclude_defaults=True)
-    return [arg for name, value in values.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+    flags = []
+    for name, value in settings.model_dump(exclude_defaults=True).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
 
 
 def _up(*argv: str):
@@ -81,8 +84,9 @@ def test_every_service_setting_reaches_every_process_of_up() -> None:
     stack = _up(*_flags(scheduler), *_flags(worker), "--api-key", "secret-1")
     commands = stack.commands
     assert _child(commands["scheduler"], SchedulerSettings) == scheduler
-    for name in ("verifier", "drafter"):
-        assert _child(commands[name], WorkerSettings) == worker
+    assert "drafter" not in commands  # colocate_drafter: the verifier drafts, no drafter service runs
+    assert _child(commands["verifier"], WorkerSettings) == worker
+    assert commands["scheduler"][commands["scheduler"].index("--drafter") + 1] == ""
     assert stack._scheduler_env({})[API_KEYS_ENV] == "secret-1"  # the keys: in its environment
     assert all("secret-1" not in arg for args in commands.values() for arg in args)
     assert stack.drain_timeout_s == scheduler.request_drain_timeout  # how long `up` waits for it on stop
@@ -99,8 +103,8 @@ def test_every_service_setting_reaches_every_process_of_up_with_engine_groups() 
     for i, group in enumerate(stack.groups):
         expected = GROUPS_SCHEDULER.model_copy(update={"metrics_port": scheduler.metrics_port + i})
         assert _child(group.commands["scheduler"], SchedulerSettings) == expected
-        for name in ("verifier", "drafter"):
-            assert _child(group.commands[name], WorkerSettings) == worker
+        assert "drafter" not in group.commands
+        assert _child(group.commands["verifier"], WorkerSettings) == worker
     command = stack.gateway_command()
     assert command[1:3] == ["-m", "minedraft"]
     assert _child(command[3:], GatewaySettings) == gateway

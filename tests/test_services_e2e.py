@@ -27,6 +27,7 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack, engine_flags, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
+from minedraft.settings import WorkerSettings
 
 from conftest import pard_draft, tiny_config
 from services import children, overload_codes, serving, wait_serving, worker_info
@@ -97,6 +98,23 @@ def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) 
         with Client(stack.address) as client:
             info = client.server_info()
         assert (info.mode, info.tensor_parallel_size) == (mode.split("+")[0], tp)
+        _assert_idle(stack)
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["sd", "minedraft"])
+def test_a_verifier_that_drafts_itself_equals_offline_ar(pair, expected, mode: str) -> None:
+    """colocate_drafter: the verifier runs the draft model in its own process and no drafter service runs; the
+    scheduler learns it from the verifier's info and speculates through it."""
+    spec = {**MODES[mode], "adaptive": False}  # fixed k: it drafts whatever the random pair's acceptance
+    with LocalStack(_config(pair, spec), worker=WorkerSettings(colocate_drafter=True)) as stack:
+        assert stack.drafter_address is None and "drafter" not in stack.commands
+        assert worker_info(stack.verifier_address).draft_num_blocks > 0
+        got = _generate_concurrently(stack.address, _workload())
+        with Client(stack.address) as client:
+            assert client.server_info().mode == mode
+            drafted = client.generate([5, 17, 33], max_tokens=24, temperature=0).spec_decode_stats.num_draft_tokens
+        assert drafted > 0
         _assert_idle(stack)
     assert got == expected
 
@@ -303,7 +321,8 @@ def _every_field_off_default(pair) -> EngineConfig:
         max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
         kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.5, block_size=8, max_num_batched_tokens=512,
         enable_prefix_caching=False, enforce_eager=True, enable_lora=True, max_loras=2, max_cpu_loras=3,
-        max_lora_rank=8, lora_modules=[{"name": "a", "path": str(_adapter(pair))}],
+        max_lora_rank=8, lora_modules=[{"name": "a", "path": str(_adapter(pair))}], allow_runtime_lora_updating=True,
+        lora_root=str(_adapter(pair).parent),
     )  # fmt: skip
     fields = EngineConfig.model_fields
     assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"

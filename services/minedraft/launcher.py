@@ -147,7 +147,8 @@ class LocalStack:
         verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
         self.verifier_address = f"127.0.0.1:{verifier_port}"
         speculative = self.config.speculative_config is not None
-        self.drafter_address = f"127.0.0.1:{drafter_port}" if speculative else None
+        drafter_service = speculative and not self.worker.colocate_drafter  # else the verifier drafts itself
+        self.drafter_address = f"127.0.0.1:{drafter_port}" if drafter_service else None
         engine = [*engine_flags(self.config), "--log-level", log_level]
         worker = [*engine, "--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), *settings_flags(self.worker),
                   "--host", "127.0.0.1"]  # fmt: skip
@@ -155,10 +156,10 @@ class LocalStack:
             ("verifier", ["verifier", *worker, "--port", str(verifier_port)]),
             ("drafter", ["drafter", *worker, "--port", str(drafter_port)]),
             ("scheduler", ["scheduler", *engine, "--host", host, "--port", str(self.port), "--verifier",
-                           self.verifier_address, "--drafter", f"127.0.0.1:{drafter_port}",
+                           self.verifier_address, "--drafter", self.drafter_address or "",
                            *settings_flags(self.scheduler)]),
         ]  # fmt: skip
-        return [c for c in commands if speculative or c[0] != "drafter"]
+        return [c for c in commands if drafter_service or c[0] != "drafter"]
 
     @property
     def commands(self) -> dict[str, list[str]]:

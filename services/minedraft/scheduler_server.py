@@ -81,8 +81,6 @@ class _Serving:
 
 
 async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None) -> None:
-    if config.speculative_config is not None and not drafter:
-        raise ValueError("a speculative config needs a drafter address (--drafter)")
     settings = api.settings
     tokenizer = load_tokenizer(config.target_path)
     limits = Limits.of(settings)

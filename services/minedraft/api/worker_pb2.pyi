@@ -187,7 +187,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_active_sequences: int
@@ -214,4 +215,5 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     num_free_blocks: int
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    draft_num_blocks: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ...) -> None: ...

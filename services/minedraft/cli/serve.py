@@ -55,7 +55,8 @@ class WorkerAddresses(CliModel):
     """Where the scheduler reaches its workers."""
 
     verifier: str = Field("127.0.0.1:50061", description="verifier rank 0's gRPC address")
-    drafter: str = Field("127.0.0.1:50062", description="drafter's gRPC address (ignored without speculation)")
+    drafter: str = Field("127.0.0.1:50062", description="drafter's gRPC address (ignored without speculation; "
+                         "empty: none, for a verifier started with --colocate-drafter)")
 
 
 class EngineGroups(CliModel):
@@ -138,7 +139,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     config = engine_config(args)
     check_model_folders(config, draft=False)
     configure_logging(listen.log_level)
-    asyncio.run(serve_scheduler(config, api, verifier=workers.verifier, drafter=workers.drafter))
+    asyncio.run(serve_scheduler(config, api, verifier=workers.verifier, drafter=workers.drafter or None))
     return 0
 
 

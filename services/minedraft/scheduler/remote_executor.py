@@ -98,6 +98,7 @@ class RemoteExecutor:
         self.members: list[WorkerClient] = []  # the workers of the current world
         self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) of the verifier of the world
         self.draft_kv_blocks: int | None = None  # the drafter's blocks, when the world has one
+        self._verifier_drafts = False  # the verifier of the world runs the draft model too (colocate_drafter)
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
@@ -118,7 +119,8 @@ class RemoteExecutor:
 
     @property
     def has_drafter(self) -> bool:
-        return self.drafter is not None and self.drafter in self.members
+        """Whether the world drafts: a drafter service in it, or a verifier that runs the draft model itself."""
+        return self.drafter is not None and self.drafter in self.members or self._verifier_drafts
 
     def form_world(
         self, config: EngineConfig, with_drafter: bool, timeout_s: float
@@ -139,6 +141,9 @@ class RemoteExecutor:
                                "the smallest KV pool in the world")  # fmt: skip
         kv_pool = infos["verifier"].num_blocks, block_size
         draft_kv_blocks = infos["drafter"].num_blocks if "drafter" in infos else None
+        verifier_drafts = infos["verifier"].draft_num_blocks > 0  # colocate_drafter: one process, both models
+        if verifier_drafts:
+            draft_kv_blocks = infos["verifier"].draft_num_blocks
         self.epoch += 1
         if self.loras is None:
             self.loras = {m.name: m for m in config.lora_modules}
@@ -152,6 +157,7 @@ class RemoteExecutor:
                 raise RuntimeError(f"the {worker.role} at {worker.address} could not join: {_describe(exc)}") from exc
         self.members = members
         self.kv_pool, self.draft_kv_blocks = kv_pool, draft_kv_blocks
+        self._verifier_drafts = verifier_drafts
         self._admit, self._release, self._lora_changes = [], [], []  # the join brought the adapters' changes
         return infos
 
@@ -277,6 +283,9 @@ def start_remote_engine(
     try:
         executor.wait_until_serving(startup_timeout_s)
         infos = executor.form_world(config, with_drafter=True, timeout_s=join_timeout_s)
+        if config.speculative_config is not None and not executor.has_drafter:
+            raise ValueError(f"a speculative config needs a drafter: the verifier at {verifier} does not draft "
+                             "(--colocate-drafter) and no drafter address was given (--drafter)")
         return executor.make_engine(config, tokenizer, infos)
     except BaseException:
         executor.close()

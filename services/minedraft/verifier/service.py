@@ -10,6 +10,7 @@ from minedraft.serving import NodeServicer, start_worker_server, wait_for_termin
 from minedraft.settings import WorkerSettings
 from minedraft.supervision import die_with_parent
 from minedraft.verifier.node import VerifierNode
+from minedraft.verifier.pair import PairNode
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -42,8 +43,10 @@ def serve_verifier(
         process.start()
     holder: dict = {}
 
-    def load() -> VerifierNode:
-        holder["node"] = VerifierNode(config, dist, rank=0, threads_beside=settings.cpu_threads_beside)
+    def load() -> VerifierNode | PairNode:
+        colocate = settings.colocate_drafter and config.speculative_config is not None
+        holder["node"] = PairNode(config) if colocate else VerifierNode(
+            config, dist, rank=0, threads_beside=settings.cpu_threads_beside)
         return holder["node"]
 
     servicer = NodeServicer()
