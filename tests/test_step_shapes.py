@@ -198,6 +198,10 @@ def test_a_shape_that_realized_less_than_promised_is_scaled_down_and_tried_again
     for _ in range(300):
         realized.fade()
     assert realized.value(0.2, 5.0) > 0.99
+    # The prior is the factor of the shape running now: a busier machine slows every shape, not only the one
+    # it measures, so a shape not measured lately takes that factor, not the model's own 1.
+    assert realized.value(0.2, 5.0, prior=0.7) == pytest.approx(0.7, abs=0.01)
+    assert Realized().value(0.2, 5.0, prior=0.7) == 0.7
 
 
 def test_the_chosen_shape_realizes_what_the_model_predicts() -> None:

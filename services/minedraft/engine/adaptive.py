@@ -315,7 +315,10 @@ class SpeculationController:
         return self._raw_rates[shape] * self._calibration(shape)
 
     def _calibration(self, shape: Shape) -> float:
-        return self._realized[shape].value(*_CALIBRATION_BOUNDS)
+        """The shape's factor, shrunk towards that of the shape running now (1 before any ran long enough)."""
+        running = self._run[0]
+        prior = self._realized[running].raw(*_CALIBRATION_BOUNDS) if running is not None else None
+        return self._realized[shape].value(*_CALIBRATION_BOUNDS, prior=1.0 if prior is None else prior)
 
     def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates,
                everyone: int) -> Decision:

@@ -90,9 +90,10 @@ class Ratio:
 
 class Realized:
     """What a choice made over what the model promised for the same wall time (tokens, say), as a factor on
-    the model's prediction: a decayed ratio, shrunk towards 1 by the weight of its samples. The weight fades
-    while the choice is not taken, so one measured poor long ago (or in a passing state) is tried again, and
-    a few fresh samples then settle it."""
+    the model's prediction: a decayed ratio, shrunk by the weight of its samples towards a prior (the factor of
+    the choice running now: a machine that got busier slows every choice, not only the one it measures). The
+    weight fades while the choice is not taken, so one measured poor long ago (or in a passing state) is tried
+    again, and a few fresh samples then settle it."""
 
     _PRIOR = 4.0  # samples' weight of the prior (the model is right)
 
@@ -107,8 +108,12 @@ class Realized:
     def fade(self) -> None:
         self.weight *= DECAY
 
-    def value(self, low: float, high: float) -> float:
-        if self.promised <= 0:
-            return 1.0
-        raw = min(high, max(low, self.made / self.promised))
-        return 1.0 + (raw - 1.0) * self.weight / (self.weight + self._PRIOR)
+    def raw(self, low: float, high: float) -> float | None:
+        """The measured ratio alone, within [low, high]; None before any sample."""
+        return min(high, max(low, self.made / self.promised)) if self.promised > 0 else None
+
+    def value(self, low: float, high: float, prior: float = 1.0) -> float:
+        raw = self.raw(low, high)
+        if raw is None:
+            return prior
+        return prior + (raw - prior) * self.weight / (self.weight + self._PRIOR)
