@@ -48,6 +48,9 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "minedraft-fixed": ("ours", {"is_parallel": True, "adaptive": False}),
     "pearl": ("ours", {"is_parallel": True, "force_pearl": True}),
     "minedraft": ("ours", {"is_parallel": True}),
+    # The verifier runs the draft model in its own process (`minedraft up --colocate-drafter`).
+    "sd-fixed-colocated": ("ours", {"adaptive": False}),
+    "minedraft-colocated": ("ours", {"is_parallel": True}),
     "sd+eagle3": ("ours", {"method": "eagle3"}),
     "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
 }
@@ -111,7 +114,7 @@ def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Pa
         batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING", caching]  # fmt: skip
+                   "--log-level", "WARNING", caching] + (["--colocate-drafter"] if name.endswith("-colocated") else [])
         env = {**os.environ, "PYTHONPATH": str(REPO / "services")}
     else:
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
