@@ -225,6 +225,28 @@ def test_a_killed_verifier_is_restarted_and_its_requests_are_held(up, expected) 
     assert "the verifier was killed by SIGKILL; restarting it in 1s (restart 1)" in up.said()
 
 
+def test_a_killed_verifier_that_drafts_itself_is_restarted_and_no_request_is_lost(pair, expected, tmp_path) -> None:
+    """--colocate-drafter: one process holds both models; killed, it is restarted like a verifier, and the
+    group speculates through it again."""
+    fixed = json.dumps({**SPEC, "model": pair[1], "adaptive": False})  # it drafts whatever the acceptance
+    stack = Up(pair, tmp_path, "--colocate-drafter", "--speculative-config", fixed)
+    try:
+        assert "drafter" not in stack.services()
+        streams = _streams(stack.address, _prompts(), retries=0)
+        [(_, verifier_port)] = stack.services()["verifier"]
+        _wait_active(f"127.0.0.1:{verifier_port}")
+        old = stack.kill("verifier")
+        _, port = stack.restarted("verifier", old)
+        assert [f.result(timeout=240) for f in streams] == expected
+        assert worker_info(f"127.0.0.1:{port}").draft_num_blocks > 0
+        with Client(stack.address, timeout=60) as client:
+            stats = client.generate([3, 1, 4], max_tokens=24, temperature=0, ignore_eos=True).spec_decode_stats
+        assert stats.num_draft_tokens > 0  # speculating again, through the restarted process
+        assert "the verifier was killed by SIGKILL; restarting it in 1s (restart 1)" in stack.said()
+    finally:
+        stack.stop()
+
+
 def test_a_killed_scheduler_is_restarted_with_every_kv_block_free(up) -> None:
     """Without a gateway its clients get UNAVAILABLE (as in the cluster); the new scheduler serves again."""
     streams = _streams(up.address, _prompts(), retries=0)
