@@ -24,10 +24,11 @@ from test_quantized_kernels import _logits  # noqa: E402
 
 from minedraft.model.checkpoint import CheckpointReader  # noqa: E402
 from minedraft.model.layers import quantized_linears  # noqa: E402
+from minedraft.model.loader import weight_bytes  # noqa: E402
 from minedraft.model.moe import StackedExperts  # noqa: E402
 from minedraft.model.parallel import TensorParallel  # noqa: E402
 from minedraft.model.quantization import QuantConfig  # noqa: E402
-from minedraft.model.runner import ModelRunner, weight_bytes  # noqa: E402
+from minedraft.model.runner import ModelRunner  # noqa: E402
 from minedraft.model.triton_moe import route  # noqa: E402
 from minedraft.model.triton_quant import pick_tiles  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Which request fields of OpenAI's API and vLLM's extras this server honours, refuses or ignores on purpose.
 
-A request field is never silently ignored. The request models (`openai_api.py`) declare the fields that are
+A request field is never silently ignored. The request models (`openai_protocol.py`) declare the fields that are
 honoured; every other field a body carries is looked up here:
 
 - set to what this server does anyway (the default it would take): accepted, since that is honoured;

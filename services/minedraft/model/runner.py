@@ -2,45 +2,100 @@
 
 ``forward`` = ``prepare`` (validate on the host, flatten into a ForwardBatch of plain tensors) +
 ``execute`` (the model pass). Under tensor parallelism every rank prepares and runs the same batch
-itself: the verifier forwards each step's plan to its ranks, not the batch.
+itself: the verifier forwards each step's plan to its ranks, not the batch. Loading (the checkpoint read,
+weights into the model, quantized or dequantized) is loader.py's; how a runner is set up, RunnerOptions.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from minedraft.config import check_fits_one_request
 from minedraft.extras import require
 from minedraft.model.attention import plan_attention
-from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
-from minedraft.model.config import ModelConfig, load_model_config
-from minedraft.model.eagle import EAGLE, EagleHead, eagle_head_kind
+from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
-from minedraft.model.layers import quantized_linears
-from minedraft.model.lora import LoraManager, LoraOptions
+from minedraft.model.loader import LOAD_FORMATS, Checkpoint, Placement, load_model, resolve_dtype, use_quantized_kernels
+from minedraft.model.lora import LoraOptions
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.model.transformer import CausalLM, ForwardContext
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-_HALF = (torch.bfloat16, torch.float16)
 log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
+_KERNELS = {"attention_kernel": ("auto", "torch", "triton"), "quantized_kernel": ("auto", "triton", "dequantize"),
+            "fused_kernels": ("auto", "on", "off")}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a ModelRunner holds its model. The engine's workers set the first group from EngineConfig
+    (engine/local_executor.py). The kernel choices and load_format are not engine settings: auto picks the
+    kernels for the device and the checkpoint, and the explicit values are for tests and benchmarks that
+    compare kernels or time a model's shape without its weights."""
+
+    max_seq_len: int  # the longest sequence, prompt and output
+    num_slots: int = 1  # most sequences held at once; the KV pool never outgrows num_slots x max_seq_len
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype | str = torch.float32  # or auto: float32 on CPU, the checkpoint's half type elsewhere
+    tp_group: dist.ProcessGroup | None = None  # the target's tensor-parallel group (never the world group)
+    batch_invariant: bool = False  # fixed-shape kernels so logits never depend on the batch (strict, slower)
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV-cache block
+    # the KV pool's budget, in bytes or as a fraction of a GPU's memory (see kv_cache.kv_budget_bytes)
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    # keep full blocks of committed tokens for later sequences that start with them (see kv_cache.py)
+    enable_prefix_caching: bool = False
+    # no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged kernel runs a
+    # dense model on one rank
+    enforce_eager: bool = False
+    # a target that feeds an EAGLE head keeps, after every forward, these hidden states for every token
+    # (`aux_hidden`), CUDA graphs included, counted as transformers' output_hidden_states counts them:
+    # i < num_hidden_layers the residual stream entering layer i (EAGLE-3), num_hidden_layers the last one
+    # after the final norm (EAGLE-1)
+    aux_hidden_layers: tuple[int, ...] = ()
+    # the model is an EAGLE head (model/eagle.py) of the target there, whose tokenizer it uses and whose
+    # embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none
+    target_path: str | Path | None = None
+    # the LoRA adapters a sequence may name (allocate_slot), applied in batches (model/lora.py); the forward
+    # runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)
+    lora: LoraOptions | None = None
+    # Test and benchmark knobs. attention_kernel: torch, triton (paged: reads the cache in place) or auto
+    # (triton on CUDA where it is installed and the shapes suit it, torch elsewhere).
+    attention_kernel: str = "auto"
+    # for a quantized checkpoint: triton (keep the weights as stored, MoE experts included, Triton GEMMs),
+    # dequantize (dense weights at load) or auto (loader.use_quantized_kernels)
+    quantized_kernel: str = "auto"
+    # the layers' norms (with the residual add), rotary embedding (with the KV write) and SiLU-and-mul as
+    # Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default mode where triton
+    # is installed; never in the strict mode, nor for an EAGLE head)
+    fused_kernels: str = "auto"
+    # auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as vLLM's
+    # --load-format dummy: for timing a model's shape without its weights)
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r}: use auto or dummy")
+        for setting in ("attention_kernel", "quantized_kernel"):
+            if getattr(self, setting) == "triton":
+                require("triton", f"{setting} triton")
+        for setting, choices in _KERNELS.items():
+            if getattr(self, setting) not in choices:
+                raise ValueError(f"{setting} {getattr(self, setting)!r}: use {', '.join(choices[:-1])} or "
+                                 f"{choices[-1]}")  # fmt: skip
+        if self.batch_invariant and self.attention_kernel == "triton":
+            raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
+        if self.batch_invariant and self.fused_kernels == "on":
+            raise ValueError("fused_kernels on is not for the strict mode (batch_invariant), which keeps torch's ops")
 
 
 @dataclass
@@ -71,89 +126,59 @@ class ForwardBatch:
         return ForwardBatch(*(t if t is None else t.to(device, non_blocking=True) for t in moved))
 
 
+
 class ModelRunner:
-    def __init__(self, path: str | Path, *, max_seq_len: int, num_slots: int = 1, device: str = "cpu",
-                 dtype: torch.dtype | str = torch.float32, tp_group: dist.ProcessGroup | None = None,
-                 batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
-                 attention_kernel: str = "auto", load_format: str = "auto",
-                 enable_prefix_caching: bool = False, enforce_eager: bool = False,
-                 quantized_kernel: str = "auto", aux_hidden_layers: tuple[int, ...] = (),
-                 target_path: str | Path | None = None, fused_kernels: str = "auto",
-                 lora: LoraOptions | None = None) -> None:
-        """batch_invariant: fixed-shape kernels so logits never depend on the batch (strict, slower).
-        num_slots: most sequences held at once; the KV pool never outgrows num_slots x max_seq_len.
-        kv_cache_memory_bytes / gpu_memory_utilization: the KV pool's budget (see kv_cache.kv_budget_bytes).
-        attention_kernel: torch, triton (paged: reads the cache in place) or auto (triton on CUDA where it is
-        installed and the shapes suit it, torch elsewhere).
-        load_format: auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as
-        vLLM's --load-format dummy: for timing a model's shape without its weights).
-        enable_prefix_caching: keep full blocks of committed tokens for later sequences that start with them
-        (see kv_cache.py).
-        enforce_eager: no CUDA graphs (model/graphs.py); without it they are captured on CUDA where the paged
-        kernel runs a dense model on one rank.
-        quantized_kernel: for a quantized checkpoint, triton (keep the weights as stored, MoE experts
-        included, Triton GEMMs: model/triton_quant.py, model/triton_moe.py), dequantize (dense weights at
-        load) or auto (triton on CUDA where it is installed and the block or group shape suits its tiles,
-        dequantize elsewhere).
-        aux_hidden_layers: a target that feeds an EAGLE head keeps, after every forward, these hidden states
-        for every token (`aux_hidden`), CUDA graphs included, counted as transformers' output_hidden_states
-        counts them: i < num_hidden_layers the residual stream entering layer i (EAGLE-3), num_hidden_layers
-        the last one after the final norm (EAGLE-1).
-        target_path: the model is an EAGLE head (model/eagle.py) of the target there, whose tokenizer it uses
-        and whose embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none.
-        fused_kernels: the layers' norms (with the residual add), rotary embedding (with the KV write) and
-        SiLU-and-mul as Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default
-        mode where triton is installed; never in the strict mode, nor for an EAGLE head).
-        lora: the LoRA adapters a sequence may name (SeqInput.lora), applied in batches (model/lora.py); the
-        forward runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)."""
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format {load_format!r}: use auto or dummy")
-        self.load_format = load_format
-        for setting, kernel in (("attention_kernel", attention_kernel), ("quantized_kernel", quantized_kernel)):
-            if kernel == "triton":
-                require("triton", f"{setting} triton")
+    def __init__(self, path: str | Path, options: RunnerOptions | None = None, /, **settings: Any) -> None:
+        """The model of the checkpoint at `path` (a folder or a hub name), held as `options` say, or as
+        RunnerOptions(**settings): ModelRunner(path, max_seq_len=64, num_slots=2)."""
+        if options is not None and settings:
+            raise TypeError("give RunnerOptions or its fields as keywords, not both")
+        self.options = options = options or RunnerOptions(**settings)
         self._work = (0, 0)  # forwards and tokens since take_work
-        self.path = resolve_checkpoint_dir(path)
-        self.config: ModelConfig = load_model_config(self.path)
-        if self.config.is_eagle3 and target_path is None:
-            raise ValueError(f"{self.path} is an EAGLE-3 head: use it with method eagle3 (it runs beside its target)")
-        self.target_path = resolve_checkpoint_dir(target_path) if target_path is not None else None
-        self.head_kind = self._head_kind()
+        checkpoint = Checkpoint.open(path, options.target_path, options.load_format)
+        self.path, self.config, self.target_path = checkpoint.path, checkpoint.config, checkpoint.target_path
+        self.head_kind, self.load_format = checkpoint.head_kind, checkpoint.load_format
         self.tokenizer: Tokenizer = load_tokenizer(self.target_path or self.path)
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device, self.config)
-        self.tp = TensorParallel.from_group(tp_group)
-        self.batch_invariant = batch_invariant
-        self.max_seq_len = max_seq_len
-        self.quantized_kernels = self._use_quantized_kernels(quantized_kernel)
-        self.lora: LoraManager | None = None
+        self.device = torch.device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device, self.config)
+        self.tp = TensorParallel.from_group(options.tp_group)
+        self.batch_invariant, self.max_seq_len = options.batch_invariant, options.max_seq_len
+        self.quantized_kernels = use_quantized_kernels(self.config, options.quantized_kernel, self.device)
         self.slot_adapters: dict[int, str] = {}  # the LoRA adapter each sequence's tokens go through
-        self.model = self._load_model(lora)  # first: on CUDA the KV budget is what the weights leave
-        self.aux_hidden_layers = self._keep_aux_hidden(aux_hidden_layers)
+        placement = Placement(self.device, self.dtype, self.tp, self.max_seq_len, self.batch_invariant)
+        # first: on CUDA the KV budget is what the weights leave
+        self.model, self.lora = load_model(checkpoint, placement, self.quantized_kernels, options.lora)
+        self.aux_hidden_layers = self._keep_aux_hidden(options.aux_hidden_layers)
         self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
+        self.kv_cache = self._new_kv_cache(options)
+        self.paged_kernel = self._use_triton(options.attention_kernel)
+        self.fused_kernels = self._use_fused(options.fused_kernels)
+        if self.fused_kernels:  # before the graphs capture the forward
+            self.model.model.fused_kernels = True
+        eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
+        self.graphs: StaticForward | None = None if eager else self._capture_graphs()
+
+    def _new_kv_cache(self, options: RunnerOptions) -> KVCache:
+        """The paged pool: what its budget holds, never more than num_slots sequences of max_seq_len need, the
+        same number of blocks on every tensor-parallel rank."""
         kv_heads = max(1, self.config.num_key_value_heads // self.tp.size)
         # A target feeding an EAGLE head caches the head's features with its keys and values, so that a request
         # reusing cached blocks still hands the drafter the features of every position.
-        feature_dim = self.feature_width if enable_prefix_caching else 0
+        feature_dim = self.feature_width if options.enable_prefix_caching else 0
+        block_size = options.block_size
         per_block = bytes_per_block(self.config.num_hidden_layers, kv_heads, self.config.head_dim, block_size,
                                     self.dtype, feature_dim)
         if self.device.type == "cuda":  # what loading freed (dequantized fallbacks) is not the weights'
             torch.cuda.empty_cache()
-        budget, source = kv_budget_bytes(self.device, kv_cache_memory_bytes, gpu_memory_utilization)
-        num_blocks = self._agree(min(budget // per_block, num_slots * blocks_for(max_seq_len, block_size)))
-        check_fits_one_request(num_blocks, block_size, max_seq_len, f"{source}; {per_block} bytes per block")
-        self.kv_cache = KVCache(
+        budget, source = kv_budget_bytes(self.device, options.kv_cache_memory_bytes, options.gpu_memory_utilization)
+        num_blocks = self._agree(min(budget // per_block, options.num_slots * blocks_for(self.max_seq_len,
+                                                                                          block_size)))  # fmt: skip
+        check_fits_one_request(num_blocks, block_size, self.max_seq_len, f"{source}; {per_block} bytes per block")
+        return KVCache(
             num_layers=self.config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
             num_kv_heads=kv_heads, head_dim=self.config.head_dim, dtype=self.dtype, device=self.device,
-            enable_prefix_caching=enable_prefix_caching, feature_dim=feature_dim,
+            enable_prefix_caching=options.enable_prefix_caching, feature_dim=feature_dim,
         )
-        self.paged_kernel = self._use_triton(attention_kernel)
-        self.fused_kernels = self._use_fused(fused_kernels)
-        if self.fused_kernels:  # before the graphs capture the forward
-            self.model.model.fused_kernels = True
-        eager = enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
-        self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
     def _capture_graphs(self) -> StaticForward | None:
         """CUDA graphs for decode and verification steps, where their static shapes apply (model/graphs.py).
@@ -167,8 +192,7 @@ class ModelRunner:
         return graphs
 
     def _use_triton(self, kernel: str) -> bool:
-        if kernel not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_kernel {kernel!r}: use auto, torch or triton")
+        """The paged Triton attention kernel (model/triton_attention.py), as attention_kernel chooses."""
         if kernel == "torch" or (kernel == "auto" and (self.device.type != "cuda" or self.batch_invariant)):
             return False
         try:
@@ -177,15 +201,10 @@ class ModelRunner:
             if kernel == "triton":
                 raise ValueError(f"attention_kernel triton needs the triton package: {exc}") from exc
             return False
-        if kernel == "triton" and self.batch_invariant:
-            raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
         return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
 
     def _use_fused(self, kernel: str) -> bool:
-        if kernel not in ("auto", "on", "off"):
-            raise ValueError(f"fused_kernels {kernel!r}: use auto, on or off")
-        if kernel == "on" and self.batch_invariant:
-            raise ValueError("fused_kernels on is not for the strict mode (batch_invariant), which keeps torch's ops")
+        """The fused layer kernels (model/triton_fused.py), as fused_kernels chooses."""
         if kernel == "off" or self.batch_invariant or self.head_kind is not None:
             return False
         if kernel == "auto" and self.device.type != "cuda":
@@ -197,71 +216,6 @@ class ModelRunner:
                 raise ValueError(f"fused_kernels on needs the triton package: {exc}") from exc
             return False
         return True
-
-    def _use_quantized_kernels(self, kernel: str) -> bool:
-        if kernel not in ("auto", "triton", "dequantize"):
-            raise ValueError(f"quantized_kernel {kernel!r}: use auto, triton or dequantize")
-        quant = self.config.quantization
-        if quant is None or kernel == "dequantize" or (kernel == "auto" and self.device.type != "cuda"):
-            return False
-        try:
-            from minedraft.model.triton_quant import supports_awq, supports_fp8
-        except ImportError as exc:
-            if kernel == "triton":
-                raise ValueError(f"quantized_kernel triton needs the triton package: {exc}") from exc
-            return False
-        return kernel == "triton" or (supports_fp8(quant.block) if quant.method == "fp8" else
-                                      supports_awq(quant.group_size))
-
-    def _head_kind(self) -> str | None:
-        """With target_path: the head's kind (model/eagle.py), which its folder must show. Without: None, and
-        never a head (an EAGLE-1 head's config.json is a plain LlamaConfig: its weights tell)."""
-        if self.target_path is None:
-            if self.load_format == "auto" and eagle_head_kind(self.path, self.config) == EAGLE:
-                raise ValueError(f"{self.path} is an EAGLE-1 head: use it with method eagle (it runs beside its "
-                                 "target)")  # fmt: skip
-            return None
-        if self.load_format == "dummy" and not self.config.is_eagle3:
-            return EAGLE  # no weights to tell: a LlamaConfig beside a target is an EAGLE-1 head
-        kind = eagle_head_kind(self.path, self.config)
-        if kind is None:
-            raise ValueError(f"{self.path} is not an EAGLE head: its checkpoint has no fc.weight (or has a model.* "
-                             "decoder, as a draft model does)")  # fmt: skip
-        return kind
-
-    def _load_model(self, lora: LoraOptions | None) -> CausalLM | EagleHead:
-        if self.head_kind is not None:
-            if lora is not None:
-                raise ValueError(f"{self.path} is an EAGLE head: LoRA adapters are for a target or a draft model")
-            return self._load_head()
-        quant = self.config.quantization if self.quantized_kernels else None
-        with torch.device(self.device), _default_dtype(self.dtype), quantized_linears(quant):
-            model = CausalLM(self.config, self.max_seq_len, self.tp, self.batch_invariant)
-        if self.load_format == "dummy":
-            _random_weights(model)
-        else:
-            with closing(CheckpointReader(self.path, self.config.quantization)) as reader:
-                model.load_weights(reader)
-        if lora is not None:  # before packing: the adapters' pools take the dense weights' shapes
-            self.lora = LoraManager(model, lora)
-        model.pack_weights()
-        held, quantized = weight_bytes(model)
-        log.info("weights on this rank: %.2f GiB, %.2f GiB of them kept quantized", held / 2**30, quantized / 2**30)
-        for reason, layers in Counter(r for m in model.modules() for r in getattr(m, "fallbacks", ())).items():
-            log.warning("%s (MoE layers: %d)", reason, layers)
-        return model.eval()
-
-    def _load_head(self) -> EagleHead:
-        if self.load_format == "dummy":
-            return _random_weights(self._new_head(fc_bias=False)).eval()
-        with closing(CheckpointReader(self.path)) as reader, closing(CheckpointReader(self.target_path)) as target:
-            head = self._new_head(fc_bias="fc.bias" in reader)
-            head.load_weights(reader, target)
-        return head.eval()
-
-    def _new_head(self, fc_bias: bool) -> EagleHead:
-        with torch.device(self.device), _default_dtype(self.dtype):
-            return EagleHead(self.config, self.max_seq_len, self.tp, self.batch_invariant, self.head_kind, fc_bias)
 
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         layers = tuple(layers)
@@ -437,56 +391,3 @@ class ModelRunner:
             logits, self.head_hidden = self.model(batch.input_ids, ctx, batch.logits_indices, batch.hidden)
             return logits
         return self.model(batch.input_ids, ctx, batch.logits_indices).float()
-
-
-def weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of the weights a model holds as they are stored, bytes of those kept quantized): parameters,
-    oneDNN-packed copies, and the quantized storage of linear layers and MoE experts (QuantizedWeight)."""
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    quantized = 0
-    for module in model.modules():
-        held = getattr(module, "quantized", None)  # LinearBase: one or None; StackedExperts: a dict
-        for stored in held.values() if isinstance(held, dict) else () if held is None else (held,):
-            quantized += stored.nbytes
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            dense += packed.numel() * packed.element_size()
-    return dense + quantized, quantized
-
-
-@torch.no_grad()
-def _random_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """Matrices ~ N(0, 0.02), norm weights 1: activations stay in range, so timings are those of real weights."""
-    for param in model.parameters():
-        if param.dim() >= 2:
-            param.normal_(0.0, 0.02)
-        else:
-            param.fill_(1.0)
-    return model
-
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """'auto' = float32 on CPU, the checkpoint's half type elsewhere."""
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        half = _DTYPES.get(str(config.torch_dtype))
-        return torch.float32 if device.type == "cpu" else half if half in _HALF else torch.bfloat16
-    elif dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
-    else:
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16, float16 or auto")
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
-    return resolved
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Parameters are created directly in the target dtype (no fp32 copy on the way to a GPU)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
