@@ -68,6 +68,9 @@ ENGINES: dict[str, tuple[str, dict | None, bool]] = {
     "sd+p-eagle-fixed": ("ours", {"method": "eagle3", "parallel_drafting": True, "adaptive": False}, False),
     "minedraft+p-eagle-fixed": ("ours", {"is_parallel": True, "method": "eagle3", "parallel_drafting": True,
                                          "adaptive": False}, False),
+    # A draft of random weights, the draft model's shape: speculation that never pays (adaptive: plain decoding).
+    "sd-random": ("ours", {"model": "random"}, False),
+    "minedraft-random": ("ours", {"is_parallel": True, "model": "random"}, False),
     "ar-strict": ("ours", None, True),
     "sd-strict": ("ours", {}, True),
     "minedraft-strict": ("ours", {"is_parallel": True}, True),
@@ -301,11 +304,32 @@ def worker(job: dict) -> int:
     return 0
 
 
+def _random_draft() -> str:
+    """A copy of the bundled draft with random weights (normal, std 0.02): its drafts are almost never accepted."""
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="random-draft-"))
+    for item in DRAFT.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, folder / item.name)
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype) * 0.02
+               for name, t in load_file(DRAFT / "model.safetensors").items()}  # fmt: skip
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
 def _our_engine(job: dict):
     from minedraft import LLM, SamplingParams
     from minedraft.engine.request import SpecDecodeStats
 
     spec = job["spec"]
+    if spec is not None and spec.get("model") == "random":
+        spec = {**spec, "model": _random_draft()}
     batches = 2 if spec is not None and spec.get("is_parallel") and not spec.get("force_pearl") else 1
     llm = LLM(speculative_config=spec, max_num_seqs=job["max_num_seqs"] // batches, dtype="float32",
               device=job["device"], batch_invariant=job["batch_invariant"],
