@@ -14,15 +14,13 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
   least squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one
   machine.
 
-Each decision compares the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
-drafting beside verification) and, for each speculative shape, the k in 1..max with the most expected tokens
-per second, then trims each request's window where its next token is expected to be worth less than it costs.
-Until a shape's fits have data it is tried as it is; now and then (more rarely while it changes nothing) the option
-tried longest ago is probed. What the model leaves out (the wait of one process for the other, the frontends' share
-of the cores, prefills) is caught per shape: each shape's predicted rate is scaled by the tokens it realized over
-those predicted for the wall time its steps took, while it ran. The choice reads only verifications already made,
-never the token about to be sampled, so every output stays exactly the target's. Requests that sample with a seed
-keep the mode's own shape and the fixed k, so that their text is the same on every run.
+Each decision takes, of the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
+drafting beside verification), the one measured fastest at this load (wall seconds per token over its runs, tried
+in runs now and then: `Trials`), since a step costs more than its parts in ways the model does not see; and, for a
+speculative shape, the k in 1..max with the most expected tokens per second, then trims each request's window
+where its next token is expected to be worth less than it costs. The choice reads only verifications already
+made, never the token about to be sampled, so every output stays exactly the target's. Requests that sample with
+a seed keep the mode's own shape and the fixed k, so that their text is the same on every run.
 """
 
 from __future__ import annotations
@@ -33,20 +31,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from minedraft.engine.fits import DECAY, OnlineFit, Ratio, Realized
+from minedraft.engine.fits import DECAY, OnlineFit, Ratio, Trials
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 
 _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (until then the shape runs as it is)
-# One decision in this many (16, doubling up to 128 while probes change nothing) takes the option tried longest
-# ago instead of the best: see SpeculationController._probe.
-_PROBE_EVERY, _PROBE_MAX = 16, 128
-_SWITCH_MARGIN = 0.05  # how much faster another shape must be predicted to leave the one in use
-_LOAD_CHANGE = 2.0  # running requests this many times more or fewer than at the last probe: probe again soon
+# The shapes are tried in runs of this many decisions, and one run of another shape every _PROBE_EVERY decisions
+# of a load; the first _SETTLE steps of a run of a shape do not count (they carry the change: windows drafted in
+# the other shape, the drafter's catch-up). See SpeculationController.decide.
+_RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
+_SHAPE_DECAY = 0.9  # per step of a shape's measured seconds per token: a probe's steps outweigh older ones
 _REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
-_CALIBRATION_BOUNDS = (0.2, 5.0)  # realized over predicted: a ratio outside these is a transient, not the model's error
-_RUN_SETTLED = 3  # steps of a run of one shape before its steps show the shape's own rate (see _learn_realized)
 
 
 class Acceptance:
@@ -157,17 +153,11 @@ class SpeculationController:
         self._one_forward = one_forward_drafts
         self._clock = clock
         self._last_end: float | None = None
-        # Per shape: the tokens its steps realized over those its predicted rate promised for their wall time;
-        # the shape of the last step observed, and how many steps in a row had it.
-        self._realized = {shape: Realized() for shape in Shape}
+        # Per load (running requests, by powers of four): each shape's measured wall seconds per token; the load
+        # of the last decision; the shape of the last step observed and how many steps in a row had it.
+        self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
+        self._load = 0
         self._run: tuple[Shape | None, int] = (None, 0)
-        self._raw_rates: dict[Shape, float] = {}  # the model's rates at the last decision, before calibration
-        self._last_tried: dict[tuple[Shape, int], int] = {}  # (shape, k) -> the decision that last took it
-        self._probe_every = _PROBE_EVERY
-        self._since_probe = 0
-        self._probe_load = 0  # requests running at the last probe
-        self._current: Shape | None = None  # the shape the fits chose last
-        self._best_at_probe: Shape | None = None
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # the predicted tokens/second of each option at the last decision
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
@@ -183,7 +173,7 @@ class SpeculationController:
 
     def observe(self, result: StepResult, shape: Shape) -> None:
         """Learn from one step's results (a step of `shape`): acceptance per position, what its parts and the
-        step beyond them cost, and what the shape realized."""
+        step beyond them cost, and the wall time per token the shape takes at this load."""
         self.acceptance.decay()
         for verified in result.verified:
             if verified.num_draft_tokens:
@@ -212,17 +202,18 @@ class SpeculationController:
         between = min(now - last, 4 * max(result.step_seconds, parts))
         total, count = self._overhead_sums[shape]
         self._overhead_sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
-        self._learn_realized(shape, result, between)
+        decoding = (not result.verify_seconds or decoding_verify) and (not result.draft_seconds or decoding_draft)
+        self._measure(shape, result, between, decoding)
 
-    def _learn_realized(self, shape: Shape, result: StepResult, seconds: float) -> None:
-        """What a shape made in `seconds` of wall time against what its rate promised. Only the steps of a run of
-        the shape from its third on count: the first ones after a change carry the transition (windows drafted in
-        the other shape, the drafter's catch-up), and a probe is a run of one or two."""
+    def _measure(self, shape: Shape, result: StepResult, seconds: float, decoding: bool) -> None:
+        """A step of `shape` took `seconds` of wall time for the tokens it verified (one-batch steps: a draft
+        half none, the verify half many). Only the steps of a run of the shape after its first _SETTLE count, and
+        only decoding steps: a step that prefilled a prompt costs what the prompt costs, whatever the shape (and
+        a shape tried first at a load is tried while the requests that make that load arrive)."""
         last, length = self._run
         self._run = (shape, length + 1 if shape is last else 1)
-        predicted = self._raw_rates.get(shape)
-        if self._run[1] >= _RUN_SETTLED and predicted:
-            self._realized[shape].add(predicted * seconds, sum(len(v.token_ids) for v in result.verified))
+        if self._run[1] > _SETTLE and decoding:
+            self._trials.add(self._load, shape, seconds, sum(len(v.token_ids) for v in result.verified))
 
     def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
                seconds: float) -> None:
@@ -252,100 +243,63 @@ class SpeculationController:
 
     def decide(self, candidates: Candidates, everyone: int) -> Decision:
         """The next step's shape and windows. `candidates`: for each speculative shape possible now, the requests
-        it would draft and each one's cap; `everyone`: the requests a plain step would decode."""
+        it would draft and each one's cap; `everyone`: the requests a plain step would decode.
+
+        The shape is the one measured fastest at this load (wall seconds per token over its runs, `Trials`): the
+        model's prediction of a whole step misses what the step costs beyond its parts (processes waiting on each
+        other, the frontends' share of the cores), and measured it need not. Each shape the moment allows runs
+        once for a few decisions first (in the order the model predicts them), and another one now and then. The
+        model chooses each shape's k and trims its windows."""
         shapes = [s for s in self.shapes if s in candidates]
         seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
-        options = [(s, k) for s in shapes for k in (self.max_k,)] + ([] if seeded else [(Shape.PLAIN, 0)])
-        # Warm-up: the shapes run alone first, since the cost of a part beside the other is measured against it.
-        order = (Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP)
-        cold = sorted(((s, k) for s, k in options if not self._warm(s)), key=lambda o: order.index(o[0]))
-        if cold:
-            decision = self._fixed(cold[0], candidates)  # warm-up: each shape as it is, until its fits have data
-        else:
-            decision = self._best(candidates, shapes, everyone, allow_plain=not seeded)
-            self._since_probe += 1
-            if not self._probe_load / _LOAD_CHANGE <= everyone <= self._probe_load * _LOAD_CHANGE:
-                # Another load: the fits of the shapes not in use extrapolate from the old one; probe them soon.
-                self._probe_every = min(self._probe_every, _PROBE_EVERY)
-            if self._since_probe >= self._probe_every:
-                decision = self._probe(decision, options, candidates, everyone)
+        allowed = shapes + ([] if seeded else [Shape.PLAIN])
+        self._load = min(everyone, 1 << 12).bit_length() // 2  # loads 1, 2-7, 8-31, 32-127, ...: a few to learn
+        if all(self._warm(s) for s in allowed):  # the first tries are in the model's order
+            by_shape = self._by_shape(candidates, shapes, everyone)
+            ranked = sorted(allowed, key=lambda s: -self.last_rates.get(s.value, 0.0))
+        else:  # until the fits have data: the shapes that run alone first (a part beside the other is measured
+            # against its cost alone), each as it is
+            by_shape = {s: self._as_it_is(s, candidates) for s in allowed}
+            ranked = sorted(allowed, key=(Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP).index)
+        decision = by_shape[self._trials.pick(self._load, ranked)]
+        if decision.shape is not Shape.PLAIN and not any(decision.windows):
+            # Its windows were all cut (drafts not worth their cost): a plain step, and the shape is known to
+            # make nothing here (tried again with the probes, when the acceptance may have changed).
+            self._trials.add(self._load, decision.shape, 0.0, 0.0)
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
                                                   for r, w, cap in zip(requests, decision.windows, caps)])
         return self._record(decision, everyone)
 
-    def _fixed(self, option: tuple[Shape, int], candidates: Candidates) -> Decision:
-        shape, k = option
-        if shape is Shape.PLAIN:
-            return Decision(Shape.PLAIN, [])
-        return Decision(shape, [min(k, cap) for cap in candidates[shape][1]])
+    def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
+        """The shape with every request at its cap (k, or less where the request asks or ends sooner)."""
+        return Decision(shape, [] if shape is Shape.PLAIN else list(candidates[shape][1]))
 
-    def _best(self, candidates: Candidates, shapes: list[Shape], everyone: int, allow_plain: bool) -> Decision:
+    def _by_shape(self, candidates: Candidates, shapes: list[Shape], everyone: int) -> dict[Shape, Decision]:
+        """Each shape's step as the model would run it (its best k, windows trimmed), and each one's predicted
+        tokens per second in `last_rates`."""
         costs = self._costs()
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
-        self._raw_rates = {Shape.PLAIN: everyone / max(1e-9, plain_seconds)}
-        rates = {Shape.PLAIN.value: self._calibrated(Shape.PLAIN)} if allow_plain else {}
-        best = Decision(Shape.PLAIN, []) if allow_plain else None
-        best_rate = rates.get(Shape.PLAIN.value, -1.0)
-        if best is not None and self._current not in (None, Shape.PLAIN) and self._current in shapes:
-            best_rate /= 1.0 + _SWITCH_MARGIN  # leaving a speculative shape for plain steps needs the margin too
+        rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
+        decisions = {Shape.PLAIN: Decision(Shape.PLAIN, [])}
         for shape in shapes:
             requests, caps = candidates[shape]
             survival = self._survival(requests)
-            k, rate = self._best_k(costs, shape, survival, caps)
-            windows = self._trim(costs, shape, [min(k, cap) for cap in caps], survival, rate)
-            self._raw_rates[shape] = rate
-            rate = rates[shape.value] = self._calibrated(shape)
-            # A change of shape costs a step of transition and, after plain steps, the drafter's catch-up: the
-            # shape in use keeps its place unless another is predicted clearly faster.
-            stay = shape is self._current or best is not None and best.shape is self._current
-            margin = 1.0 if stay else 1.0 + _SWITCH_MARGIN
-            if rate > best_rate * margin and any(windows):  # windows trimmed to nothing: a plain step
-                best, best_rate = Decision(shape, windows), rate
+            k, rates[shape.value] = self._best_k(costs, shape, survival, caps)
+            decisions[shape] = Decision(shape, self._trim(costs, shape, [min(k, cap) for cap in caps], survival,
+                                                          rates[shape.value]))  # fmt: skip
         self.last_rates = rates
-        best = best or Decision(shapes[0], [0] * len(candidates[shapes[0]][1]))
-        self._current = best.shape
-        return best
-
-    def _calibrated(self, shape: Shape) -> float:
-        """The shape's rate from the model, scaled by what the shape realized against it (once seen enough)."""
-        return self._raw_rates[shape] * self._calibration(shape)
-
-    def _calibration(self, shape: Shape) -> float:
-        """The shape's factor, shrunk towards that of the shape running now (1 before any ran long enough)."""
-        running = self._run[0]
-        prior = self._realized[running].raw(*_CALIBRATION_BOUNDS) if running is not None else None
-        return self._realized[shape].value(*_CALIBRATION_BOUNDS, prior=1.0 if prior is None else prior)
-
-    def _probe(self, best: Decision, options: list[tuple[Shape, int]], candidates: Candidates,
-               everyone: int) -> Decision:
-        """Now and then the option tried longest ago instead of the best: the fits stay anchored at each end of
-        what they predict (a fit fed only what it chose extrapolates badly, and would stay where it is). Probes
-        grow rarer while they do not change the choice, and frequent again when the load changes."""
-        self._since_probe = 0
-        self._probe_load = everyone
-        steady = best.shape is self._best_at_probe
-        self._probe_every = min(_PROBE_MAX, 2 * self._probe_every) if steady else _PROBE_EVERY
-        self._best_at_probe = best.shape
-        chosen = (best.shape, max(best.windows, default=0))
-        others = [o for o in options if o != chosen]
-        if not others:
-            return best
-        return self._fixed(min(others, key=lambda o: self._last_tried.get(o, -1)), candidates)
+        return decisions
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
         self.last = decision
-        for shape, realized in self._realized.items():
-            if shape is not decision.shape:
-                realized.fade()
         self.windows.update(decision.windows if decision.shape is not Shape.PLAIN else [0] * everyone)
         self.chosen[decision.shape] += 1
         self.num_decisions += 1
         self.num_plain += not any(decision.windows)
-        self._last_tried[(decision.shape, max(decision.windows, default=0))] = self.num_decisions
         return decision
 
     def _survival(self, requests: Sequence[Request]) -> list[list[float]]:
@@ -439,6 +393,10 @@ class SpeculationController:
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
-            "realized_over_predicted": {s.value: round(self._calibration(s), 3) for s in Shape},
-            "probe_every": self._probe_every,
+            # Per load (running requests from 2^(2n-1) to 2^(2n+1) - 1, n the key): each shape's measured wall
+            # seconds per token.
+            "measured_seconds_per_token": {
+                str(load): {shape.value: round(cost, 6) for shape, cost in by_shape.items() if cost < float("inf")}
+                for load, by_shape in self._trials.costs().items()
+            },
         }

@@ -3,7 +3,7 @@ engine/threads.py's thread counts)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit
 
@@ -88,32 +88,55 @@ class Ratio:
         return self.seconds / predicted if predicted > 0 else 1.0
 
 
-class Realized:
-    """What a choice made over what the model promised for the same wall time (tokens, say), as a factor on
-    the model's prediction: a decayed ratio, shrunk by the weight of its samples towards a prior (the factor of
-    the choice running now: a machine that got busier slows every choice, not only the one it measures). The
-    weight fades while the choice is not taken, so one measured poor long ago (or in a passing state) is tried
-    again, and a few fresh samples then settle it."""
+class Trials:
+    """Per kind of situation, the candidate whose runs cost the least per unit of work here (seconds per token,
+    say), measured, not predicted. Each candidate a kind allows is first tried for a run of `run` picks; then the
+    cheapest runs, and every `probe_every` picks of a kind another candidate runs again, so that a change (a
+    neighbour that comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a
+    run that has settled (the first steps after a change carry the change's own cost). `decay` per sample: a
+    probe's few samples outweigh what that candidate measured long ago."""
 
-    _PRIOR = 4.0  # samples' weight of the prior (the model is right)
+    def __init__(self, run: int, probe_every: int, decay: float) -> None:
+        self.run, self.probe_every, self.decay = run, probe_every, decay
+        # kind -> candidate -> (decayed seconds, decayed work); kind -> picks; kind -> (candidate, picks left).
+        self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
+        self._picks: dict[Hashable, int] = {}
+        self._trial: dict[Hashable, tuple[Hashable, int]] = {}
 
-    def __init__(self) -> None:
-        self.made = self.promised = self.weight = 0.0
+    def pick(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
+        """The candidate to run now, of those allowed now (the untried in the order given)."""
+        step = self._picks[kind] = self._picks.get(kind, 0) + 1
+        current, left = self._trial.get(kind, (None, 0))
+        if left and current in candidates:
+            choice, left = current, left - 1
+        else:
+            measured = self._cost.get(kind, {})
+            unseen = [c for c in candidates if c not in measured]
+            best = self.best(kind, candidates)
+            others = [c for c in candidates if c != best]
+            if unseen:
+                choice, left = unseen[0], self.run - 1
+            elif step % self.probe_every == 0 and others:
+                choice, left = others[step // self.probe_every % len(others)], self.run - 1
+            else:
+                choice, left = best, 0
+        self._trial[kind] = (choice, left)
+        return choice
 
-    def add(self, promised: float, made: float) -> None:
-        self.made = self.made * DECAY + made
-        self.promised = self.promised * DECAY + promised
-        self.weight = self.weight * DECAY + 1.0
+    def best(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
+        """The measured cheapest of `candidates` (the first, before any was measured)."""
+        measured = self._cost.get(kind, {})
+        return min(candidates, key=lambda c: self.cost(kind, c) if c in measured else float("inf"))
 
-    def fade(self) -> None:
-        self.weight *= DECAY
+    def cost(self, kind: Hashable, candidate: Hashable) -> float:
+        seconds, work = self._cost.get(kind, {}).get(candidate, (0.0, 0.0))
+        return seconds / work if work > 0 else float("inf")
 
-    def raw(self, low: float, high: float) -> float | None:
-        """The measured ratio alone, within [low, high]; None before any sample."""
-        return min(high, max(low, self.made / self.promised)) if self.promised > 0 else None
+    def add(self, kind: Hashable, candidate: Hashable, seconds: float, work: float) -> None:
+        costs = self._cost.setdefault(kind, {})
+        total, done = costs.get(candidate, (0.0, 0.0))
+        costs[candidate] = (total * self.decay + seconds, done * self.decay + work)
 
-    def value(self, low: float, high: float, prior: float = 1.0) -> float:
-        raw = self.raw(low, high)
-        if raw is None:
-            return prior
-        return prior + (raw - prior) * self.weight / (self.weight + self._PRIOR)
+    def costs(self) -> dict[Hashable, dict[Hashable, float]]:
+        """Per kind, each measured candidate's cost per unit of work."""
+        return {kind: {c: self.cost(kind, c) for c in costs} for kind, costs in self._cost.items()}

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from minedraft.engine.fits import Trials
+
 # A part's cycle (its start to the next part's) counts while under this many times its own seconds plus the slack.
 _CYCLE_WITHIN, _CYCLE_SLACK = 3.0, 0.005
 
@@ -69,11 +71,10 @@ class StepThreads:
 
 class ThreadCounts:
     """Per kind of step (its size in requests, by powers of two, and whether it prefills), the intra-op thread
-    count whose steps took the least time here. A count is tried for a run of steps, and only the steps after the
-    first few of a run count: what a count does to the other processes on the cores (a scheduler that falls
-    behind, say) shows only after a few steps, so one step alone would carry its predecessors' effect. Each
-    candidate runs once first; then the fastest runs, and every `_PROBE_EVERY` steps of a kind another candidate
-    runs again, so that a change (a neighbour process that starts or stops) is noticed."""
+    count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
+    steps and only the steps after the first few of a run count: what a count does to the other processes on the
+    cores (a scheduler that falls behind, say) shows only after a few steps, so one step alone would carry its
+    predecessors' effect."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
@@ -81,39 +82,19 @@ class ThreadCounts:
 
     def __init__(self, most: int) -> None:
         self.candidates = sorted({1, max(1, most // 2), most})
-        # kind -> candidate -> (decayed seconds, decayed count); kind -> steps picked; kind -> (count, steps left)
-        # of the run being tried; the last count picked and how many picks in a row it has had.
-        self._seconds: dict[tuple[int, bool], dict[int, tuple[float, float]]] = {}
-        self._steps: dict[tuple[int, bool], int] = {}
-        self._trial: dict[tuple[int, bool], tuple[int, int]] = {}
-        self._last, self._streak = 0, 0
+        self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
+        self._last, self._streak = 0, 0  # the last count picked and how many picks in a row it has had
 
     def pick(self, kind: tuple[int, bool]) -> int:
-        seconds = self._seconds.setdefault(kind, {c: (0.0, 0.0) for c in self.candidates})
-        step = self._steps[kind] = self._steps.get(kind, 0) + 1
-        count, left = self._trial.get(kind, (0, 0))
-        if not left:
-            unseen = [c for c in self.candidates if not seconds[c][1]]
-            best = self.best(kind)
-            others = [c for c in self.candidates if c != best]
-            if unseen:
-                count, left = unseen[0], self._RUN
-            elif step % self._PROBE_EVERY == 0 and others:
-                count, left = others[step // self._PROBE_EVERY % len(others)], self._RUN
-            else:
-                count = best
-        self._trial[kind] = (count, max(0, left - 1))
+        count = int(self._trials.pick(kind, self.candidates))
         self._streak = self._streak + 1 if count == self._last else 1
         self._last = count
         return count
 
     def best(self, kind: tuple[int, bool]) -> int:
-        seconds = self._seconds[kind]
-        return min(self.candidates, key=lambda c: seconds[c][0] / seconds[c][1] if seconds[c][1] else float("inf"))
+        return int(self._trials.best(kind, self.candidates))
 
     def add(self, kind: tuple[int, bool], count: int, seconds: float) -> None:
         """The step just picked for `kind` took `seconds` (counted once its run has settled)."""
-        if self._streak <= self._SETTLE:
-            return
-        total, weight = self._seconds[kind][count]
-        self._seconds[kind][count] = (total * self._DECAY + seconds, weight * self._DECAY + 1.0)
+        if self._streak > self._SETTLE:
+            self._trials.add(kind, count, seconds, 1.0)
