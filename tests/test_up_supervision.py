@@ -236,7 +236,7 @@ def test_a_killed_verifier_that_drafts_itself_is_restarted_and_no_request_is_los
         [(_, verifier_port)] = stack.services()["verifier"]
         _wait_active(f"127.0.0.1:{verifier_port}")
         old = stack.kill("verifier")
-        _, port = stack.restarted("verifier", old)
+        _, port = stack.restarted("verifier", old, timeout_s=120)  # it loads both models
         assert [f.result(timeout=240) for f in streams] == expected
         assert worker_info(f"127.0.0.1:{port}").draft_num_blocks > 0
         with Client(stack.address, timeout=60) as client:
