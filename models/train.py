@@ -17,7 +17,9 @@ Python version:
 
 Two more drafters are trained from the shipped target by their own phases: a PARD version of the
 draft (``--phase pard``), an EAGLE-3 head fed by the target's hidden states (``--phase eagle3``), and
-a P-EAGLE version of that head that drafts k tokens in one forward (``--phase p-eagle``).
+a P-EAGLE version of that head that drafts k tokens in one forward (``--phase p-eagle``). ``--phase lora``
+fine-tunes a LoRA pair on one stdlib package: a target adapter and a drafter adapter distilled from the
+adapted target.
 
 Budgets are given in optimizer steps (reproducible) with a wall-clock cap per phase
 (the CPU is shared); the LR schedule follows whichever bound is nearer, so a run cut
@@ -871,6 +873,121 @@ def train_p_eagle(out: Path, tok: Tokenizer, train_stream: torch.Tensor, args: a
     return {"p_eagle_training": run, "p_eagle_generated_rows": len(generated), "mask_token_id": mask_id}
 
 
+# ---------------------------------------------------------------------------- LoRA pair
+
+
+LORA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_PROMPTS_FILE = "prompts/lora-{domain}.jsonl"
+# Shares of --lora-minutes: the target adapter, the adapted target's greedy rows, the drafter adapter.
+LORA_SHARES = (0.4, 0.2, 0.4)
+
+
+def lora_dirs(domain: str) -> tuple[str, str]:
+    return f"minedraft-target-lora-{domain}", f"minedraft-draft-lora-{domain}"
+
+
+def in_domain(doc: Doc, domain: str) -> bool:
+    return doc.path.startswith(domain + "/")
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """`model` with a fresh PEFT LoRA (rank r, alpha 2r) on the seven projections of every layer; only the
+    adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_PROJECTIONS)
+    return get_peft_model(model, config)
+
+
+def save_lora(model: torch.nn.Module, folder: Path, base: str) -> None:
+    """The adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors), bf16 like the
+    shipped models; its config names the base as the bundled folder's name (not this machine's path), and
+    PEFT's generated model card is left out."""
+    weights = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items() if "lora_" in k}
+    model.peft_config["default"].base_model_name_or_path = base
+    model.save_pretrained(folder, safe_serialization=True, state_dict=weights)
+    (folder / "README.md").unlink(missing_ok=True)
+
+
+def load_adapted(base: Path, adapter: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """`base` with the shipped `adapter` merged into its weights (PEFT's merge_and_unload), as served."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(base), adapter).merge_and_unload().to(dtype).eval()
+
+
+def domain_prompts(heldout: Sequence[Doc], tok: Tokenizer, args: argparse.Namespace) -> list[dict[str, str]]:
+    """Held-out prompts of the domain (cut from its held-out files like prompts/heldout.jsonl's)."""
+    docs = [d for d in heldout if in_domain(d, args.lora_domain)]
+    if not docs:
+        raise SystemExit(f"no held-out files under {args.lora_domain}/: pick another --lora-domain")
+    return cut_prompts(docs, tok, args.lora_prompts, args.min_prompt_tokens, args.max_prompt_tokens, args.seed)
+
+
+def train_lora(out: Path, tok: Tokenizer, train_docs: Sequence[Doc], heldout_docs: Sequence[Doc],
+               args: argparse.Namespace, gen: torch.Generator) -> dict:
+    """A LoRA pair for one domain: a target adapter fine-tuned on the domain's training files (plain LM loss),
+    then a drafter adapter for the shipped draft distilled from the adapted target (the draft recipe's KL +
+    hard loss, on domain windows and the adapted target's greedy continuations of them). --lora-minutes
+    bounds the three stages together (LORA_SHARES of it each)."""
+    eos_id = tok.token_to_id(EOS)
+    docs = [d for d in train_docs if in_domain(d, args.lora_domain)]
+    stream = encode_stream(tok, docs, eos_id)
+    log.info("lora domain %s/: %d train files, %d tokens", args.lora_domain, len(docs), len(stream))
+    minutes = [args.lora_minutes * share for share in LORA_SHARES]
+    target_dir, draft_dir = (out / d for d in lora_dirs(args.lora_domain))
+
+    target = with_lora(load_model(out / TARGET_DIR), args.lora_rank)
+    target_run = train_loop(target, lambda: random_windows(stream, args.batch, args.seq_len + 1, gen),
+                            lambda x: lm_loss(target, x), Budget(args.lora_target_steps, minutes[0]),
+                            args.lora_target_lr, "target-lora", args.log_every)
+    save_lora(target, target_dir, TARGET_DIR)
+
+    # The teacher is what is served: the shipped target with the shipped (bf16) adapter, merged, in bf16.
+    teacher = load_adapted(out / TARGET_DIR, target_dir, torch.bfloat16)
+    gen_args = argparse.Namespace(**{**vars(args), "gen_seqs": args.lora_gen_seqs, "gen_minutes": minutes[1]})
+    generated = generate_distill_set(teacher, stream, gen_args, gen)
+    batches = mixed_batches(stream, generated, args, gen)
+    draft = with_lora(load_model(out / DRAFT_DIR), args.lora_rank)
+    draft_run = train_loop(draft, lambda: next(batches), distill_loss(teacher, draft, args.hard_weight),
+                           Budget(args.lora_draft_steps, minutes[2]), args.lora_draft_lr, "draft-lora",
+                           args.log_every)
+    save_lora(draft, draft_dir, DRAFT_DIR)
+    prompts = domain_prompts(heldout_docs, tok, args)
+    write_jsonl(prompts, out / LORA_PROMPTS_FILE.format(domain=args.lora_domain))
+    return {"domain": args.lora_domain, "domain_train_files": len(docs), "domain_train_tokens": len(stream),
+            "target_lora_training": target_run, "generated_rows": len(generated),
+            "draft_lora_training": draft_run, "adapter_bytes": {
+                d.name: (d / "adapter_model.safetensors").stat().st_size for d in (target_dir, draft_dir)}}
+
+
+def evaluate_lora(out: Path, tok: Tokenizer, heldout_docs: Sequence[Doc], args: argparse.Namespace) -> dict:
+    """Reload the shipped pair: the domain's held-out loss with and without the target adapter, and the greedy
+    acceptance of the adapted target with the base draft and with the drafter adapter, on the domain's held-out
+    prompts and on as many of prompts/heldout.jsonl's from other files."""
+    target_dir, draft_dir = (out / d for d in lora_dirs(args.lora_domain))
+    base, draft = load_model(out / TARGET_DIR), load_model(out / DRAFT_DIR)
+    adapted, adapted_draft = load_adapted(out / TARGET_DIR, target_dir), load_adapted(out / DRAFT_DIR, draft_dir)
+    eos_id = tok.token_to_id(EOS)
+    heldout = encode_stream(tok, [d for d in heldout_docs if in_domain(d, args.lora_domain)], eos_id)
+    windows = eval_windows(heldout, args.loss_windows, args.seq_len + 1, args.seed + 3)
+    report: dict = {"domain_heldout_loss": {"target": round(mean_loss(base, windows), 4),
+                                            "target+adapter": round(mean_loss(adapted, windows), 4)}}
+    log.info("domain held-out loss: %s", report["domain_heldout_loss"])
+    on = [json.loads(line)["prompt"] for line in
+          (out / LORA_PROMPTS_FILE.format(domain=args.lora_domain)).read_text().splitlines()]
+    off = [r["prompt"] for r in map(json.loads, (out / PROMPTS_FILE).read_text().splitlines())
+           if not r["source"].startswith(args.lora_domain + "/")]
+    count = args.lora_eval_prompts
+    for name, texts in (("domain", on[:count]), ("off_domain", off[:count])):
+        report[name] = {
+            drafter: measure_acceptance(adapted, model, tok, texts, args.eval_new_tokens, args.k)
+            for drafter, model in (("base_draft", draft), ("draft+adapter", adapted_draft))
+        }
+        log.info("acceptance %s: %s", name, report[name])
+    return report
+
+
 # ---------------------------------------------------------------------- evaluation
 
 
@@ -1027,14 +1144,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p-eagle-anchors", type=int, default=48, help="mask chains per training row")
     p.add_argument("--p-eagle-mask-weight", type=float, default=1.0,
                    help="weight of the masked positions' mean loss next to the real positions' (d_1)")
+    p.add_argument("--lora-domain", default="idlelib",
+                   help="the stdlib package whose files the LoRA pair is fine-tuned on (and held-out prompts from)")
+    p.add_argument("--lora-rank", type=int, default=16, help="r of both adapters (alpha = 2r)")
+    p.add_argument("--lora-minutes", type=float, default=8.0,
+                   help="wall-clock cap of the LoRA phase's training, all three stages together (<= 0: none)")
+    p.add_argument("--lora-target-steps", type=int, default=400)
+    p.add_argument("--lora-target-lr", type=float, default=1e-3)
+    p.add_argument("--lora-gen-seqs", type=int, default=512, help="adapted-target greedy rows for the drafter")
+    p.add_argument("--lora-draft-steps", type=int, default=600)
+    p.add_argument("--lora-draft-lr", type=float, default=2e-3)
+    p.add_argument("--lora-prompts", type=int, default=64, help="held-out prompts of the domain written")
+    p.add_argument("--lora-eval-prompts", type=int, default=48, help="prompts per side for the LoRA acceptance")
     p.add_argument("--phase", choices=("all", "pard", "pard-eval", "eagle3", "eagle3-eval", "p-eagle",
-                                       "p-eagle-eval"), default="all",
+                                       "p-eagle-eval", "lora", "lora-eval"), default="all",
                    help="all: everything but EAGLE-3; pard: only the PARD draft, from the target and draft already "
                         "in --out; pard-eval: only measure the shipped PARD draft's acceptance; eagle3: only the "
                         "EAGLE-3 head for the target in --out; eagle3-eval: only measure the shipped head's "
                         "acceptance next to the sequential draft's; p-eagle: only the P-EAGLE head, fine-tuned "
                         "from the EAGLE-3 head in --out; p-eagle-eval: only measure it next to the EAGLE-3 head "
-                        "and the sequential draft")
+                        "and the sequential draft; lora: only the LoRA pair for --lora-domain (a target adapter "
+                        "and a drafter adapter distilled from the adapted target); lora-eval: only measure it")
     p.add_argument("--loss-windows", type=int, default=48, help="windows for final loss estimates")
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--min-prompt-tokens", type=int, default=20)
@@ -1049,10 +1179,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("target_steps", "draft_steps", "pard_steps", "eagle3_steps", "p_eagle_steps", "gen_seqs"):
+    for name in ("target_steps", "draft_steps", "pard_steps", "eagle3_steps", "p_eagle_steps", "gen_seqs",
+                 "lora_target_steps", "lora_draft_steps", "lora_gen_seqs"):
         setattr(args, name, max(1, round(getattr(args, name) * args.scale)))
     for name in ("target_minutes", "draft_minutes", "pard_minutes", "eagle3_minutes", "p_eagle_minutes",
-                 "gen_minutes"):
+                 "gen_minutes", "lora_minutes"):
         setattr(args, name, getattr(args, name) * args.scale)
     return args
 
@@ -1095,6 +1226,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = train_p_eagle(out, tok, encode_stream(tok, train_docs, tok.token_to_id(EOS)), args, gen)
         report["training_minutes"] = round((time.monotonic() - t0) / 60, 1)
         report["acceptance"] = evaluate_p_eagle(out, tok, args)
+        report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        print(json.dumps(report, indent=2))
+        return
+    if args.phase in ("lora", "lora-eval"):
+        tok = Tokenizer.from_file(str(out / TARGET_DIR / "tokenizer.json"))
+        report = train_lora(out, tok, train_docs, heldout_docs, args, gen) if args.phase == "lora" else {}
+        report["training_minutes"] = round((time.monotonic() - t0) / 60, 1)
+        report["acceptance"] = evaluate_lora(out, tok, heldout_docs, args)
         report["total_minutes"] = round((time.monotonic() - t0) / 60, 1)
         print(json.dumps(report, indent=2))
         return

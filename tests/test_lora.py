@@ -197,6 +197,28 @@ def test_every_mode_equals_the_merged_target_alone(served, mode):
     assert outputs[0] != greedy(tiny_config(pair), [(prompts[0], None)])[0], "the adapter changes the output"
 
 
+def test_llm_generate_takes_one_lora_request_per_prompt(served):
+    """LLM.generate(lora_request=[...]): one adapter (or None) per prompt, as vLLM takes them; each prompt gets
+    what its adapter gives it alone."""
+    from minedraft.llm import LLM, LoRARequest
+    from minedraft.sampling.params import SamplingParams
+
+    from conftest import tiny_config
+
+    pair, modules, _ = served
+    config = tiny_config(pair, MODES["sd"], enable_lora=True, lora_modules=modules, max_loras=3)
+    prompts = [tokens(7 + i, seed=40 + i) for i in range(4)]
+    names = ["a", None, "b", "a"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(**config.model_dump(exclude_unset=True)) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False,
+                               lora_request=[n and LoRARequest(n, i + 1) for i, n in enumerate(names)])
+        with pytest.raises(ValueError, match="2 lora requests for 4 prompts"):
+            llm.generate(prompts, params, use_tqdm=False, lora_request=["a", "b"])
+    alone = greedy(config, list(zip(prompts, names, strict=True)), max_tokens=8)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone
+
+
 def test_engine_refuses_unknown_adapter_and_drafter_adapter_with_eagle(served):
     from minedraft.engine.engine import LLMEngine
     from minedraft.sampling.params import SamplingParams
@@ -210,3 +232,30 @@ def test_engine_refuses_unknown_adapter_and_drafter_adapter_with_eagle(served):
     with pytest.raises(ValueError, match="draft_path.*not EAGLE heads or PARD"):
         tiny_config(pair, {"num_speculative_tokens": 2, "parallel_drafting": True}, enable_lora=True,
                     lora_modules=modules)
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models"
+DOMAIN = "idlelib"  # the shipped pair's domain (models/train.py --phase lora)
+
+
+def test_shipped_lora_pair_serves_the_merged_target(tmp_path):
+    """The shipped idlelib pair loads and serves: with the target adapter (its drafter adapter drafting) the greedy
+    output is the PEFT-merged target's alone, and not the base target's."""
+    from minedraft.model.tokenizer import load_tokenizer
+
+    from conftest import tiny_config
+
+    target, draft = BUNDLED / "minedraft-target", BUNDLED / "minedraft-draft"
+    adapter, drafter = BUNDLED / f"minedraft-target-lora-{DOMAIN}", BUNDLED / f"minedraft-draft-lora-{DOMAIN}"
+    merged = merged_checkpoint(target, adapter, tmp_path / "merged")
+    tokenizer = load_tokenizer(str(target))
+    rows = (BUNDLED / "prompts" / f"lora-{DOMAIN}.jsonl").read_text().splitlines()[:2]
+    prompts = [tokenizer.encode(json.loads(row)["prompt"]) for row in rows]
+    pair, spec = (str(target), str(draft)), {"num_speculative_tokens": 4, "adaptive": False}
+    modules = [{"name": DOMAIN, "path": str(adapter), "draft_path": str(drafter)}]
+    served = greedy(tiny_config(pair, spec, enable_lora=True, lora_modules=modules, max_model_len=512),
+                    [(p, DOMAIN) for p in prompts], max_tokens=24)
+    alone = greedy(tiny_config((str(merged), str(draft)), max_model_len=512), [(p, None) for p in prompts], 24)
+    base = greedy(tiny_config(pair, max_model_len=512), [(p, None) for p in prompts], 24)
+    assert served == alone
+    assert served != base, "the shipped adapter must change the greedy output"

@@ -79,18 +79,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        lora_request: LoRARequest | str | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs come back in prompt order.
-        lora_request: the LoRA adapter (of lora_modules, by name) every prompt runs through.
+        lora_request: the LoRA adapter (of lora_modules, by name) every prompt runs through, or one per prompt
+        (None: the base model), as vLLM takes them.
 
         Every prompt is validated before any is run, so one bad prompt fails the call cleanly.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        lora = lora_request.lora_name if isinstance(lora_request, LoRARequest) else lora_request
-        requests = [self._make_request(i, p, sp, lora) for i, (p, sp) in enumerate(zip(prompts, params))]
+        loras = self._loras_per_prompt(lora_request, len(prompts))
+        requests = [self._make_request(i, p, sp, lora)
+                    for i, (p, sp, lora) in enumerate(zip(prompts, params, loras, strict=True))]
         for request in requests:
             self.engine.enqueue(request)
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
@@ -148,6 +150,19 @@ class LLM:
                                             lora=lora)
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
+
+    @staticmethod
+    def _loras_per_prompt(
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None, n: int
+    ) -> list[str | None]:
+        def name(one: LoRARequest | str | None) -> str | None:
+            return one.lora_name if isinstance(one, LoRARequest) else one
+
+        if lora_request is None or isinstance(lora_request, (str, LoRARequest)):
+            return [name(lora_request)] * n
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} lora requests for {n} prompts")
+        return [name(one) for one in lora_request]
 
     @staticmethod
     def _params_per_prompt(
