@@ -229,7 +229,8 @@ def test_a_killed_verifier_that_drafts_itself_is_restarted_and_no_request_is_los
     """--colocate-drafter: one process holds both models; killed, it is restarted like a verifier, and the
     group speculates through it again."""
     fixed = json.dumps({**SPEC, "model": pair[1], "adaptive": False})  # it drafts whatever the acceptance
-    stack = Up(pair, tmp_path, "--colocate-drafter", "--speculative-config", fixed)
+    # --metrics-port 0: the module's `up` holds the default metrics port
+    stack = Up(pair, tmp_path, "--colocate-drafter", "--speculative-config", fixed, "--metrics-port", "0")
     try:
         assert "drafter" not in stack.services()
         streams = _streams(stack.address, _prompts(), retries=0)
