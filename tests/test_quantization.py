@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from test_greedy_equivalence import STRICT, _run, _workload
 
 from minedraft.config import EngineConfig
-from minedraft.frontends.grpc_api import checkpoint_quantization
 from minedraft.model.checkpoint import CheckpointError
 from minedraft.model.runner import ModelRunner, SeqInput
+from minedraft.scheduler.info import checkpoint_quantization
 
 from tiny_models import make_tiny_checkpoint
 

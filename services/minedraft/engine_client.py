@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from minedraft.config import LoraModule
 from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from minedraft.api.generate_pb2 import ServerInfo
 
 
 @dataclass
@@ -71,11 +74,12 @@ class RequestFailed(RuntimeError):
 class EngineClient(Protocol):
     """An engine the frontends can submit to. `failed` is why it cannot run requests now (None: it can);
     `speculation` what adaptive speculation measured and chose, as of the last second (None: not known here);
-    `lora_adapters` the names of the LoRA adapters a request may run through."""
+    `lora_adapters` the names of the LoRA adapters a request may run through (None: not known here, the engine
+    behind checks them)."""
 
     failed: str | None
     speculation: dict | None
-    lora_adapters: list[str]
+    lora_adapters: list[str] | None
 
     @property
     def max_model_len(self) -> int: ...
@@ -88,8 +92,9 @@ class EngineClient(Protocol):
         """Raises ValueError naming the field if the engine cannot honour the request."""
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
-               sink: Sink, lora: str | None = None) -> None:  # fmt: skip
-        """Queue a request, through LoRA adapter `lora` (one of `lora_adapters`; None: the base model)."""
+               sink: Sink, lora: str | None = None, deadline: float | None = None) -> None:  # fmt: skip
+        """Queue a request, through LoRA adapter `lora` (one of `lora_adapters`; None: the base model).
+        `deadline`: the time.monotonic() until which its client waits (None: no deadline)."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -98,3 +103,7 @@ class EngineClient(Protocol):
 
     async def unload_lora(self, name: str) -> None:
         """Stop serving an adapter once the requests running through it have finished; raises LoraRefused."""
+
+    async def server_info(self, timeout: float | None) -> ServerInfo:
+        """What GetServerInfo answers, within `timeout` seconds (None: the engine's own bound); raises
+        `frontends.generate.GenerateError` when it cannot be told."""

@@ -92,7 +92,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     metrics.decoding.labels(**config.decoding()).set(1)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, addr=api.host)  # first: a taken port stops us before we listen
-    server = await _start_grpc(api, MineDraftServicer(generator, config), state.health)
+    server = await _start_grpc(api, MineDraftServicer(generator), state.health)
     http = None
     try:
         http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
@@ -108,7 +108,7 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
 
     recovery = Recovery.of(settings)
     loop = EngineLoop(engine, engine.executor, metrics, on_state=report, recovery=recovery,
-                      stats_interval_s=settings.log_stats_interval)  # fmt: skip
+                      stats_interval_s=settings.log_stats_interval, max_waiting=limits.max_waiting)  # fmt: skip
     loop.start()
     generator.engine = loop
     await state.set(True)

@@ -31,10 +31,14 @@ class ErrorKind(enum.Enum):
 
 
 class GenerateError(Exception):
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    """`grpc_status`: the name of the gRPC status a remote engine refused the request with (the gateway's
+    groups), which the gRPC frontend passes on as it came; None: the kind's own."""
+
+    def __init__(self, kind: ErrorKind, message: str, grpc_status: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.grpc_status = grpc_status
 
 
 _DEFAULTS = PublicApiSettings()
@@ -82,13 +86,14 @@ class Generator:
         add_special_tokens: bool = True,
         fit_context: bool = False,
         lora: str | None = None,
+        deadline: float | None = None,
     ) -> Generation:
         """Admit one request; raises GenerateError if it is refused. The caller must close the result.
 
         `add_special_tokens=False` for a rendered chat template, which holds its special tokens already
         (as Hugging Face tokenizes it). `fit_context`: refuse a request whose prompt and max_tokens together
         exceed the context (OpenAI's rule) instead of stopping it at the context's end. `lora`: the LoRA
-        adapter it runs through (None: the base model)."""
+        adapter it runs through (None: the base model). `deadline`: the client's, as time.monotonic()."""
         engine = self.check_ready()
         self.check_prompt_size(prompt)
         _check_lora(engine, lora)
@@ -110,7 +115,7 @@ class Generator:
             if fit_context:
                 _check_context_length(engine.max_model_len, len(prompt_ids), params.max_tokens)
             engine.submit(generation.internal_id, prompt_ids, params, prompt if isinstance(prompt, str) else None,
-                          generation.sink, lora=lora)  # fmt: skip
+                          generation.sink, lora=lora, deadline=deadline)  # fmt: skip
         except BaseException:
             generation.release()
             raise
@@ -151,7 +156,7 @@ class Generator:
 
 
 def _check_lora(engine: EngineClient, name: str | None) -> None:
-    if name is not None and name not in engine.lora_adapters:
+    if name is not None and engine.lora_adapters is not None and name not in engine.lora_adapters:
         served = ", ".join(engine.lora_adapters) or "none"
         raise GenerateError(ErrorKind.INVALID, f"unknown LoRA adapter {name!r}: this server has {served}")
 

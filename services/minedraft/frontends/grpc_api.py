@@ -1,21 +1,21 @@
-"""The public gRPC API (`minedraft.v1.MineDraft`): a thin frontend over the generate interface."""
+"""The public gRPC API (`minedraft.v1.MineDraft`): a thin frontend over the generate interface.
+
+One servicer for every process that serves the API: a scheduler (over its step loop) and the gateway (over
+its routed engine, which places each request on an engine group); what differs lives in the engine client.
+"""
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
+import time
 
 import grpc
 
 from minedraft.api import generate_pb2
-from minedraft.config import EngineConfig, LoraModule
+from minedraft.config import LoraModule
 from minedraft.engine.engine import LoraRefused
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
-from minedraft.model.config import load_model_config
 from minedraft.serving import parse_generate, parse_request, request_prompt
-from minedraft.version import __version__
 from minedraft.wire import finish_reason_to_proto, logprobs_to_proto, stats_to_proto
 
 STATUS = {
@@ -67,64 +67,44 @@ class LoraUpdates:
         try:
             await call
         except GenerateError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
+            await context.abort(status_of(exc), exc.message)
         except LoraRefused as exc:
             await context.abort(LORA_STATUS[exc.kind], str(exc))
 
 
 class MineDraftServicer(LoraUpdates):
-    def __init__(self, generator: Generator, config: EngineConfig) -> None:
+    def __init__(self, generator: Generator) -> None:
         self.generator = generator
-        self.config = config
 
     async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
         request, params = await parse_generate(request_bytes, context)
         prompt = request_prompt(request)
         try:
             generation = await self.generator.start(prompt, params, request.request_id or None,
-                                                    lora=request.lora_adapter or None)  # fmt: skip
+                                                    lora=request.lora_adapter or None,
+                                                    deadline=_deadline(context))  # fmt: skip
             async with generation:
                 async for item in generation:
                     yield _response(generation.request_id, item)
         except GenerateError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
+            await context.abort(status_of(exc), exc.message)
 
     async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
         await parse_request(generate_pb2.GetServerInfoRequest, request_bytes, context)
         try:
-            engine = self.generator.check_ready()
+            return await self.generator.check_ready().server_info(context.time_remaining())
         except GenerateError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        spec = self.config.speculative_config
-        num_kv_blocks, kv_block_size = engine.kv_pool or (0, 0)
-        return generate_pb2.ServerInfo(
-            version=__version__,
-            target_model=str(self.config.target_path),
-            draft_model=str(self.config.draft_path) if spec else "",
-            mode=self.config.mode.value,
-            speculative_config_json=json.dumps(spec.model_dump(exclude_none=True)) if spec else "",
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=engine.max_model_len,
-            max_waiting_requests=self.generator.limits.max_waiting,
-            vocab_size=self.generator.tokenizer.vocab_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_block_size=kv_block_size,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            draft_method=spec.draft_method if spec else "",
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            quantization=checkpoint_quantization(self.config.target_path),
-            draft_quantization=checkpoint_quantization(self.config.draft_path) if spec else "",
-            speculation_json=json.dumps(engine.speculation) if engine.speculation else "",
-            lora_adapters=engine.lora_adapters,
-        )
+            await context.abort(status_of(exc), exc.message)
 
 
-@functools.cache
-def checkpoint_quantization(path: Path) -> str:
-    """The checkpoint's quantization as GetServerInfo reports it (the folder is read once)."""
-    quant = load_model_config(path).quantization
-    return quant.describe() if quant else ""
+def status_of(exc: GenerateError) -> grpc.StatusCode:
+    """The status a remote engine gave, as it came; else the error kind's."""
+    return grpc.StatusCode[exc.grpc_status] if exc.grpc_status else STATUS[exc.kind]
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:

@@ -4,8 +4,7 @@ A request is sent to the group its routing policy picks (`policies.py`; by defau
 outstanding work, `pool.py`). When that group fails
 mid-request (UNAVAILABLE: its scheduler died or lost its verifier for good), it is submitted again to
 another group as prompt + the tokens already streamed, with the remaining max_tokens and the same seed.
-Both public protocols route through `Router`: gRPC (`service.py`) and the OpenAI HTTP API
-(`routed_engine.py`).
+Both public protocols route through `Router`, by way of the gateway's engine client (`routed_engine.py`).
 
 Text is derived here, from token ids, by the engine's own `Request` (detokenizer and stop strings) run
 over the whole sequence: a multi-byte character cut at the seam, or a stop string spanning it, comes

@@ -1,9 +1,10 @@
-"""`minedraft gateway`: the public MineDraft API in front of N engine groups, with request migration.
+"""`minedraft gateway`: the process that serves the public MineDraft API in front of N engine groups.
 
-Stateless: a request lives here only while its stream is open. `router.py` places it on the group its
-routing policy picks (`policies.py`) and, when that group fails mid-request, submits it again to another group as
-prompt + the tokens already streamed, with the remaining max_tokens and the same seed; the client's
-stream goes on.
+Stateless: a request lives here only while its stream is open. Both public frontends are the scheduler's
+own (`frontends/`) over the gateway's engine client (`routed_engine.py`); `router.py` places each request
+on the group its routing policy picks (`policies.py`) and, when that group fails mid-request, submits it
+again to another group as prompt + the tokens already streamed, with the remaining max_tokens and the same
+seed; the client's stream goes on. This module wires the listeners, the pool of groups and their discovery.
 """
 
 from __future__ import annotations
@@ -13,74 +14,28 @@ import functools
 import json
 import logging
 import signal
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
-from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
-from minedraft.frontends.generate import GenerateError, Generator, Limits
-from minedraft.frontends.grpc_api import LoraUpdates
+from minedraft.frontends.generate import Generator, Limits
+from minedraft.frontends.grpc_api import MineDraftServicer
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
-from minedraft.gateway.policies import SESSION_HEADER, make_policy
+from minedraft.gateway.policies import make_policy
 from minedraft.gateway.pool import BackendAccess, Pool
-from minedraft.gateway.routed_engine import RoutedEngine, SessionHeader
-from minedraft.gateway.router import GatewayMetrics, Migration, Refused, Router
+from minedraft.gateway.routed_engine import GrpcSessionHeader, RoutedEngine, SessionHeader
+from minedraft.gateway.router import GatewayMetrics, Refused, Router
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.serving import (
-    PUBLIC_SERVICE,
-    parse_generate,
-    parse_request,
-    request_prompt,
-    set_public_status,
-    start_public_server,
-)
+from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
 from minedraft.settings import GatewaySettings
 
 log = logging.getLogger("minedraft.gateway")
-
-
-class GatewayServicer(LoraUpdates):
-    """The public gRPC API at the gateway: prompts checked and tokenized as the HTTP API's (and a scheduler's)
-    generate interface does, then routed (migration keeps the client's deadline for each placement). LoRA
-    adapters loaded or unloaded here are so on every engine group."""
-
-    def __init__(self, router: Router, generator: Generator) -> None:
-        self.router = router
-        self.generator = generator
-
-    async def Generate(self, request_bytes: bytes, context: grpc.aio.ServicerContext):  # noqa: N802
-        request, params = await parse_generate(request_bytes, context)
-        prompt = request_prompt(request)
-        try:
-            self.generator.check_prompt_size(prompt)
-            prompt_ids = await self.generator.prompt_ids(prompt)
-        except GenerateError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-        if not prompt_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: it must contain at least one token")
-        tokenizer = self.generator.tokenizer
-        session = dict(context.invocation_metadata() or ()).get(SESSION_HEADER)
-        migration = Migration(request.request_id or uuid.uuid4().hex, prompt_ids, params, tokenizer, session,
-                              request.lora_adapter or None)  # fmt: skip
-        try:
-            async for response in self.router.run(migration, context.time_remaining):
-                yield response
-        except Refused as exc:
-            await context.abort(exc.code, exc.details)
-
-    async def GetServerInfo(self, request_bytes: bytes, context) -> generate_pb2.ServerInfo:  # noqa: N802
-        await parse_request(generate_pb2.GetServerInfoRequest, request_bytes, context)
-        try:
-            return await self.router.server_info(context.time_remaining())
-        except Refused as exc:
-            await context.abort(exc.code, exc.details)
 
 
 def parse_backend(backend: str) -> tuple[str, str | None]:
@@ -105,8 +60,8 @@ class GatewayApi:
 
 
 class _Public:
-    """The gateway's public listeners: gRPC (health SERVING while some group serves) and, when asked, the
-    OpenAI HTTP API, ready once a group has told its engine's limits."""
+    """The gateway's public listeners: gRPC (health SERVING while some group serves; a request waits for a
+    serving group) and, when asked, the OpenAI HTTP API, ready once a group has told its engine's limits."""
 
     def __init__(self, api: GatewayApi, pool: Pool, tokenizer: Tokenizer, tokenizer_path: str) -> None:
         self.api, self.pool, self.tokenizer = api, pool, tokenizer
@@ -114,8 +69,11 @@ class _Public:
         policy = make_policy(api.settings.routing_policy)
         self.router = Router(pool, api.settings.placement_timeout, self.metrics, policy)
         self.health = health_aio.HealthServicer()
+        self.engine = RoutedEngine(self.router, tokenizer)
         limits = Limits.of(api.settings)
-        self.generator = Generator(tokenizer, limits)
+        self.generator = Generator(tokenizer, limits)  # the HTTP API's: its engine is set once a group told its limits
+        self.grpc_generator = Generator(tokenizer, limits)
+        self.grpc_generator.engine = self.engine
         self.model_name = api.settings.served_model_name or Path(tokenizer_path).name
         self.tokenizer_path = tokenizer_path
         self.grpc: grpc.aio.Server | None = None
@@ -131,9 +89,9 @@ class _Public:
         tls = (settings.tls_cert, settings.tls_key) if settings.tls_cert else None
         await set_public_status(self.health, self.pool.any_serving)  # before the port opens: no default SERVING
         self.grpc, bound = await start_public_server(
-            GatewayServicer(self.router, self.generator), self.health, f"{self.api.host}:{self.api.port}",
+            MineDraftServicer(self.grpc_generator), self.health, f"{self.api.host}:{self.api.port}",
             max_receive_bytes=settings.max_request_bytes, tls=tls,
-            interceptors=[GrpcAuthInterceptor(self.api.api_keys, [PUBLIC_SERVICE])],
+            interceptors=[GrpcAuthInterceptor(self.api.api_keys, [PUBLIC_SERVICE]), GrpcSessionHeader()],
         )  # fmt: skip
         self.pool.on_change.append(self._changed)
         self._changed(self.pool.any_serving)  # in case it changed while the server started
@@ -173,7 +131,8 @@ class _Public:
         self.frontend.decoding = EngineConfig(speculative_config=spec).decoding()  # the groups', for /v1/models
         self.frontend.lora_adapters = list(info.lora_adapters)
         self.router.policy.block_size, self.router.policy.max_num_seqs = info.kv_block_size, info.max_num_seqs
-        self.generator.engine = RoutedEngine(self.router, self.tokenizer, info)
+        self.engine.learn(info)
+        self.generator.engine = self.engine
         log.info("engine groups serve %s in %s mode, max_model_len %d", self.model_name, info.mode, info.max_model_len)
 
     async def stop(self) -> None:

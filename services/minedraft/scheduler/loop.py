@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
+from minedraft.api import generate_pb2
 from minedraft.config import LoraModule
 from minedraft.engine.engine import LLMEngine, LoraRefused
 from minedraft.engine.quarantine import Quarantine
@@ -25,6 +26,7 @@ from minedraft.engine.request import Request, RequestStatus
 from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamItem, send_all
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
+from minedraft.scheduler.info import server_info
 from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
 from minedraft.scheduler.stats_log import StatsLog
 from minedraft.settings import SchedulerSettings
@@ -91,13 +93,16 @@ class EngineLoop:
         on_state: Callable[[bool, str], None] | None = None,
         recovery: Recovery | None = None,
         stats_interval_s: float = 0.0,
+        max_waiting: int | None = None,
     ) -> None:
-        """`stats_interval_s`: seconds between stats log lines while requests run (0: none)."""
+        """`stats_interval_s`: seconds between stats log lines while requests run (0: none); `max_waiting`: the
+        frontends' admission limit, as server_info tells it (None: the settings' default)."""
         self.engine = engine
         self.world = world  # the engine's executor, seen as the workers it can re-form into a new world
         self.metrics = metrics
         self.failed: str | None = None
         self.recovery = recovery or Recovery.of(SchedulerSettings())
+        self.max_waiting = SchedulerSettings().max_waiting_requests if max_waiting is None else max_waiting
         self._on_state = on_state
         self._next_drafter_check = 0.0
         self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
@@ -141,11 +146,16 @@ class EngineLoop:
         self.engine.check_request(prompt_ids, params)  # reads only settings fixed at start: any thread may call
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None, sink: Sink,
-               lora: str | None = None) -> None:  # fmt: skip
+               lora: str | None = None, deadline: float | None = None) -> None:  # fmt: skip
+        """`deadline` is not the step loop's: the frontend aborts a request whose client stopped waiting."""
         self._commands.put(_Submit(request_id, prompt_ids, params, prompt, sink, lora))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def server_info(self, timeout: float | None) -> generate_pb2.ServerInfo:
+        """Read here, from settings fixed at start and the last second's speculation (no worker is asked)."""
+        return server_info(self.engine, self.max_waiting, self.speculation, self.lora_adapters)
 
     async def load_lora(self, module: LoraModule) -> None:
         """Load an adapter on every worker (see `LLMEngine.load_lora`); raises LoraRefused."""
