@@ -280,6 +280,16 @@ class Metrics:
         self.plain_steps.inc(controller.num_plain - plain)
         self._choices_seen = (controller, dict(controller.windows), controller.num_plain)
 
+    def declare_decoding(self, decoding: dict[str, str], num_speculative_tokens: int, adaptive: bool) -> None:
+        """How the server decodes (`decoding_info`), and the speculation series it will export, at 0 from the
+        start (a series that appears only with its first count leaves dashboards and alerts blind until then,
+        and a server whose adaptive speculation decodes plainly might never show it)."""
+        self.decoding.labels(**decoding).set(1)
+        for position in range(num_speculative_tokens):
+            self.accepted_per_pos.labels(position=str(position))
+        for k in range(num_speculative_tokens + 1) if adaptive else ():
+            self.chosen_k.labels(k=str(k))
+
     def record_cache_config(self, num_blocks: int, block_size: int) -> None:
         """The KV pool's shape; a new world may bring another one, which replaces it."""
         labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}

@@ -89,7 +89,9 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     await state.set(False)
     model_name = served_model_name(config, settings)
     metrics = Metrics(model_name=model_name)
-    metrics.decoding.labels(**config.decoding()).set(1)
+    spec = config.speculative_config
+    metrics.declare_decoding(config.decoding(), spec.num_speculative_tokens if spec else 0,
+                             adaptive=spec is not None and spec.adaptive)  # fmt: skip
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, addr=api.host)  # first: a taken port stops us before we listen
     server = await _start_grpc(api, MineDraftServicer(generator), state.health)
