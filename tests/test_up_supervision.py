@@ -69,15 +69,21 @@ class Up:
     def __init__(self, pair, tmp: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port, self.log_dir, self.stderr = free_port(), tmp / "logs", tmp / "up.stderr"
         self.address = f"127.0.0.1:{self.port}"
-        with open(self.stderr, "w") as err:
+        self.stdout = tmp / "up.stdout"
+        with open(self.stderr, "w") as err, open(self.stdout, "w") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(self.port),
                  "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu",
                  "--batch-invariant", "--max-num-seqs", "16", "--max-model-len", "128", "--log-level", "WARNING",
                  "--log-dir", str(self.log_dir), *SUPERVISION, *flags],
-                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})},
+                stdout=out, stderr=err, env={**os.environ, **(env or {})},
             )  # fmt: skip
         wait_serving(self.address, timeout_s=240)
+        # `up` supervises once it has seen the stack serve and said so (a death before that fails its start-up).
+        deadline = time.monotonic() + 60
+        while "is serving on" not in self.stdout.read_text():
+            assert time.monotonic() < deadline, "up never said it serves"
+            time.sleep(0.1)
 
     def services(self) -> dict[str, list[tuple[int, int]]]:
         """(pid, --port) of each running service process, by role."""
