@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minedraft.model.attention import attend, plan_attention
 from minedraft.model.kv_cache import KVCache
 from minedraft.model.runner import ModelRunner, SeqInput
 
@@ -56,16 +57,44 @@ def test_out_of_blocks_is_a_clear_error(runner):
         runner.forward([SeqInput(c, [1], 0)])
 
 
-def test_blocks_are_handed_out_lowest_first():
-    cache = KVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+def test_blocks_are_handed_out_lowest_first_unless_the_next_one_is_free():
+    cache = KVCache(num_layers=1, num_blocks=6, block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                     device="cpu")  # fmt: skip
     a, b = cache.allocate(), cache.allocate()
     cache.fit(a, 3)
     cache.fit(b, 2)
     assert cache.block_tables == {a: [1, 2], b: [3]}
-    cache.fit(a, 2)  # rollback: block 2 goes back and is the next one handed out
-    cache.fit(b, 4)
-    assert cache.block_tables == {a: [1], b: [3, 2]} and cache.token_index(b, 1, 4) == [7, 4, 5]
+    cache.fit(a, 2)  # rollback: block 2 goes back
+    cache.fit(b, 4)  # b grows into the block after its last one, which is free
+    assert cache.block_tables == {a: [1], b: [3, 4]} and cache.token_index(b, 1, 4) == [7, 8, 9]
+    cache.fit(a, 6)  # block 2 follows a's block 1; then 3 is taken, so the lowest free one: 5
+    assert cache.block_tables[a] == [1, 2, 5] and cache.num_free_blocks == 1
+    c = cache.allocate()
+    cache.fit(c, 2)  # the heap's stale entries (2 was taken out of turn) are never handed out twice
+    assert cache.block_tables[c] == [6] and cache.num_free_blocks == 0
+    cache.free(a)
+    cache.free(b)
+    assert cache.num_free_blocks == 5
+    cache.fit(c, 12)  # 6 blocks: 6 then the lowest free ones, each taken once
+    assert cache.block_tables[c] == [6, 1, 2, 3, 4, 5] and cache.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("query", [1, 3, 40])
+def test_attention_over_a_run_of_blocks_reads_them_in_place_with_the_same_result(query: int):
+    """One sequence whose blocks are consecutive in the pool: sdpa reads a view of the pool, bit for bit the
+    result of gathering its blocks (a table out of order takes the gather)."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 8, 4
+    k_cache, v_cache = (torch.randn(kv_heads, 30, block, dim) for _ in range(2))
+    q = torch.randn(query, heads, dim)
+    start = 37
+    for table, in_place in (list(range(5, 25)), True), ([5, 6, 7, 9] + list(range(10, 26)), False):
+        plan = plan_attention([start], [query], [table], block, heads, kv_heads, torch.device("cpu"), False)
+        read = plan.seqs[0] if plan.seqs else plan.padded
+        assert (read.run is not None) == in_place
+        out = attend(q, k_cache, v_cache, plan, 0.3)
+        read.run = None
+        assert torch.equal(out, attend(q, k_cache, v_cache, plan, 0.3))
 
 
 def test_a_budget_below_one_request_is_refused_with_the_numbers(path):

@@ -90,7 +90,10 @@ class KVCache:
                          if feature_dim else None)  # fmt: skip
         self._zeroed = 0  # blocks [0, _zeroed) have been zeroed
         self._zero_blocks_below(NULL_BLOCK + 1)
-        self._free = list(range(1, num_blocks + 1))  # a heap: the lowest free block first keeps the pool compact
+        # A heap (the lowest free block first keeps the pool compact) beside the set of free blocks it stands for:
+        # a block taken out of turn (_take's `after`) leaves a stale heap entry that the set tells apart.
+        self._free = list(range(1, num_blocks + 1))
+        self._free_set = set(self._free)
         self._refs = [0] * (num_blocks + 1)  # sequences holding each block
         self.prefix_index = PrefixIndex() if enable_prefix_caching else None
         self.block_tables: dict[int, list[int]] = {}
@@ -103,7 +106,7 @@ class KVCache:
     def num_free_blocks(self) -> int:
         """Blocks a sequence can take: free ones and cached ones no sequence holds."""
         cached = self.prefix_index.num_evictable if self.prefix_index else 0
-        return len(self._free) + cached
+        return len(self._free_set) + cached
 
     def allocate(self, namespace: str | None = None) -> int:
         """A new, empty sequence; its id indexes block_tables and lengths. `namespace` (a LoRA adapter) keeps its
@@ -170,7 +173,7 @@ class KVCache:
             raise RuntimeError(f"{len(self.block_tables)} sequence(s) still hold blocks")
         if self.prefix_index is not None:
             for block in self.prefix_index.clear():
-                heapq.heappush(self._free, block)
+                self._give_back(block)
 
     def take_prefix_stats(self) -> tuple[int, int]:
         """(tokens looked up, tokens found) since the last call."""
@@ -183,11 +186,25 @@ class KVCache:
     def _drop(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0 and not (self.prefix_index and self.prefix_index.release(block)):
-            heapq.heappush(self._free, block)
+            self._give_back(block)
 
-    def _take(self) -> int:
-        """A block for new tokens: the lowest free one, else the least recently used cached one."""
-        block = heapq.heappop(self._free) if self._free else self.prefix_index.evict()
+    def _give_back(self, block: int) -> None:
+        self._free_set.add(block)
+        heapq.heappush(self._free, block)
+
+    def _take(self, after: int | None = None) -> int:
+        """A block for new tokens: the one after `after` if free (a sequence's blocks in one run of the pool are
+        read in place by attention, model/attention.py), else the lowest free one, else the least recently used
+        cached one."""
+        if after is not None and after + 1 in self._free_set:
+            block = after + 1
+            if len(self._free) > 2 * len(self._free_set) + 64:  # drop the stale entries now and then
+                self._free = sorted(self._free_set)
+        else:
+            while self._free and self._free[0] not in self._free_set:
+                heapq.heappop(self._free)  # taken out of turn earlier
+            block = heapq.heappop(self._free) if self._free else self.prefix_index.evict()
+        self._free_set.discard(block)
         self._refs[block] = 1
         return block
 
@@ -210,7 +227,9 @@ class KVCache:
                 f"KV cache is out of blocks: sequence {seq_id} needs {needed - len(table)} more block(s) of "
                 f"{self.block_size} tokens, {self.num_free_blocks} of {self.num_blocks} are free"
             )
-        new = [self._take() for _ in range(needed - len(table))]
+        new = []
+        for _ in range(needed - len(table)):
+            new.append(self._take(after=(new or table or [None])[-1]))
         if new:
             self._zero_blocks_below(max(new) + 1)
             table.extend(new)
