@@ -18,6 +18,7 @@ import pytest
 from test_pipelines import Letters
 
 from minedraft.engine.adaptive import Shape, SpeculationController
+from minedraft.engine.fits import Trials
 from minedraft.engine.plans import StepResult, Verified
 from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams
@@ -197,3 +198,42 @@ def test_a_shape_is_chosen_by_what_it_measured() -> None:
     assert share[Shape.PLAIN] >= 0.85, (share, controller.describe())
     measured = controller.describe()["measured_seconds_per_token"]
     assert all(set(by_shape) >= {"sd", "overlap", "plain"} for by_shape in measured.values())
+
+
+# --- Trials: how often the choice changes -------------------------------------------------------------------------
+
+
+def _run_trials(trials: Trials, costs: dict[str, float], picks: int, noise: float, rng: random.Random) -> list[str]:
+    """`picks` picks of one kind on a machine where each candidate costs `costs[c]` per unit, +- `noise`."""
+    chosen = []
+    for _ in range(picks):
+        choice = trials.pick("load", list(costs))
+        chosen.append(choice)
+        trials.add("load", choice, costs[choice] * (1 + rng.uniform(-noise, noise)), 1.0)
+    return chosen
+
+
+def _switches(chosen: list[str]) -> int:
+    return sum(a != b for a, b in zip(chosen, chosen[1:]))
+
+
+def test_candidates_within_the_margin_do_not_take_turns() -> None:
+    """Two candidates 1% apart with 5% noise per sample: the one in use stays; the other runs only in probes."""
+    trials = Trials(run=4, probe_every=128, decay=0.9)
+    chosen = _run_trials(trials, {"a": 1.00, "b": 1.01}, 4096, noise=0.05, rng=random.Random(0))
+    # Without a margin the two swapped places whenever noise reordered them (hundreds of switches); with it,
+    # the switches are the probes' (two per probe, the probes backing off) and at most a few settled swaps.
+    assert _switches(chosen) <= 2 * 12 + 4, _switches(chosen)
+
+
+def test_probes_back_off_while_nothing_changes_and_return_when_the_cost_moves() -> None:
+    trials = Trials(run=4, probe_every=128, decay=0.9)
+    rng = random.Random(1)
+    chosen = _run_trials(trials, {"fast": 1.0, "slow": 2.0}, 8192, noise=0.02, rng=rng)
+    probes = chosen.count("slow") // 4 - 1  # the first run is its first try
+    assert probes <= 12, probes  # at 128, 256, 512, then every 1024 picks (64 probes without backing off)
+    # The machine changes: "fast" now costs 1.8 (still below what "slow" last measured) and "slow" 1.2. The cost
+    # of the one in use moved, so the next probe comes within the base interval (not the ~900 picks the backed
+    # off schedule had left) and finds "slow" faster.
+    chosen = _run_trials(trials, {"fast": 1.8, "slow": 1.2}, 512, noise=0.02, rng=rng)
+    assert chosen.index("slow") <= 128 + 8 and chosen[-256:].count("slow") >= 240, chosen.index("slow")

@@ -4,6 +4,7 @@ engine/threads.py's thread counts)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit
 
@@ -91,37 +92,66 @@ class Ratio:
 class Trials:
     """Per kind of situation, the candidate whose runs cost the least per unit of work here (seconds per token,
     say), measured, not predicted. Each candidate a kind allows is first tried for a run of `run` picks; then the
-    cheapest runs, and every `probe_every` picks of a kind another candidate runs again, so that a change (a
-    neighbour that comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a
-    run that has settled (the first steps after a change carry the change's own cost). `decay` per sample: a
-    probe's few samples outweigh what that candidate measured long ago."""
+    cheapest runs, and now and then another candidate runs again (a probe), so that a change (a neighbour that
+    comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a run that has
+    settled (the first steps after a change carry the change's own cost). `decay` per sample: a probe's few
+    samples outweigh what that candidate measured long ago.
 
-    def __init__(self, run: int, probe_every: int, decay: float) -> None:
+    Changing costs too (the switch itself, and every probe runs something slower): the candidate in use stays
+    until another measures cheaper by more than `margin` (a fraction), and each probe that changes nothing
+    doubles the picks to the next one, from `probe_every` up to `max_backoff` times it; once the candidate in use
+    costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
+
+    def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
+                 drift: float = 0.1) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
-        # kind -> candidate -> (decayed seconds, decayed work); kind -> picks; kind -> (candidate, picks left).
+        self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
+        # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
-        self._picks: dict[Hashable, int] = {}
-        self._trial: dict[Hashable, tuple[Hashable, int]] = {}
+        self._state: dict[Hashable, _KindState] = {}
 
     def pick(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
         """The candidate to run now, of those allowed now (the untried in the order given)."""
-        step = self._picks[kind] = self._picks.get(kind, 0) + 1
-        current, left = self._trial.get(kind, (None, 0))
-        if left and current in candidates:
-            choice, left = current, left - 1
+        state = self._state.setdefault(kind, _KindState(interval=self.probe_every, next_probe=self.probe_every))
+        state.picks += 1
+        if state.left and state.current in candidates:
+            state.left -= 1
+            return state.current
+        if state.probing:  # a probe's run has ended: did it change the choice?
+            state.probing = False
+            changed = self.choice(kind, candidates, state.settled) != state.settled
+            state.interval = self.probe_every if changed else min(2 * state.interval,
+                                                                  self.max_backoff * self.probe_every)
+            state.next_probe = state.picks + state.interval
+        measured = self._cost.get(kind, {})
+        unseen = [c for c in candidates if c not in measured]
+        settled = self.choice(kind, candidates, state.settled)
+        others = [c for c in candidates if c != settled]
+        if unseen:
+            state.current, state.left = unseen[0], self.run - 1
+        elif state.picks >= state.next_probe and others:
+            state.probes += 1
+            state.current, state.left, state.probing = others[state.probes % len(others)], self.run - 1, True
         else:
-            measured = self._cost.get(kind, {})
-            unseen = [c for c in candidates if c not in measured]
-            best = self.best(kind, candidates)
-            others = [c for c in candidates if c != best]
-            if unseen:
-                choice, left = unseen[0], self.run - 1
-            elif step % self.probe_every == 0 and others:
-                choice, left = others[step // self.probe_every % len(others)], self.run - 1
-            else:
-                choice, left = best, 0
-        self._trial[kind] = (choice, left)
-        return choice
+            state.current = state.settled = settled
+            self._watch_drift(kind, state)
+        return state.current
+
+    def _watch_drift(self, kind: Hashable, state: _KindState) -> None:
+        """Probes at their base rate again once the settled candidate's cost has moved (the machine changed)."""
+        cost = self.cost(kind, state.settled)
+        if state.watched != state.settled or not 0 < state.baseline < float("inf"):
+            state.watched, state.baseline = state.settled, cost
+        elif abs(cost / state.baseline - 1) > self.drift:
+            state.interval, state.baseline = self.probe_every, cost
+            state.next_probe = min(state.next_probe, state.picks + self.probe_every)
+
+    def choice(self, kind: Hashable, candidates: Sequence[Hashable], incumbent: Hashable | None = None) -> Hashable:
+        """The measured cheapest of `candidates`, unless `incumbent` is within the margin of it."""
+        best = self.best(kind, candidates)
+        if incumbent in candidates and self.cost(kind, incumbent) * (1 - self.margin) <= self.cost(kind, best):
+            return incumbent
+        return best
 
     def best(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
         """The measured cheapest of `candidates` (the first, before any was measured)."""
@@ -140,3 +170,17 @@ class Trials:
     def costs(self) -> dict[Hashable, dict[Hashable, float]]:
         """Per kind, each measured candidate's cost per unit of work."""
         return {kind: {c: self.cost(kind, c) for c in costs} for kind, costs in self._cost.items()}
+
+
+@dataclass
+class _KindState:
+    interval: int  # picks from one probe to the next
+    next_probe: int  # the pick the next probe starts at
+    picks: int = 0
+    current: Hashable = None  # the candidate running now, and the picks its run has left
+    left: int = 0
+    settled: Hashable = None  # the candidate chosen outside tries and probes
+    probing: bool = False  # the current run is a probe
+    probes: int = 0
+    watched: Hashable = None  # the settled candidate whose cost is watched, and its cost when watching began
+    baseline: float = 0.0
