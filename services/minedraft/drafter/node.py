@@ -13,7 +13,15 @@ from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto
-from minedraft.worker_node import check_epoch, join_world, max_model_len_of, topology_of, worker_info
+from minedraft.worker_node import (
+    MissedResults,
+    check_epoch,
+    defers_results,
+    join_world,
+    max_model_len_of,
+    topology_of,
+    worker_info,
+)
 
 log = logging.getLogger("minedraft.drafter")
 
@@ -32,6 +40,7 @@ class DrafterNode:
         self.groups: WorldGroups | None = None
         self.channel: StepChannel | None = None
         self.epoch: int | None = None
+        self.missed = MissedResults(lambda request_id: request_id)  # the results the verifier holds for it
 
     def join(self, request: worker_pb2.JoinRequest) -> None:
         """Drop every request and meet the verifier ranks in a new world (a store client per join: the
@@ -48,27 +57,35 @@ class DrafterNode:
 
     def leave(self) -> None:
         self.worker.reset()
+        self.missed.take()
         self.epoch, self.channel = None, None
         if self.groups is not None:
             self.groups.close()
             self.groups = None
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        """Draft, then the step-end exchange: results in first, then the still-valid drafts out."""
+        """Draft, then the step-end exchange: results in first, then the still-valid drafts out. A step that
+        drafts nothing is answered at once: its results come with the next step that drafts (MissedResults)."""
         check_epoch(self.epoch, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
+        self.missed.drop(release)
         loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         if draft is not None:
+            missed = self.missed.take()
+            if missed:
+                self.worker.apply_results(self.channel.recv_results(missed))
             self.threads.use(together=verify is not None, requests=len(draft.tasks), prefill=bool(draft.prefill))
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start
             self.threads.done(reply.draft_seconds)
             reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
-        if verify is not None:
+        if verify is not None and draft is None and defers_results(self.config):
+            self.missed.add(t.request_id for t in verify.tasks)
+        elif verify is not None:
             self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
             if isinstance(self.worker, EagleDraftWorker):
                 self.worker.receive_features(self.channel.recv_features(verify.request_ids()))

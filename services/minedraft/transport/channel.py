@@ -94,23 +94,17 @@ class StepChannel:
 
     # -- results: verifier rank 0 -> drafter and TP followers -------------------------------------
 
-    def send_results(self, results: list[Verified]) -> None:
-        """Verifier rank 0: hand this step's results to the drafter and to the other verifier ranks."""
+    def send_results(self, results: list[Verified], to_drafter: bool = True) -> None:
+        """Verifier rank 0: hand this step's results to the other verifier ranks, and to the drafter unless
+        `to_drafter` is False (a step it sat out: it gets them later, `send_missed_results`)."""
         if not self._verifier_role("send_results"):
             raise RuntimeError("only verifier rank 0 sends results; the other ranks call recv_results")
-        header = [len(results), ids_hash([r.request_id for r in results]), 0]
-        counts: list[int] = []
-        tokens: list[int] = []
-        for result in results:
-            counts += [len(result.token_ids), result.num_draft_tokens, result.num_accepted]
-            tokens += result.token_ids
-        header[2] = len(tokens)
-        messages = [self._ints(header + counts)] + ([self._ints(tokens)] if tokens else [])
+        messages = self._result_messages(results)
         # The drafter's copy goes asynchronously so that it overlaps with the TP broadcast. The other verifier
         # ranks get theirs even when the drafter is gone: they must stay in step with rank 0 (the next thing
         # they receive from it may be a new world to join), so a failed send is raised only after that.
         pending, failure = [], None
-        if self.groups.topology.has_drafter:
+        if to_drafter and self.groups.topology.has_drafter:
             try:
                 pending = [dist.isend(m, dst=self.groups.topology.drafter_rank) for m in messages]
             except RuntimeError as exc:
@@ -122,6 +116,24 @@ class StepChannel:
             work.wait()
         if failure is not None:
             raise failure
+
+    def send_missed_results(self, results: list[Verified]) -> None:
+        """Verifier rank 0: the results of the steps the drafter sat out, in one message (it calls
+        recv_results with their request ids, in the same order)."""
+        if not self._verifier_role("send_missed_results") or not self.groups.topology.has_drafter:
+            raise RuntimeError("only verifier rank 0 of a world with a drafter sends it missed results")
+        for message in self._result_messages(results):
+            dist.send(message, dst=self.groups.topology.drafter_rank)
+
+    def _result_messages(self, results: list[Verified]) -> list[torch.Tensor]:
+        header = [len(results), ids_hash([r.request_id for r in results]), 0]
+        counts: list[int] = []
+        tokens: list[int] = []
+        for result in results:
+            counts += [len(result.token_ids), result.num_draft_tokens, result.num_accepted]
+            tokens += result.token_ids
+        header[2] = len(tokens)
+        return [self._ints(header + counts)] + ([self._ints(tokens)] if tokens else [])
 
     def recv_results(self, request_ids: list[str]) -> list[Verified]:
         """Drafter and verifier ranks 1..tp-1: this step's results, in the order of `request_ids`."""

@@ -18,7 +18,7 @@ from minedraft.model.runner import ModelRunner
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
-from minedraft.worker_node import check_epoch, join_world, max_model_len_of, worker_info
+from minedraft.worker_node import MissedResults, check_epoch, defers_results, join_world, max_model_len_of, worker_info
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -51,6 +51,7 @@ class VerifierNode:
         self.threads = StepThreads(self.device, threads_beside)
         self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None
         self.epoch: int | None = None
+        self.missed = MissedResults(lambda verified: verified.request_id)  # what the drafter has yet to get
 
     @property
     def is_leader(self) -> bool:
@@ -66,6 +67,7 @@ class VerifierNode:
         """Drop every request and form the new world: the verifier ranks, and the drafter if there is one.
         A lone verifier rank without a drafter needs no world at all."""
         self.worker.reset()
+        self.missed.take()
         self.epoch, self.channel = None, None
         for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
             log.error("verifier rank %d cannot serve LoRA adapter %r: %s", self.rank, name, error)
@@ -117,9 +119,15 @@ class VerifierNode:
     def _run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
+        self.missed.drop(release)
         loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
+        sits_out = self._has_drafter and draft is None and defers_results(self.config)
+        if draft is not None and self._has_drafter and self.is_leader:
+            missed = self.missed.take()
+            if missed:  # the drafter applies them before it drafts, while this rank verifies
+                self.channel.send_missed_results(missed)
         if verify is not None:
             self.threads.use(together=draft is not None and self._has_drafter, requests=len(verify.tasks),
                              prefill=bool(verify.prefill))  # fmt: skip
@@ -131,7 +139,9 @@ class VerifierNode:
             reply.verify_tokens = self.worker.runner.take_work()[1]
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
-                    self.channel.send_results(results)
+                    self.channel.send_results(results, to_drafter=not sits_out)
+                    if sits_out:
+                        self.missed.add(results)
                     if self._has_drafter and self.config.uses_eagle_head:  # what the EAGLE head reads
                         features = self.worker.features(batch, results)
                         self.channel.send_features(verify.request_ids(), features, self.runner.feature_width)
