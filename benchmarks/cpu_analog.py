@@ -19,13 +19,15 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import run_online_bench
 from minedraft.bench.prompts import load_prompts
+from minedraft.bench.records import BenchResult
+from minedraft.bench.rounds import interleaved, median_by
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
@@ -60,7 +62,6 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # one intra-op thread per worker process
     prompts = load_prompts(limit=args.num_prompts)
     configs = mode_configs({"num_speculative_tokens": args.k})
-    results: dict[str, list] = {mode: [] for mode in SETUPS}
     with ExitStack() as running, tempfile.TemporaryDirectory() as logs:
         stacks = {}
         for mode, (verifier_core, drafter_core) in SETUPS.items():
@@ -74,20 +75,23 @@ def main() -> None:
             pin(stack.process("verifier").pid, cores[verifier_core])
             pin(stack.process("drafter").pid, cores[drafter_core])
             stacks[mode] = (stack, f"http://127.0.0.1:{port}/metrics")
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            for mode, (stack, url) in stacks.items():
-                time.sleep(1.0)
-                result = run_online_bench(stack.address, prompts, concurrency=args.concurrency,
-                                          max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                                          metrics_url=url)  # fmt: skip
-                print(f"round {round_} {mode:>9}: {result.output_throughput:.1f} tok/s", flush=True)
-                if round_:
-                    results[mode].append(result)
+
+        def runner(stack: LocalStack, url: str) -> Callable[[int], BenchResult]:
+            return lambda _round: run_online_bench(stack.address, prompts, concurrency=args.concurrency,
+                                                   max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                                                   metrics_url=url)  # fmt: skip
+
+        def report(round_: int, mode: str, result: BenchResult) -> None:
+            print(f"round {round_} {mode:>9}: {result.output_throughput:.1f} tok/s", flush=True)
+
+        # Round 0 warms up; 1 s idle before each run lets the last run's threads settle.
+        runs = {mode: runner(*target) for mode, target in stacks.items()}
+        results = interleaved(runs, args.rounds, warmup=1, settle_s=1.0, report=report)
     _report(results)
 
 
-def _report(results: dict[str, list]) -> None:
-    medians = {mode: sorted(rs, key=lambda r: r.output_throughput)[len(rs) // 2] for mode, rs in results.items()}
+def _report(results: dict[str, list[BenchResult]]) -> None:
+    medians = {mode: median_by(rs, lambda r: r.output_throughput) for mode, rs in results.items()}
     base = medians["sd"].output_throughput
     print("\n| setup | tok/s | vs sd on 1 core | overlap efficiency | verifier idle | drafter idle |")
     print("|---|---|---|---|---|---|")

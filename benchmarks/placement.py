@@ -17,14 +17,15 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from minedraft.bench.cpu import process_cpu_seconds
 from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import run_online_bench
 from minedraft.bench.prompts import load_prompts
+from minedraft.bench.rounds import interleaved
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, scheduler_settings
 
@@ -43,8 +44,6 @@ def main() -> None:
     overlapped = args.mode in ("pearl", "minedraft")  # two batches of half the requests
     config = EngineConfig(device="cpu", max_num_seqs=args.concurrency // (2 if overlapped else 1),
                           speculative_config=mode_configs({"num_speculative_tokens": args.k})[args.mode])  # fmt: skip
-    throughput: dict[str, list[float]] = {}
-    scheduler_cpu: dict[str, list[float]] = {}
     with ExitStack() as running, tempfile.TemporaryDirectory() as logs:
         stacks = {}
         for index, variant in enumerate(args.variants):
@@ -53,24 +52,32 @@ def main() -> None:
             with _environment(variant):
                 stacks[variant] = running.enter_context(LocalStack(config, scheduler=scheduler_settings(),
                                                                    log_dir=log_dir))  # fmt: skip
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            for variant, stack in stacks.items():
-                time.sleep(1.0)  # let the last run's threads settle
-                before = _cpu_seconds(stack.process("scheduler").pid)
+
+        def runner(stack: LocalStack) -> Callable[[int], tuple[float, float]]:
+            def run(_round: int) -> tuple[float, float]:
+                """tok/s, and the scheduler's CPU seconds per 1,000 output tokens."""
+                scheduler = stack.process("scheduler").pid
+                before = process_cpu_seconds(scheduler)
                 result = run_online_bench(stack.address, prompts, concurrency=args.concurrency,
                                           max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)  # fmt: skip
-                used = _cpu_seconds(stack.process("scheduler").pid) - before
+                used = process_cpu_seconds(scheduler) - before
                 tokens = sum(len(r.token_ids) for r in result.ok)
-                print(f"round {round_} {variant or 'default'}: {result.output_throughput:.0f} tok/s", flush=True)
-                if round_:
-                    throughput.setdefault(variant, []).append(result.output_throughput)
-                    scheduler_cpu.setdefault(variant, []).append(1000 * used / tokens)
+                return result.output_throughput, 1000 * used / max(1, tokens)
+
+            return run
+
+        def report(round_: int, variant: str, result: tuple[float, float]) -> None:
+            print(f"round {round_} {variant or 'default'}: {result[0]:.0f} tok/s", flush=True)
+
+        # Round 0 warms up; 1 s idle before each run lets the last run's threads settle.
+        runs = {variant: runner(stack) for variant, stack in stacks.items()}
+        timed = interleaved(runs, args.rounds, warmup=1, settle_s=1.0, report=report)
     print(f"\n| {args.mode} placement | tok/s | vs default | scheduler CPU s / 1k tokens |\n|---|---|---|---|")
-    base = statistics.median(throughput[args.variants[0]])
-    for variant, values in throughput.items():
-        tok_s = statistics.median(values)
+    base = statistics.median(tok_s for tok_s, _ in timed[args.variants[0]])
+    for variant, rounds in timed.items():
+        tok_s = statistics.median(t for t, _ in rounds)
         print(f"| {variant or 'default'} | {tok_s:.0f} | {tok_s / base:.2f} | "
-              f"{statistics.median(scheduler_cpu[variant]):.3f} |")  # fmt: skip
+              f"{statistics.median(cpu for _, cpu in rounds):.3f} |")  # fmt: skip
 
 
 @contextmanager
@@ -83,11 +90,6 @@ def _environment(variant: str) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

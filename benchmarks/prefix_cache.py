@@ -35,16 +35,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openai_serve import start_server, wait_healthy  # noqa: E402
-from vs_vllm import ensure_venv  # noqa: E402
-
-from minedraft.bench.conversations import HttpServer, Run, Workload, converse, percentile  # noqa: E402
-from minedraft.bench.offline import mode_configs  # noqa: E402
-from minedraft.bench.prompts import load_prompts  # noqa: E402
-from minedraft.bench.rounds import interleaved, median_by  # noqa: E402
-from minedraft.config import BUNDLED_TARGET, EngineConfig  # noqa: E402
-from minedraft.model.tokenizer import load_tokenizer  # noqa: E402
+from minedraft.bench.conversations import HttpServer, Run, Workload, converse, percentile
+from minedraft.bench.offline import mode_configs
+from minedraft.bench.prompts import load_prompts
+from minedraft.bench.rounds import interleaved, median_by
+from minedraft.bench.servers import start_server, wait_healthy
+from minedraft.bench.vllm_env import VENV, ensure_venv
+from minedraft.config import BUNDLED_TARGET, EngineConfig
+from minedraft.model.tokenizer import load_tokenizer
 
 SETTINGS = {"cache on": True, "cache off": False}
 
@@ -201,12 +199,11 @@ def served(args: argparse.Namespace, running: ExitStack, logs: Path) -> dict[str
     logs.mkdir(parents=True, exist_ok=True)
     kinds = {f"ours {args.mode}": args.mode} | ({"vLLM sd": "vllm-sd"} if args.vllm else {})
     vllm_python = str(ensure_venv(args.venv)) if args.vllm else ""
-    serve_args = argparse.Namespace(k=args.k, max_num_seqs=args.conversations)
     servers = {}
     for label, name in kinds.items():
         for setting, cache in SETTINGS.items():
-            server = start_server(name, serve_args, vllm_python, logs, prefix_caching=cache,
-                                  label=f"{name}-{setting.replace(' ', '-')}")  # fmt: skip
+            server = start_server(name, k=args.k, max_num_seqs=args.conversations, vllm_python=vllm_python, logs=logs,
+                                  prefix_caching=cache, label=f"{name}-{setting.replace(' ', '-')}")  # fmt: skip
             running.callback(server.stop)
             wait_healthy(server, 600, logs)
             servers[f"served {label}, {setting}"] = HttpServer(server.url, args.max_tokens)
@@ -217,7 +214,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--where", choices=["offline", "served", "both"], default="both")
     parser.add_argument("--vllm", action="store_true", help="serve vLLM's CPU build too (its venv: vs_vllm.py)")
-    parser.add_argument("--venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv-vllm")
+    parser.add_argument("--venv", type=Path, default=VENV)
     parser.add_argument("--mode", default="minedraft",
                         choices=["ar", "sd", "pearl", "minedraft", "sd+eagle3", "minedraft+eagle3"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the most, with adaptive k)")

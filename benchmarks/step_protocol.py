@@ -18,19 +18,31 @@ tokens of each process (the client is this process; Linux, from /proc), the serv
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 from minedraft import LLM, SamplingParams
+from minedraft.bench.cpu import process_cpu_seconds
 from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import run_online_bench
 from minedraft.bench.prompts import load_prompts
+from minedraft.bench.rounds import interleaved
 from minedraft.config import EngineConfig
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
+
+
+class Round(NamedTuple):
+    """One timed run of one engine."""
+
+    tok_s: float
+    tokens: list[list[int]]
+    idle: dict[str, float]  # each worker's idle share of its time (served)
+    cpu: dict[str, float]  # CPU seconds per 1,000 output tokens, by process
 
 
 def main() -> None:
@@ -46,10 +58,6 @@ def main() -> None:
     prompts = load_prompts(limit=args.num_prompts)
     configs = mode_configs({"num_speculative_tokens": args.k})
     engine = {"device": "cpu", "max_num_seqs": args.concurrency}
-    results: dict[tuple[str, str], list[float]] = {}
-    idle: dict[tuple[str, str], list[dict[str, float]]] = {}
-    cpu: dict[tuple[str, str], list[dict[str, float]]] = {}
-    outputs: dict[tuple[str, str], list[list[int]]] = {}
     with ExitStack() as running, tempfile.TemporaryDirectory() as logs:
         engines = {}
         for mode in modes:
@@ -66,19 +74,27 @@ def main() -> None:
                 log_dir.mkdir()
                 stack = LocalStack(config, scheduler=settings, log_dir=log_dir)
                 engines[(mode, f"served-{depth}")] = (running.enter_context(stack), f"http://127.0.0.1:{port}/metrics")
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            for key, target in engines.items():
-                time.sleep(1.0)  # let the last run's threads settle
+
+        def runner(target) -> Callable[[int], Round]:
+            def run(_round: int) -> Round:
                 before = _cpu_seconds(target)
                 tok_s, tokens, shares = _run(target, prompts, args)
                 used = {name: seconds - before[name] for name, seconds in _cpu_seconds(target).items()}
-                if round_ == 0:
-                    continue
-                results.setdefault(key, []).append(tok_s)
-                idle.setdefault(key, []).append(shares)
-                cpu.setdefault(key, []).append({n: 1000 * s / sum(map(len, tokens)) for n, s in used.items()})
-                outputs[key] = tokens
-                print(f"round {round_} {key[0]:>9} {key[1]:<9} {tok_s:8.1f} tok/s", flush=True)
+                return Round(tok_s, tokens, shares, {n: 1000 * s / sum(map(len, tokens)) for n, s in used.items()})
+
+            return run
+
+        def report(round_: int, key: tuple[str, str], result: Round) -> None:
+            if round_:  # round 0 warms up
+                print(f"round {round_} {key[0]:>9} {key[1]:<9} {result.tok_s:8.1f} tok/s", flush=True)
+
+        # Round 0 warms up; 1 s idle before each run lets the last run's threads settle.
+        runs = {key: runner(target) for key, target in engines.items()}
+        timed = interleaved(runs, args.rounds, warmup=1, settle_s=1.0, report=report)
+    results = {key: [r.tok_s for r in rounds] for key, rounds in timed.items()}
+    idle = {key: [r.idle for r in rounds] for key, rounds in timed.items()}
+    cpu = {key: [r.cpu for r in rounds] for key, rounds in timed.items()}
+    outputs = {key: rounds[-1].tokens for key, rounds in timed.items()}
     _report(modes, results, idle, outputs)
     _report_cpu(modes, cpu)
 
@@ -105,10 +121,9 @@ def _cpu_seconds(target) -> dict[str, float]:
         stack, _ = target
         for name in ("scheduler", "verifier", "drafter"):
             try:
-                fields = Path(f"/proc/{stack.process(name).pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except (KeyError, OSError):
+                seconds[name] = process_cpu_seconds(stack.process(name).pid)
+            except (KeyError, OSError):  # no such service in this mode
                 continue
-            seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds
 
 

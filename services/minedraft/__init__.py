@@ -12,7 +12,9 @@ from minedraft.version import __version__
 # default spin (300,000 turns) makes every parallel region wait on a thread that another process, or the other
 # worker, holds the core from, and a busy neighbour then cut throughput to a tenth; a short spin keeps the
 # quiet speed. Read by GNU OpenMP when torch loads, so it applies where minedraft is imported first (the CLI,
-# the services, `minedraft.LLM` in a fresh interpreter); a value set in the environment wins.
+# the services, `minedraft.LLM` in a fresh interpreter); a value set in the environment wins. The benchmarks
+# start their peers (vLLM) without a spin set here, so that a peer runs as it would on its own.
+_GOMP_SPINCOUNT_DEFAULTED = "GOMP_SPINCOUNT" not in os.environ
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

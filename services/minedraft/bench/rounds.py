@@ -9,27 +9,31 @@ setting's median round is what a comparison should report.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TypeVar
 
+K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 
 def interleaved(
-    settings: Mapping[str, Callable[[int], T]],
+    settings: Mapping[K, Callable[[int], T]],
     rounds: int,
     *,
+    warmup: int = 0,
     alternate: bool = True,
     settle_s: float = 0.0,
-    report: Callable[[int, str, T], None] | None = None,
-) -> dict[str, list[T]]:
+    report: Callable[[int, K, T], None] | None = None,
+) -> dict[K, list[T]]:
     """`settings[name](round)` for every setting, `rounds` times, interleaved; returns each setting's results
-    in round order. `settle_s`: seconds idle before each run (the previous run's threads spin a while).
-    `report(round, name, result)` after each run (progress lines)."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    results: dict[str, list[T]] = {name: [] for name in settings}
-    for round_ in range(rounds):
+    in round order. `warmup`: rounds run first, the same way, whose results are dropped (rounds are numbered
+    from the first of them, so round `warmup` is the first kept). `settle_s`: seconds idle before each run
+    (the previous run's threads spin a while). `report(round, name, result)` after each run (progress lines),
+    warm-up runs included."""
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds} and {warmup}")
+    results: dict[K, list[T]] = {name: [] for name in settings}
+    for round_ in range(warmup + rounds):
         order = list(settings.items())
         if alternate and round_ % 2:
             order.reverse()
@@ -37,7 +41,8 @@ def interleaved(
             if settle_s:
                 time.sleep(settle_s)
             result = run(round_)
-            results[name].append(result)
+            if round_ >= warmup:
+                results[name].append(result)
             if report is not None:
                 report(round_, name, result)
     return results
