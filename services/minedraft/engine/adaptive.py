@@ -159,7 +159,7 @@ class SpeculationController:
         self._load = 0
         self._run: tuple[Shape | None, int] = (None, 0)
         self.last: Decision | None = None
-        self.last_rates: dict[str, float] = {}  # the predicted tokens/second of each option at the last decision
+        self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
         # decisions by shape, decisions, and decisions that drafted nothing (plain decoding).
         self.windows: Counter[int] = Counter()
@@ -256,14 +256,20 @@ class SpeculationController:
             shapes = shapes[:1]
         allowed = shapes + ([] if seeded else [Shape.PLAIN])
         self._load = min(everyone, 1 << 12).bit_length() // 2  # loads 1, 2-7, 8-31, 32-127, ...: a few to learn
-        if all(self._warm(s) for s in allowed):  # the first tries are in the model's order
-            by_shape = self._by_shape(candidates, shapes, everyone)
-            ranked = sorted(allowed, key=lambda s: -self.last_rates.get(s.value, 0.0))
-        else:  # until the fits have data: the shapes that run alone first (a part beside the other is measured
-            # against its cost alone), each as it is
-            by_shape = {s: self._as_it_is(s, candidates) for s in allowed}
+        warm = all(self._warm(s) for s in allowed)
+        if not warm:  # until the fits have data: the shapes that run alone first (a part beside the other is
+            # measured against its cost alone), each as it is
             ranked = sorted(allowed, key=(Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP).index)
-        decision = by_shape[self._trials.pick(self._load, ranked)]
+        else:  # the first tries at a load in the model's order, which needs every shape's prediction
+            if self._trials.untried(self._load, allowed):
+                self._by_shape(candidates, shapes, everyone)
+            ranked = sorted(allowed, key=lambda s: -self.last_rates.get(s.value, 0.0))
+        shape = self._trials.pick(self._load, ranked)
+        if shape is Shape.PLAIN:  # the model has nothing to choose: a plain step costs no prediction
+            decision = Decision(Shape.PLAIN, [])
+        else:
+            decision = self._by_shape(candidates, [shape], everyone)[shape] if warm else \
+                self._as_it_is(shape, candidates)
         if decision.shape is not Shape.PLAIN and not any(decision.windows):
             # Its windows were all cut (drafts not worth their cost): a plain step, and the shape is known to
             # make nothing here (tried again with the probes, when the acceptance may have changed).
@@ -279,8 +285,8 @@ class SpeculationController:
         return Decision(shape, [] if shape is Shape.PLAIN else list(candidates[shape][1]))
 
     def _by_shape(self, candidates: Candidates, shapes: list[Shape], everyone: int) -> dict[Shape, Decision]:
-        """Each shape's step as the model would run it (its best k, windows trimmed), and each one's predicted
-        tokens per second in `last_rates`."""
+        """Each of `shapes`' step as the model would run it (its best k, windows trimmed); its and plain
+        decoding's predicted tokens per second go to `last_rates`."""
         costs = self._costs()
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
@@ -291,7 +297,7 @@ class SpeculationController:
             k, rates[shape.value] = self._best_k(costs, shape, survival, caps)
             decisions[shape] = Decision(shape, self._trim(costs, shape, [min(k, cap) for cap in caps], survival,
                                                           rates[shape.value]))  # fmt: skip
-        self.last_rates = rates
+        self.last_rates.update(rates)
         return decisions
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
