@@ -105,18 +105,20 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str | None = None) -> None:
         """`model_name` set: also export the vLLM-compatible names (see VllmNames)."""
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.num_drafts = Counter(NUM_DRAFTS, "Verifications carrying drafts", registry=r)
-        self.num_draft_tokens = Counter("minedraft:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
-        self.num_accepted_tokens = Counter(
-            NUM_ACCEPTED_TOKENS, "Draft tokens accepted", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            "minedraft:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the window",
-            ["position"],
-            registry=r,
-        )
+        self._declare_requests(self.registry)
+        self._declare_speculation(self.registry)
+        self._declare_cache(self.registry)
+        self._declare_steps(self.registry)
+        self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
+        self._cache_config: dict[str, str] = {}
+        self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
+        if model_name is not None:
+            ours, self.registry = self.registry, CollectorRegistry()
+            self.registry.register(_Everything(ours))
+            self.registry.register(VllmNames(ours, model_name))
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Per request: tokens, latencies, outcomes, the queue."""
         self.generation_tokens = Counter(
             GENERATION_TOKENS, "Tokens delivered to clients (after stop conditions)", registry=r
         )
@@ -151,14 +153,6 @@ class Metrics:
         }
         self.waiting = Gauge(NUM_REQUESTS_WAITING, "Requests waiting for a batch", registry=r)
         self.running = Gauge(NUM_REQUESTS_RUNNING, "Requests in a batch", registry=r)
-        self.kv_usage = Gauge(
-            KV_CACHE_USAGE, "Share of the KV blocks charged to running requests (1 = full)", registry=r
-        )
-        self.cache_config = Gauge(
-            CACHE_CONFIG, "The verifier's KV cache (1 for its one label set), as vLLM's: what the Kubernetes "
-            "inference gateway's endpoint picker reads for prefix-aware scheduling",
-            ["block_size", "num_gpu_blocks"], registry=r,
-        )  # fmt: skip
         self.lora_requests = Gauge(
             LORA_REQUESTS, "The LoRA adapters of the running and the waiting requests (comma-joined names), as "
             "vLLM's; the value is the time of the last update (set after every step)",
@@ -172,14 +166,20 @@ class Metrics:
             "minedraft:quarantined_requests", "Requests failed alone because every engine step they were in failed",
             registry=r,
         )
-        self.worker_step_seconds = Histogram(
-            WORKER_STEP_SECONDS, "A step's time on a worker, from its plan received to its reply sent",
-            ["role"], buckets=_FINE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.worker_idle_seconds = Histogram(
-            WORKER_IDLE_SECONDS, "A worker's wait for the next plan while requests are running (the "
-            "gap between steps; on a GPU, the GPU's idle time)", ["role"], buckets=_FINE_BUCKETS, registry=r,
-        )  # fmt: skip
+
+    def _declare_speculation(self, r: CollectorRegistry) -> None:
+        """How the server speculates: drafts, acceptance, the shapes and k chosen."""
+        self.num_drafts = Counter(NUM_DRAFTS, "Verifications carrying drafts", registry=r)
+        self.num_draft_tokens = Counter("minedraft:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted_tokens = Counter(
+            NUM_ACCEPTED_TOKENS, "Draft tokens accepted", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "minedraft:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the window",
+            ["position"],
+            registry=r,
+        )
         self.decoding = Gauge(
             "minedraft:decoding_info", "How the server decodes (1 for its one label set)",
             ["mode", "draft_method", "num_speculative_tokens", "speculation"], registry=r,
@@ -195,9 +195,17 @@ class Metrics:
             STEPS_BY_SHAPE, "Steps planned, by shape: plain (nothing drafted), sd (one batch drafts, then is "
             "verified; both halves count), overlap (drafting beside verification)", ["shape"], registry=r,
         )  # fmt: skip
-        self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
-        self._cache_config: dict[str, str] = {}
-        self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
+
+    def _declare_cache(self, r: CollectorRegistry) -> None:
+        """The KV cache: usage, layout, prefix hits."""
+        self.kv_usage = Gauge(
+            KV_CACHE_USAGE, "Share of the KV blocks charged to running requests (1 = full)", registry=r
+        )
+        self.cache_config = Gauge(
+            CACHE_CONFIG, "The verifier's KV cache (1 for its one label set), as vLLM's: what the Kubernetes "
+            "inference gateway's endpoint picker reads for prefix-aware scheduling",
+            ["block_size", "num_gpu_blocks"], registry=r,
+        )  # fmt: skip
         self.prefix_cache = {  # role -> (queries, hits), both in prompt tokens
             "verifier": (
                 Counter(PREFIX_CACHE_QUERIES, "Prompt tokens the verifier looked up in its prefix cache", registry=r),
@@ -209,6 +217,17 @@ class Metrics:
                 Counter(DRAFT_PREFIX_CACHE_HITS, "Prompt tokens the drafter found in its prefix cache", registry=r),
             ),
         }
+
+    def _declare_steps(self, r: CollectorRegistry) -> None:
+        """Per step: its time, its parts', the workers' and their idle gaps."""
+        self.worker_step_seconds = Histogram(
+            WORKER_STEP_SECONDS, "A step's time on a worker, from its plan received to its reply sent",
+            ["role"], buckets=_FINE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_idle_seconds = Histogram(
+            WORKER_IDLE_SECONDS, "A worker's wait for the next plan while requests are running (the "
+            "gap between steps; on a GPU, the GPU's idle time)", ["role"], buckets=_FINE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.step_seconds = Histogram(STEP_SECONDS, "Step time", buckets=_LATENCY_BUCKETS, registry=r)
         self.draft_seconds = Histogram(
             DRAFT_STEP_SECONDS, "Drafting time per step", buckets=_LATENCY_BUCKETS, registry=r
@@ -222,10 +241,6 @@ class Metrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5),
             registry=r,
         )
-        if model_name is not None:
-            ours, self.registry = self.registry, CollectorRegistry()
-            self.registry.register(_Everything(ours))
-            self.registry.register(VllmNames(ours, model_name))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         try:

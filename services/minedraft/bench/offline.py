@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minedraft.bench.rounds import interleaved
 from minedraft.config import SpeculativeConfig
 from minedraft.engine.engine import StepStats
 from minedraft.engine.request import SpecDecodeStats
@@ -95,20 +97,29 @@ def run_offline_bench(
     try:
         for llm in llms.values():  # warm-up: first-call allocations, thread start
             llm.generate(prompts[:2], params, use_tqdm=False)
-        results: dict[str, ModeResult] = {}
-        reference = None
-        for round_ in range(repeats):
-            for name, llm in llms.items():
-                print(f"round {round_ + 1}/{repeats}: {name}", flush=True)
+        reference: list[list[list[int]]] = []  # the first mode's first output: every greedy output must equal it
+
+        def timed(name: str, llm: LLM) -> Callable[[int], tuple]:
+            def run(_round: int) -> tuple:
                 seconds, tokens, steps = _timed_run(llm, prompts, params)
-                result = results.setdefault(name, ModeResult(name, sum(len(t) for t in tokens), llm.engine.spec_stats))
+                if params.greedy and reference and tokens != reference[0]:
+                    print(f"warning: {name} greedy output differs from {modes[0]}'s", flush=True)
+                reference[:] = reference or [tokens]
+                return seconds, tokens, steps
+
+            return run
+
+        runs = interleaved({name: timed(name, llm) for name, llm in llms.items()}, repeats,
+                           report=lambda r, name, _: print(f"round {r + 1}/{repeats}: {name}", flush=True))
+        results = []
+        for name in modes:
+            result = ModeResult(name, sum(len(t) for t in runs[name][0][1]), llms[name].engine.spec_stats)
+            for seconds, _, steps in runs[name]:
                 result.seconds.append(seconds)
                 result.draft_seconds.append(steps.draft_seconds)
                 result.verify_seconds.append(steps.verify_seconds)
-                if params.greedy and reference is not None and tokens != reference:
-                    print(f"warning: {name} greedy output differs from {modes[0]}'s", flush=True)
-                reference = reference if reference is not None else tokens
-        return [results[name] for name in modes]
+            results.append(result)
+        return results
     finally:
         for llm in llms.values():
             llm.close()
