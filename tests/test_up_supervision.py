@@ -34,7 +34,7 @@ from minedraft.settings import SupervisorSettings
 from minedraft.supervision import Supervisor
 
 from conftest import make_pair, offline_greedy, tiny_config
-from services import children, health, serving, wait_serving, worker_info
+from services import children, health, serving, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
@@ -75,10 +75,15 @@ class Up:
                 [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(self.port),
                  "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu",
                  "--batch-invariant", "--max-num-seqs", "16", "--max-model-len", "128", "--log-level", "WARNING",
-                 "--log-dir", str(self.log_dir), *SUPERVISION, *flags],
+                 "--log-dir", str(self.log_dir), *SUPERVISION, *flags,
+                 *([] if "--metrics-port" in flags else ["--metrics-port", "0"])],  # stacks run side by side
                 stdout=out, stderr=err, env={**os.environ, **(env or {})},
             )  # fmt: skip
-        wait_serving(self.address, timeout_s=240)
+        deadline = time.monotonic() + 240
+        while not serving(self.address, timeout_s=1):
+            assert self.process.poll() is None, f"up exited during start-up: {self.stderr.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"{self.address} is not serving after 240 s"
+            time.sleep(0.2)
         # `up` supervises once it has seen the stack serve and said so (a death before that fails its start-up).
         deadline = time.monotonic() + 60
         while "is serving on" not in self.stdout.read_text():
