@@ -147,3 +147,19 @@ def test_no_import_circles() -> None:
 
 def test_no_import_goes_up_a_floor() -> None:
     assert upward(import_graph(package_modules())) == []
+
+
+def test_a_planted_circle_and_an_arrow_up_are_found(tmp_path: Path) -> None:
+    """The checks fail when they should: a copy of two real modules, one importing the other inside a function
+    (the kind of circle that once hid here), and the core importing the gateway."""
+    modules = package_modules()
+    planted = dict(modules)
+    for name, extra in (("minedraft.engine.plans", "minedraft.engine.engine"),
+                        ("minedraft.engine.adaptive", "minedraft.gateway.service")):
+        copy = tmp_path / f"{name}.py"
+        copy.write_text(modules[name].read_text() + f"\n\ndef _planted():\n    import {extra}  # noqa\n")
+        planted[name] = copy
+    graph = import_graph(planted)
+    assert any({"minedraft.engine.plans", "minedraft.engine.engine"} <= set(c) for c in cycles(graph))
+    assert any(line.startswith("minedraft.engine.adaptive (floor 1) imports minedraft.gateway.service")
+               for line in upward(graph))
