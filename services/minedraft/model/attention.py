@@ -20,7 +20,7 @@ flight, where the copy was a sixth of a decode step on 600-token contexts). Two 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,7 +61,6 @@ class PaddedGroup:
     src: torch.Tensor | None  # indices of real rows in the flattened [seqs * max_query] output;
     dst: torch.Tensor | None  # their token indices in the batch (both None: output is the batch as is)
     run: int | None = None  # one sequence whose blocks are one run of the pool: its first block
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered keys/values, reused by every layer
 
 
 @dataclass
@@ -73,7 +72,6 @@ class BlockGroup:
     mask: torch.Tensor  # [pieces, q_blocks, kv_blocks, Q_BLOCK, KV_BLOCK] key visibility
     src: torch.Tensor  # indices of real (non-padding) rows in the flattened output
     dst: torch.Tensor  # their token indices in the batch
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered keys/values, reused by every layer
 
 
 @dataclass
@@ -133,23 +131,12 @@ def run_keys(cache: torch.Tensor, run: int, keys: int) -> torch.Tensor:
     return cache[:, run : run + width].reshape(kv_heads, width * block_size, dim)[None, :, :keys]
 
 
-def gather_keys(cache: torch.Tensor, tables: torch.Tensor, keys: int,
-                scratch: dict[str, torch.Tensor] | None = None, name: str = "") -> torch.Tensor:
-    """[seqs, kv_heads, keys, head_dim] of a [kv_heads, blocks, block_size, head_dim] pool.
-
-    With `scratch`, the copy lands in a buffer kept there under `name`: the layers of one forward pass
-    gather equal shapes in turn, and fresh memory for each cost as much as the copy itself."""
+def gather_keys(cache: torch.Tensor, tables: torch.Tensor, keys: int) -> torch.Tensor:
+    """[seqs, kv_heads, keys, head_dim] of a [kv_heads, blocks, block_size, head_dim] pool."""
     kv_heads, _, block_size, dim = cache.shape
     seqs, width = tables.shape
-    shape = (kv_heads, seqs * width, block_size, dim)
-    out = None
-    if scratch is not None:
-        out = scratch.get(name)
-        if out is None or out.shape != shape or out.dtype != cache.dtype:
-            out = scratch[name] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    gathered = torch.index_select(cache, 1, tables.flatten(), out=out) if out is not None else \
-        cache.index_select(1, tables.flatten())
-    return gathered.view(kv_heads, seqs, width * block_size, dim).transpose(0, 1)[:, :, :keys]
+    gathered = cache.index_select(1, tables.flatten()).view(kv_heads, seqs, width * block_size, dim)
+    return gathered.transpose(0, 1)[:, :, :keys]
 
 
 def _padded_group(tables: list[list[int]], block_size: int, starts: list[int], offsets: list[int],
@@ -290,8 +277,7 @@ def _padded_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if group.run is not None:
         k, v = (run_keys(cache, group.run, group.keys) for cache in (k_cache, v_cache))
     else:
-        k = gather_keys(k_cache, group.tables, group.keys, group.scratch, "k")
-        v = gather_keys(v_cache, group.tables, group.keys, group.scratch, "v")
+        k, v = (gather_keys(cache, group.tables, group.keys) for cache in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=group.mask, scale=scale)
     out = out.view(seqs, kv_heads, heads // kv_heads, max_query, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(seqs * max_query, heads, dim)
@@ -308,9 +294,8 @@ def _block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qb = q[group.rows].view(pieces, q_blocks, Q_BLOCK, kv_heads, group_size, dim)
     qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(pieces, kv_heads, q_blocks, 1, rows, dim)
     keys = kv_blocks * KV_BLOCK
-    kb = gather_keys(k_cache, group.tables, keys, group.scratch, "k")
-    vb = gather_keys(v_cache, group.tables, keys, group.scratch, "v")
-    kb, vb = (t.reshape(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim) for t in (kb, vb))
+    kb = gather_keys(k_cache, group.tables, keys).reshape(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
+    vb = gather_keys(v_cache, group.tables, keys).reshape(pieces, kv_heads, 1, kv_blocks, KV_BLOCK, dim)
     # Softmax in fp32 whatever the model dtype (no-op casts for fp32 models).
     scores = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale  # [p, kv_heads, q, kv, rows, KV_BLOCK]
     scores = scores.view(pieces, kv_heads, q_blocks, kv_blocks, group_size, Q_BLOCK, KV_BLOCK)
