@@ -43,21 +43,22 @@ def perfect_pair(root: Path) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def _generate(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], LLMEngine]:
+def _generate(config: EngineConfig, prompts: list[list[int]],
+              max_tokens: int = 96) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.local(config)
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     return [r.output_ids for r in requests], engine
 
 
-def _run_both(target: str, draft: str, mode: str) -> tuple[SpeculationController, bool]:
+def _run_both(target: str, draft: str, mode: str, max_tokens: int = 96) -> tuple[SpeculationController, bool]:
     prompts = [[5 + i, 17, 33 + 2 * i, 9] for i in range(6)]
     base = {"model": target, "device": "cpu", "max_num_seqs": 6, "seed": 0}
     spec = {"model": draft, "num_speculative_tokens": K, "is_parallel": mode == "minedraft"}
-    plain, _ = _generate(EngineConfig(**base), prompts)
-    adaptive, engine = _generate(EngineConfig(**base, speculative_config=spec), prompts)
+    plain, _ = _generate(EngineConfig(**base), prompts, max_tokens)
+    adaptive, engine = _generate(EngineConfig(**base, speculative_config=spec), prompts, max_tokens)
     return engine.pipeline.controller, adaptive == plain
 
 
@@ -73,7 +74,9 @@ def test_useless_drafts_turn_drafting_off(tmp_path, mode) -> None:
 @pytest.mark.parametrize("mode", ["sd", "minedraft"])
 def test_perfect_cheap_drafts_draft_the_most(tmp_path, mode) -> None:
     target, draft = perfect_pair(tmp_path)
-    controller, same = _run_both(target, draft, mode)
+    # 192 tokens a request: the first try of plain steps (4 decisions) is then well inside the 20% below, where
+    # in 96 tokens (28 decisions in MineDraft mode) one more plain decision on a busy machine crossed it.
+    controller, same = _run_both(target, draft, mode, max_tokens=192)
     assert same, "adaptive output differs from the target's alone"
     assert controller.acceptance.overall() > 0.9
     assert controller.num_plain <= 0.2 * controller.num_decisions, controller.windows
