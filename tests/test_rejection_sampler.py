@@ -332,6 +332,24 @@ def test_greedy_speculative_decoding_equals_argmax_decoding() -> None:
         assert seq == expected[1:]
 
 
+def test_an_all_greedy_batch_gives_what_the_general_path_gives() -> None:
+    """An all-greedy batch takes a shortcut (one argmax); a random request beside it sends the same greedy
+    requests through the general rule. Logits with many ties check the first-argmax rule too."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, drafts = 6, [[], [1], [2, 3, 4], [0, 0], [5, 1, 2, 3]]
+    logits = torch.randint(0, 3, (sum(len(d) + 1 for d in drafts), vocab), generator=gen).float()
+    argmax = logits.argmax(-1).tolist()
+    drafts[2][:2] = argmax[3:5]  # accepted twice, then a draft that may or may not be the argmax
+    drafts[4][0] = argmax[9]
+    greedy = [SamplingParams(0.0)] * len(drafts)
+    shortcut = rejection_sample(logits, drafts, [None] * len(drafts), greedy, keys([0] * len(drafts)))
+    random_row = torch.randn(1, vocab, generator=gen)
+    general = rejection_sample(torch.cat([logits, random_row]), drafts + [[]], [None] * (len(drafts) + 1),
+                               greedy + [SamplingParams(1.0)], keys([0] * (len(drafts) + 1)))  # fmt: skip
+    assert shortcut == general[:-1]
+    assert [len(out) for out in shortcut] != [1] * len(drafts)  # some drafts were accepted
+
+
 def test_results_depend_on_seed_and_position_not_on_the_batch() -> None:
     slot = dense_slot(8, n=4)
     drafts = slot.q.token_ids[:, 0].tolist()

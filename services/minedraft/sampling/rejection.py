@@ -97,6 +97,8 @@ def rejection_sample(
     one correction-or-bonus token.
     """
     counts = _check_shapes(target_logits, draft_tokens, draft_probs, params_list, keys)
+    if all(params.greedy for params in params_list):
+        return _greedy_verify(target_logits, draft_tokens, counts)
     device, width = target_logits.device, max(counts) - 1
     starts = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=device)
     num_drafts = torch.tensor(counts, device=device) - 1
@@ -125,6 +127,22 @@ def rejection_sample(
     )  # fmt: skip
     accepted_list, last_list = accepted.tolist(), last.tolist()
     return [d[:a] + [t] for d, a, t in zip(draft_tokens, accepted_list, last_list)]
+
+
+def _greedy_verify(target_logits: Tensor, draft_tokens: list[list[int]], counts: list[int]) -> list[list[int]]:
+    """The rule above when every request is greedy (p one-hot at the argmax, q one-hot at each draft): accept
+    drafts while each is its row's argmax, then emit the argmax of the next row. The same tokens as the
+    general path, from one argmax and one host transfer; plain decoding takes this path on every step."""
+    argmax = target_logits.argmax(dim=-1).tolist()  # the first index among equal maxima, as processed_probs
+    out, start = [], 0
+    for drafts, count in zip(draft_tokens, counts):
+        best = argmax[start : start + count]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+            accepted += 1
+        out.append(drafts[:accepted] + [best[accepted]])
+        start += count
+    return out
 
 
 def _draft_target_probs(
