@@ -324,8 +324,9 @@ def texts(pair) -> list[str]:
 @pytest.fixture(scope="module")
 def groups(pair, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up-groups")
+    # Its tests kill group 0's scheduler up to four times within a minute (a kill that lands too late is retried).
     stack = Up(pair, tmp, "--engine-groups", "2", "--http-port", str(free_port()), "--api-key", KEY,
-               "--metrics-port", str(free_port()))  # fmt: skip
+               "--metrics-port", str(free_port()), "--crash-loop-restarts", "6")  # fmt: skip
     stack.http_port = int(stack.process.args[stack.process.args.index("--http-port") + 1])
     yield stack
     stack.stop()
@@ -378,20 +379,26 @@ def test_streams_through_the_gateway_survive_a_group_kill(groups, texts, roles) 
     # group 0: the one whose metrics port is --metrics-port itself (group i serves on port + i)
     metrics_port, pid = min((_group_metrics_port(pid), pid) for pid, _ in groups.services()["scheduler"])
     ports = _group_ports(pid)
-    migrated = _metric(groups.http_port, "minedraft:gateway_resubmissions_total")
-    generated = _metric(metrics_port, "minedraft:generation_tokens_total")
-    streams = _sse(groups.http_port, _prompts())
-    _wait_tokens_at(metrics_port, since=generated)
-    killed = [groups.kill(role, ports[role]) for role in roles]
-    killed_at = time.monotonic()
-    assert [f.result(timeout=240) for f in streams] == texts
-    assert _metric(groups.http_port, "minedraft:gateway_resubmissions_total") > migrated, "no stream migrated"
-    for role, old in zip(roles, killed, strict=True):
-        groups.restarted(role, old)
-    while _metric(groups.http_port, "minedraft:gateway_serving_groups") < 2:  # the gateway sees it serve
-        assert time.monotonic() - killed_at < 30, "the killed group did not serve again within 30 s"
-        time.sleep(0.1)
-    print(f"group 0 serves at the gateway again {time.monotonic() - killed_at:.1f}s after the kill of its {roles}")
+    # The gateway may give group 0 few of the streams; a kill that lands after they finished moves nothing and
+    # proves nothing (every text still arrives), so it is tried once more.
+    for _ in range(2):
+        migrated = _metric(groups.http_port, "minedraft:gateway_resubmissions_total")
+        generated = _metric(metrics_port, "minedraft:generation_tokens_total")
+        streams = _sse(groups.http_port, _prompts())
+        _wait_tokens_at(metrics_port, since=generated, more=8)
+        killed = [groups.kill(role, ports[role]) for role in roles]
+        killed_at = time.monotonic()
+        assert [f.result(timeout=240) for f in streams] == texts
+        for role, old in zip(roles, killed, strict=True):
+            groups.restarted(role, old)
+        while _metric(groups.http_port, "minedraft:gateway_serving_groups") < 2:  # the gateway sees it serve
+            assert time.monotonic() - killed_at < 30, "the killed group did not serve again within 30 s"
+            time.sleep(0.1)
+        print(f"group 0 serves at the gateway again {time.monotonic() - killed_at:.1f}s after the kill of its {roles}")
+        if _metric(groups.http_port, "minedraft:gateway_resubmissions_total") > migrated:
+            break
+    else:
+        pytest.fail("no stream migrated: both kills landed after group 0's streams had finished")
     before = _finished(metrics_port)
     assert [f.result(timeout=240) for f in _sse(groups.http_port, _prompts())] == texts
     assert _finished(metrics_port) > before, "the restarted group took no new work"
