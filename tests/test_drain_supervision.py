@@ -175,6 +175,13 @@ def _up(pair, *flags: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     wait_serving(f"127.0.0.1:{port}", timeout_s=180)
+    # `up` supervises once it has seen every service serve and said so; a death before that fails its start-up
+    # (exit 2), which is not what these tests kill for.
+    for line in up.stdout:  # a pipe: read until that line (it comes within seconds of the scheduler serving)
+        if "is serving on" in line:
+            break
+    else:
+        raise AssertionError(f"up exited before it said it serves: {up.stderr.read()[-2000:]}")
     return up, f"127.0.0.1:{port}"
 
 
