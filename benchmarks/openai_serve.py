@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from minedraft.bench.cpu import tree_cpu_seconds
+from minedraft.bench.engines import busy_neighbour
 from minedraft.bench.prompts import BUNDLED_PROMPTS
 from minedraft.bench.rounds import interleaved
 from minedraft.bench.servers import SERVED_NAME, SERVERS, Server, start_server, wait_healthy
@@ -164,12 +165,14 @@ def sweep(servers: list[Server], args: argparse.Namespace, vllm_python: str, dat
     least 8), so that every load keeps its requests in flight for a while."""
     loads = [int(c) for c in args.sweep_concurrency.split(",")]
     for server in servers:  # warm-up at the middle load (compilation, the controller's first fits), not measured
-        bench(server, args, vllm_python, data, work, concurrency=loads[len(loads) // 2])
+        if not server.crowded:
+            bench(server, args, vllm_python, data, work, concurrency=loads[len(loads) // 2])
 
     def at_load(server: Server, load: int) -> Callable[[int], dict]:
         def run(round_index: int) -> dict:
             before = steps_by_shape(server)
-            result = bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=max(8, 2 * load))
+            with busy_neighbour(server.crowded):
+                result = bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=max(8, 2 * load))
             after = steps_by_shape(server)
             result["steps_by_shape"] = {k: after[k] - before.get(k, 0.0) for k in after}
             if round_index:  # the first round's texts are enough to compare outputs
@@ -220,12 +223,13 @@ def sweep_table(servers: list[Server]) -> str:
         lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     names = [s.name for s in servers]
     fixed = [n for n in names if n.endswith("-fixed") or n == "ar"]
-    theirs = [n for n in names if n.startswith("vllm")]
+    theirs = [n for n in names if n.startswith("vllm") and not n.endswith("+neighbour")]
     for default in [n for n in names if n in ("minedraft", "sd")]:
         for label, group in ((f"{default} / best of ours fixed", fixed), (f"{default} / best of vLLM's", theirs)):
             if group:
                 ratios = [median[default, load] / max(median[n, load] for n in group) for load in loads]
                 lines.append(f"| {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    lines += _neighbour_rows(median, names, loads)
     lines += ["", "Steps by shape (share of the median round's steps):", ""]
     lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
     for s in servers:
@@ -241,6 +245,23 @@ def sweep_table(servers: list[Server]) -> str:
             cells.append(" ".join(f"{k} {v / total:.0%}" for k, v in sorted(shapes.items()) if v))
         lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _neighbour_rows(median: dict[tuple[str, int], float], names: list[str], loads: list[int]) -> list[str]:
+    """With --neighbour: each server beside the busy process against itself quiet, and each of ours there against
+    the best of vLLM's there."""
+    crowded = [n for n in names if n.endswith("+neighbour")]
+    theirs = [n for n in crowded if n.startswith("vllm")]
+    lines = []
+    for name in crowded:
+        quiet = name.removesuffix("+neighbour")
+        ratios = [median[name, load] / median[quiet, load] for load in loads]
+        lines.append(f"| {quiet}: neighbour / quiet | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    for name in crowded:
+        if theirs and not name.startswith("vllm"):
+            ratios = [median[name, load] / max(median[n, load] for n in theirs) for load in loads]
+            lines.append(f"| {name} / best of vLLM's there | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    return lines
 
 
 def sweep_plot(servers: list[Server], path: Path) -> None:
@@ -285,6 +306,9 @@ def main() -> int:
                         help="comma-separated loads (requests in flight), e.g. 1,4,16,32,64: every round runs every "
                              "server at every load; prints a table per load and the shapes our servers chose")
     parser.add_argument("--plot", type=Path, default=None, help="with --sweep-concurrency: a PNG of tok/s by load")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="with --sweep-concurrency: every server also runs each load beside a busy process (a "
+                             "`while True` loop), interleaved with its quiet runs; the table adds neighbour / quiet")
     parser.add_argument("--our-client", action="store_true",
                         help="also measure every round with `minedraft bench --backend openai`")  # fmt: skip
     args = parser.parse_args()
@@ -292,6 +316,8 @@ def main() -> int:
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         parser.error(f"unknown servers: {unknown}")
+    if args.neighbour and not args.sweep_concurrency:
+        parser.error("--neighbour needs --sweep-concurrency")
     vllm_python = str(ensure_venv(args.venv))
     ensure_pandas(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
@@ -304,6 +330,8 @@ def main() -> int:
         for server in servers:
             wait_healthy(server, args.startup_timeout, work)
         if args.sweep_concurrency:
+            if args.neighbour:
+                servers += [server.beside_a_neighbour() for server in servers]
             sweep(servers, args, vllm_python, data, work)
             print(sweep_table(servers))
             if args.plot:

@@ -24,3 +24,20 @@ def test_client_table_sets_the_two_clients_medians_side_by_side() -> None:
     assert lines[0].startswith("| server | TTFT p50 ms: vLLM's / ours / ratio |")
     # medians: vLLM's 100, 11, 22; ours 105, 11, 20. A server measured by vLLM's client alone has no row.
     assert lines[2:] == ["| minedraft | 100.0 / 105.0 / 1.05 | 11.0 / 11.0 / 1.00 | 22.0 / 20.0 / 0.91 |"]
+
+
+def _at_loads(*throughputs: tuple[float, ...]) -> dict[int, list[dict]]:
+    """Rounds at loads 1 and 8: each tuple is one load's rounds of output tok/s."""
+    return {load: [{"output_throughput": t} for t in rounds] for load, rounds in zip((1, 8), throughputs)}
+
+
+def test_the_sweep_table_sets_each_server_beside_a_neighbour_against_itself_quiet_and_against_vllm_there() -> None:
+    ours = openai_serve.Server("minedraft", None, "http://127.0.0.1:1", by_load=_at_loads((200, 210, 190), (800,)))
+    vllm = openai_serve.Server("vllm-ar", None, "http://127.0.0.1:2", by_load=_at_loads((300,), (1000,)))
+    ours_crowded, vllm_crowded = ours.beside_a_neighbour(), vllm.beside_a_neighbour()
+    assert ours_crowded.crowded and ours_crowded.name == "minedraft+neighbour" and not ours.crowded
+    ours_crowded.by_load, vllm_crowded.by_load = _at_loads((100,), (600,)), _at_loads((150,), (400,))
+    lines = openai_serve.sweep_table([ours, vllm, ours_crowded, vllm_crowded]).splitlines()
+    assert "| minedraft: neighbour / quiet | 0.50x | 0.75x |" in lines
+    assert "| vllm-ar: neighbour / quiet | 0.50x | 0.40x |" in lines
+    assert "| minedraft+neighbour / best of vLLM's there | 0.67x | 1.50x |" in lines

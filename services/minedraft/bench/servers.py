@@ -49,6 +49,11 @@ class Server:
     rounds: list[dict] = field(default_factory=list)
     ours: list[dict] = field(default_factory=list)  # the same rounds measured by `minedraft bench`
     by_load: dict[int, list[dict]] = field(default_factory=dict)  # rounds per load (requests in flight)
+    crowded: bool = False  # its rounds run beside a busy neighbour process (the same server as its quiet twin)
+
+    def beside_a_neighbour(self) -> Server:
+        """The same server, for rounds run beside a busy neighbour process: its results kept apart."""
+        return Server(f"{self.name}+neighbour", self.process, self.url, crowded=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:
