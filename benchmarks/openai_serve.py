@@ -13,6 +13,9 @@ Greedy outputs are compared between servers (the benchmark's detailed results ca
 With `--our-client`, `minedraft bench --backend openai` follows vLLM's client in every round with the same
 prompts and settings, and a third table sets the two clients' median TTFT, TPOT and ITL side by side (the
 two measure the same definitions; on a quiet machine their ratios should stay near 1).
+With `--sweep-concurrency` and `--neighbour`, every server also runs each load beside a busy process (a
+`while True` loop started for the run), interleaved with its quiet runs, and the table adds each server's
+neighbour / quiet and each of ours against the best of vLLM's beside the same neighbour.
 A second table says where the servers' CPU went: CPU seconds per 1,000 output tokens of each server
 process (Linux, from /proc; ours by role, vLLM's by process name). The client is left out: each of its runs
 starts a new Python process that imports vLLM, which costs more CPU than the streaming itself.
