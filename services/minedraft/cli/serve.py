@@ -186,18 +186,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     groups = model_from_args(args, EngineGroups).engine_groups
+    supervisor = Supervisor(stack, settings(args, SupervisorSettings))
     with stack:
-        behind = f", {groups} engine groups behind a gateway" if groups > 1 else ""
-        print(f"MineDraft ({stack.config.mode.value}{behind}) is serving on {stack.address}; Ctrl-C stops it",
-              flush=True)  # fmt: skip
-        if stack.http_url:
-            print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
-        metrics_port = settings(args, SchedulerSettings).metrics_port
-        if metrics_port:
-            print(f"Prometheus metrics: http://{listen_settings(args).host}:{metrics_port}/metrics"
-                  + (" (group i: port + i)" if groups > 1 else ""), flush=True)  # fmt: skip
-        # Until a signal, or a service that crash-loops: a service that exits is started again.
-        return Supervisor(stack, settings(args, SupervisorSettings)).run()
+        try:
+            behind = f", {groups} engine groups behind a gateway" if groups > 1 else ""
+            print(f"MineDraft ({stack.config.mode.value}{behind}) is serving on {stack.address}; Ctrl-C stops it",
+                  flush=True)  # fmt: skip
+            if stack.http_url:
+                print(f"OpenAI-compatible API: {stack.http_url}/v1", flush=True)
+            metrics_port = settings(args, SchedulerSettings).metrics_port
+            if metrics_port:
+                print(f"Prometheus metrics: http://{listen_settings(args).host}:{metrics_port}/metrics"
+                      + (" (group i: port + i)" if groups > 1 else ""), flush=True)  # fmt: skip
+            # Until a signal, or a service that crash-loops: a service that exits is started again.
+            return supervisor.run()
+        except KeyboardInterrupt:  # a signal once serving, before the supervisor's loop took it: the same clean stop
+            return 0
 
 
 def _backend_access(args: argparse.Namespace, gateway: GatewaySettings):
