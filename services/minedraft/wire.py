@@ -233,6 +233,8 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
         result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
+        if reply.draft_prefix_cache_queries:  # a verifier that drafts too
+            result.record_prefix_cache("drafter", (reply.draft_prefix_cache_queries, reply.draft_prefix_cache_hits))
         for name, error in reply.lora_loaded.items():  # one worker's refusal is the group's
             result.lora_loaded[name] = result.lora_loaded.get(name) or (f"the {role}: {error}" if error else "")
     return result

@@ -91,4 +91,6 @@ def _reply(step_id: int, result: StepResult) -> worker_pb2.StepReply:
         reply.drafted[request_id] = num_tokens
     reply.prefix_cache_queries = result.prefix_cache_queries.get("verifier", 0)  # as a lone verifier reports
     reply.prefix_cache_hits = result.prefix_cache_hits.get("verifier", 0)
+    reply.draft_prefix_cache_queries = result.prefix_cache_queries.get("drafter", 0)
+    reply.draft_prefix_cache_hits = result.prefix_cache_hits.get("drafter", 0)
     return reply
