@@ -22,6 +22,10 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.launcher import free_port
 from minedraft.serving import is_serving
+from minedraft.settings import WorkerSettings
+
+# A drafter service beside the verifier, as pods run them (on CPU a stack colocates both models by default).
+TWO_PROCESSES = WorkerSettings(colocate_drafter=False)
 
 
 def serving(address: str, timeout_s: float = 2.0) -> bool:

@@ -171,7 +171,7 @@ def _up(pair, *flags: str) -> tuple[subprocess.Popen, str]:
     up = subprocess.Popen(
         [sys.executable, "-m", "minedraft", "up", "--model", pair[0], "--port", str(port), "--metrics-port", "0",
          "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu", "--max-num-seqs", "16",
-         "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING", *flags],
+         "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING", "--no-colocate-drafter", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     wait_serving(f"127.0.0.1:{port}", timeout_s=180)

@@ -265,7 +265,7 @@ def test_up_with_two_engine_groups_serves_through_a_gateway_and_stops_everything
         )
         assert up.stdout.readline().strip() == f"OpenAI-compatible API: http://127.0.0.1:{http_port}/v1"
         services = children(up.pid)
-        assert len(services) == 7  # two groups of verifier, drafter, scheduler, and the gateway
+        assert len(services) == 5  # two groups of verifier (drafting too, on CPU) and scheduler; the gateway
         with Client(f"127.0.0.1:{port}", timeout=60, token="up-key") as client:
             assert client.generate([1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True).usage.completion_tokens == 8
         http = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="up-key", max_retries=0)

@@ -25,7 +25,7 @@ from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.settings import WorkerSettings
 
 from conftest import make_pair, offline_greedy, tiny_config
-from services import serving, worker_info
+from services import TWO_PROCESSES, serving, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
@@ -120,7 +120,7 @@ def _drafts_now(address: str) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected, tp: int) -> None:
-    with LocalStack(_config(pair, tp=tp)) as stack:
+    with LocalStack(_config(pair, tp=tp), worker=TWO_PROCESSES) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "drafter")
@@ -136,7 +136,7 @@ def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expec
 @pytest.mark.parametrize("tp", [1, 2])
 def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, tp: int) -> None:
     """With tp=2 the verifier's other rank dies with its rank 0 and comes back with it."""
-    with LocalStack(_config(pair, tp=tp)) as stack:
+    with LocalStack(_config(pair, tp=tp), worker=TWO_PROCESSES) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "verifier")
@@ -153,7 +153,8 @@ def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -
     scheduler, after the step deadline) and the group goes on as if it had died (target-only, or held
     requests); after SIGCONT it is taken back."""
     scheduler = scheduler_settings(step_deadline_floor=8)  # steps here take milliseconds; the default is 60 s
-    with LocalStack(_config(pair), worker=WorkerSettings(dist_timeout=4), scheduler=scheduler) as stack:
+    workers = WorkerSettings(dist_timeout=4, colocate_drafter=False)
+    with LocalStack(_config(pair), worker=workers, scheduler=scheduler) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         process = stack.process(victim)
@@ -174,7 +175,7 @@ def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -
 def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:
     """The scheduler is SIGKILLed with requests in flight; a new one (same command) forms a new epoch, in
     which the workers hold nothing, and serves 32 concurrent requests."""
-    with LocalStack(_config(pair)) as stack:
+    with LocalStack(_config(pair), worker=TWO_PROCESSES) as stack:
         load = Load(stack.address)
         load.wait_for_tokens(200)
         _kill(stack, "scheduler")
@@ -227,7 +228,8 @@ def test_a_new_world_starts_with_an_empty_prefix_cache(pair) -> None:
     gives the same tokens, and is cached again in the new world."""
     metrics_port = free_port()
     prompt = [(5 * j) % 300 + 1 for j in range(40)]  # two full blocks of 16 below its last token
-    with LocalStack(_config(pair), scheduler=scheduler_settings(metrics_port=metrics_port)) as stack, \
+    scheduler = scheduler_settings(metrics_port=metrics_port)
+    with LocalStack(_config(pair), worker=TWO_PROCESSES, scheduler=scheduler) as stack, \
             Client(stack.address, timeout=60) as client:  # fmt: skip
         url = f"http://127.0.0.1:{metrics_port}/metrics"
 

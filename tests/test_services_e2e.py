@@ -30,7 +30,7 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.settings import WorkerSettings
 
 from conftest import pard_draft, tiny_config
-from services import children, overload_codes, serving, wait_serving, worker_info
+from services import TWO_PROCESSES, children, overload_codes, serving, wait_serving, worker_info
 from tiny_models import make_eagle3_head, make_eagle_head
 
 MAX_MODEL_LEN = 128
@@ -93,7 +93,7 @@ def _assert_idle(stack: LocalStack, timeout_s: float = 10.0) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_over_grpc_equals_offline_ar(pair, expected, mode: str, tp: int) -> None:
-    with LocalStack(_config(pair, MODES[mode], tensor_parallel_size=tp)) as stack:
+    with LocalStack(_config(pair, MODES[mode], tensor_parallel_size=tp), worker=TWO_PROCESSES) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
@@ -125,7 +125,7 @@ def test_parallel_drafting_over_grpc_equals_offline_ar(pair, expected, mode: str
     get the drafts over the tensor channel as always."""
     spec = {**MODES[mode], "parallel_drafting": True}
     config = _config((pair[0], pard_draft(pair[1], tmp_path)), spec, tensor_parallel_size=2)
-    with LocalStack(config) as stack:
+    with LocalStack(config, worker=TWO_PROCESSES) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
@@ -154,7 +154,7 @@ def test_eagle_heads_over_grpc_with_two_verifier_ranks_equal_offline_ar(pair, ex
             "adaptive": False}
     config = _config((pair[0], str(head)), spec, tensor_parallel_size=2)
     work = _workload()
-    with LocalStack(config) as stack:
+    with LocalStack(config, worker=TWO_PROCESSES) as stack:
         got = _generate_concurrently(stack.address, work)
         with Client(stack.address) as client:
             info = client.server_info()
@@ -173,7 +173,7 @@ def test_small_kv_budget_over_grpc_equals_offline_ar(pair, expected, mode: str) 
     # 2 layers x (k, v) x 2 kv heads x 8 tokens x 32 dims x 4 bytes per target block; the drafter's are smaller
     per_block = 2 * 2 * 2 * 8 * 32 * 4
     config = _config(pair, MODES[mode], block_size=8, kv_cache_memory_bytes=16 * per_block)
-    with LocalStack(config, scheduler=scheduler_settings(metrics_port=free_port())) as stack:
+    with LocalStack(config, worker=TWO_PROCESSES, scheduler=scheduler_settings(metrics_port=free_port())) as stack:
         got = _generate_concurrently(stack.address, _workload())
         with Client(stack.address) as client:
             info = client.server_info()
@@ -200,7 +200,7 @@ def test_a_drafter_that_sits_out_steps_drafts_from_every_token(pair, budget_bloc
     while engine.has_unfinished():
         engine.step()
     metrics = scheduler_settings(metrics_port=free_port())
-    with LocalStack(_config(pair, spec, **budget), scheduler=metrics) as stack, \
+    with LocalStack(_config(pair, spec, **budget), worker=TWO_PROCESSES, scheduler=metrics) as stack, \
             Client(stack.address, timeout=120) as client:
         def one(i: int):
             time.sleep(0.01 * i)
@@ -223,7 +223,8 @@ def test_a_drafter_that_sits_out_steps_drafts_from_every_token(pair, budget_bloc
 def stack(pair):
     """One MineDraft stack for the lifecycle tests below."""
     small_queue = scheduler_settings(max_waiting_requests=8)
-    with LocalStack(_config(pair, MODES["minedraft"], max_num_seqs=2), scheduler=small_queue) as running:
+    config = _config(pair, MODES["minedraft"], max_num_seqs=2)
+    with LocalStack(config, worker=TWO_PROCESSES, scheduler=small_queue) as running:
         yield running
 
 
@@ -367,7 +368,7 @@ def test_every_engine_setting_reaches_every_process(pair) -> None:
     """Each worker runs exactly the launcher's config (every field off its default, so a dropped one shows);
     the scheduler, which refuses workers that differ from it, comes up SERVING."""
     config = _every_field_off_default(pair)
-    with LocalStack(config) as stack:
+    with LocalStack(config, worker=TWO_PROCESSES) as stack:
         for address in (stack.verifier_address, stack.drafter_address):
             assert EngineConfig.model_validate_json(worker_info(address).engine_config_json) == config
         assert serving(stack.address)
@@ -378,7 +379,7 @@ def test_scheduler_refuses_workers_with_other_settings(pair) -> None:
     naming the field, instead of running a group that disagrees."""
     workers = _every_field_off_default(pair)
     mine = workers.model_copy(update={"draft_support_size": 64})
-    with LocalStack(workers, workers_only=True) as stack:
+    with LocalStack(workers, worker=TWO_PROCESSES, workers_only=True) as stack:
         result = subprocess.run(
             [sys.executable, "-m", "minedraft", "scheduler", *engine_flags(mine), "--port", str(free_port()),
              "--metrics-port", "0", "--verifier", stack.verifier_address, "--drafter", stack.drafter_address],
@@ -414,7 +415,7 @@ def test_up_stops_every_service_on_a_signal(pair, sig) -> None:
         wait_serving(f"127.0.0.1:{port}")
         assert "is serving on" in up.stdout.readline()
         services = children(up.pid)
-        assert len(services) == 3  # verifier, drafter, scheduler
+        assert len(services) == 2  # verifier (on CPU it runs the draft model too) and scheduler
         up.send_signal(sig)
         assert up.wait(timeout=60) == 0
         assert [pid for pid in services if Path(f"/proc/{pid}").exists()] == [], "services outlived minedraft up"

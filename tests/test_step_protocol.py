@@ -20,6 +20,8 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 
+from services import TWO_PROCESSES
+
 # Fixed k: these tests look at the overlap of the two parts, which adaptive k may turn off on tiny models.
 SPEC = {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False}
 
@@ -119,7 +121,7 @@ def test_workers_report_step_and_idle_time_and_bench_shows_the_idle_share(pair, 
                           max_model_len=96, device="cpu")  # fmt: skip
     port = free_port()
     settings = scheduler_settings(metrics_port=port, max_steps_in_flight=depth, log_stats_interval=0.2)
-    with LocalStack(config, scheduler=settings, log_dir=tmp_path) as stack:
+    with LocalStack(config, worker=TWO_PROCESSES, scheduler=settings, log_dir=tmp_path) as stack:
         url = f"http://127.0.0.1:{port}/metrics"
         result = run_online_bench(stack.address, ["def f():", "import os", "class A:"] * 4, concurrency=8,
                                   max_tokens=24, temperature=0.0, ignore_eos=True, metrics_url=url)  # fmt: skip

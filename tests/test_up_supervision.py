@@ -76,6 +76,7 @@ class Up:
                  "--speculative-config", json.dumps({**SPEC, "model": pair[1]}), "--device", "cpu",
                  "--batch-invariant", "--max-num-seqs", "16", "--max-model-len", "128", "--log-level", "WARNING",
                  "--log-dir", str(self.log_dir), *SUPERVISION, *flags,
+                 *([] if "--colocate-drafter" in flags else ["--no-colocate-drafter"]),  # a drafter process to kill
                  *([] if "--metrics-port" in flags else ["--metrics-port", "0"])],  # stacks run side by side
                 stdout=out, stderr=err, env={**os.environ, **(env or {})},
             )  # fmt: skip

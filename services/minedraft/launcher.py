@@ -97,6 +97,14 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in {"MINEDRAFT_" + n.upper() for n in names}}
 
 
+def colocates_by_default(config: EngineConfig) -> bool:
+    """Whether a stack on this machine runs the draft model inside the verifier's process when not told: on CPU
+    at tensor parallel size 1, where a drafter process would only share the verifier's cores and add a hand-over
+    between two processes to every step (docs/services.md). On GPUs each model keeps a process of its own."""
+    return (config.speculative_config is not None and config.tensor_parallel_size == 1
+            and config.resolved_device() == "cpu")  # fmt: skip
+
+
 class LocalStack:
     """Start the services, wait until the scheduler reports SERVING, stop them all on exit.
 
@@ -122,6 +130,8 @@ class LocalStack:
         self.config = config
         self.scheduler = scheduler or scheduler_settings()
         self.worker = worker or WorkerSettings()
+        if self.worker.colocate_drafter is None:
+            self.worker = self.worker.model_copy(update={"colocate_drafter": colocates_by_default(config)})
         if not self.worker.cpu_threads_beside:
             beside = threads_beside(config, os.cpu_count() or 1)
             self.worker = self.worker.model_copy(update={"cpu_threads_beside": beside})

@@ -133,11 +133,12 @@ class WorkerSettings(ServiceSettings):
         "computes too, when both share one machine's cores (a part that runs alone uses every thread the process "
         "has); 0 = as many as alone. `minedraft up` sets it to the worker's share.",
     )  # fmt: skip
-    colocate_drafter: bool = Field(
-        False, description="The verifier runs the draft model too, in its own process, and no drafter service "
+    colocate_drafter: bool | None = Field(
+        None, description="The verifier runs the draft model too, in its own process, and no drafter service "
         "runs (tensor_parallel_size 1): no step-end exchange between two processes, which on one machine's CPU "
-        "is most of a small step's cost. A drafter that dies then takes the verifier with it. `minedraft up` "
-        "starts no drafter with it.",
+        "is most of a small step's cost. A drafter that dies then takes the verifier with it. Unset: `minedraft "
+        "up` colocates on CPU at tensor_parallel_size 1 (the drafter has no compute of its own there) and runs a "
+        "drafter service elsewhere; a verifier started on its own (a pod) does not colocate.",
     )  # fmt: skip
 
 

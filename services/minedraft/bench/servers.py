@@ -31,9 +31,13 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "minedraft-fixed": ("ours", {"is_parallel": True, "adaptive": False}),
     "pearl": ("ours", {"is_parallel": True, "force_pearl": True}),
     "minedraft": ("ours", {"is_parallel": True}),
-    # The verifier runs the draft model in its own process (`minedraft up --colocate-drafter`).
+    # The verifier runs the draft model in its own process (`--colocate-drafter`, on CPU the default of `up`), or a
+    # drafter service runs beside it (`--no-colocate-drafter`, as pods run them).
     "sd-fixed-colocated": ("ours", {"adaptive": False}),
     "minedraft-colocated": ("ours", {"is_parallel": True}),
+    "sd-fixed-separate": ("ours", {"adaptive": False}),
+    "minedraft-fixed-separate": ("ours", {"is_parallel": True, "adaptive": False}),
+    "minedraft-separate": ("ours", {"is_parallel": True}),
     "sd+eagle3": ("ours", {"method": "eagle3"}),
     "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
 }
@@ -80,7 +84,7 @@ def start_server(name: str, *, k: int, max_num_seqs: int, vllm_python: str, logs
         batch = max_num_seqs // 2 if name.startswith("minedraft") else max_num_seqs  # as many at once, two batches
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING", caching] + (["--colocate-drafter"] if name.endswith("-colocated") else [])
+                   "--log-level", "WARNING", caching, *_drafter_placement(name)]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "services")}
     else:
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(BUNDLED_TARGET),
@@ -93,6 +97,13 @@ def start_server(name: str, *, k: int, max_num_seqs: int, vllm_python: str, logs
     log = open(logs / f"{label}.log", "w")  # noqa: SIM115 (closed with the process)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     return Server(label, process, f"http://127.0.0.1:{port}")
+
+
+def _drafter_placement(name: str) -> list[str]:
+    """`up`'s flag for where a server of ours runs its draft model (none: `up`'s default)."""
+    if name.endswith("-colocated"):
+        return ["--colocate-drafter"]
+    return ["--no-colocate-drafter"] if name.endswith("-separate") else []
 
 
 def wait_healthy(server: Server, timeout: float, logs: Path) -> None:
