@@ -135,7 +135,17 @@ def gather_keys(cache: torch.Tensor, tables: torch.Tensor, keys: int) -> torch.T
     """[seqs, kv_heads, keys, head_dim] of a [kv_heads, blocks, block_size, head_dim] pool."""
     kv_heads, _, block_size, dim = cache.shape
     seqs, width = tables.shape
-    gathered = cache.index_select(1, tables.flatten()).view(kv_heads, seqs, width * block_size, dim)
+    index = tables.flatten()
+    if cache.device.type == "cpu":
+        # Per head along the leading dimension: whole [block_size, dim] rows, copied on every thread (one
+        # index_select along dimension 1 copies on one thread: 2.2x slower on two cores, at 32 sequences
+        # a quarter of a decode step).
+        gathered = cache.new_empty(kv_heads, seqs * width, block_size, dim)
+        for head in range(kv_heads):
+            torch.index_select(cache[head], 0, index, out=gathered[head])
+    else:
+        gathered = cache.index_select(1, index)
+    gathered = gathered.view(kv_heads, seqs, width * block_size, dim)
     return gathered.transpose(0, 1)[:, :, :keys]
 
 
