@@ -15,10 +15,11 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
   machine.
 
 Each decision takes, of the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
-drafting beside verification), the one measured fastest at this load (wall seconds per token over its runs, tried
-in runs now and then: `Trials`), since a step costs more than its parts in ways the model does not see; and, for a
-speculative shape, the k in 1..max with the most expected tokens per second, then trims each request's window
-where its next token is expected to be worth less than it costs. The choice reads only verifications already
+drafting beside verification), the one with the fewest seconds per token: predicted for the requests running now,
+with the k in 1..max with the most expected tokens per second and each request's window trimmed where its next
+token is expected to be worth less than it costs, times what the shape's steps took at this load against what the
+model predicted for them (measured in runs, tried now and then: `Trials`), since a step costs more than its parts
+in ways the model does not see. The choice reads only verifications already
 made, never the token about to be sampled, so every output stays exactly the target's. Requests that sample with
 a seed keep the mode's own shape and the fixed k, so that their text is the same on every run.
 """
@@ -41,7 +42,7 @@ _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (unti
 # the other shape, the drafter's catch-up). See SpeculationController.decide.
 _RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
 _SHAPE_DECAY = 0.9  # per step of a shape's measured seconds per token: a probe's steps outweigh older ones
-_REQUEST_PRIOR = 8.0  # verifications' weight of the global acceptance in a request's own estimate
+_REQUEST_PRIOR = 4.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
 
 
@@ -153,7 +154,7 @@ class SpeculationController:
         self._one_forward = one_forward_drafts
         self._clock = clock
         self._last_end: float | None = None
-        # Per load (running requests, by powers of four): each shape's measured wall seconds per token; the load
+        # Per load (running requests, by powers of four): each shape's wall seconds over predicted seconds; the load
         # of the last decision; the shape of the last step observed and how many steps in a row had it.
         self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
         self._load = 0
@@ -203,17 +204,29 @@ class SpeculationController:
         total, count = self._overhead_sums[shape]
         self._overhead_sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
         decoding = (not result.verify_seconds or decoding_verify) and (not result.draft_seconds or decoding_draft)
-        self._measure(shape, result, between, decoding)
+        self._measure(shape, result, between, decoding and self._warm(shape), together)
 
-    def _measure(self, shape: Shape, result: StepResult, seconds: float, decoding: bool) -> None:
-        """A step of `shape` took `seconds` of wall time for the tokens it verified (one-batch steps: a draft
-        half none, the verify half many). Only the steps of a run of the shape after its first _SETTLE count, and
-        only decoding steps: a step that prefilled a prompt costs what the prompt costs, whatever the shape (and
-        a shape tried first at a load is tried while the requests that make that load arrive)."""
+    def _measure(self, shape: Shape, result: StepResult, seconds: float, counts: bool, together: bool) -> None:
+        """A step of `shape` took `seconds` of wall time: against what the cost model predicts for the work it
+        did, that is what the shape costs beyond the model here. Only the steps of a run of the shape after its
+        first _SETTLE count, and only decoding steps of a shape whose costs are known (`counts`): a step that
+        prefilled a prompt costs what the prompt costs, whatever the shape (and a shape tried first at a load is
+        tried while the requests that make that load arrive)."""
         last, length = self._run
         self._run = (shape, length + 1 if shape is last else 1)
-        if self._run[1] > _SETTLE and decoding:
-            self._trials.add(self._load, shape, seconds, sum(len(v.token_ids) for v in result.verified))
+        if self._run[1] > _SETTLE and counts:
+            self._trials.add(self._load, shape, seconds, self._predicted_seconds(result, shape, together))
+
+    def _predicted_seconds(self, result: StepResult, shape: Shape, together: bool) -> float:
+        """The model's wall time for a step that did the work `result` reports."""
+        costs = self._costs()
+        part = costs.together if together else costs.alone
+        (per_forward, per_token), draft, verify = part.draft, 0.0, 0.0
+        if result.draft_seconds > 0:
+            draft = per_forward * result.draft_forwards + per_token * result.draft_tokens
+        if result.verify_seconds > 0:
+            verify = part.verify_seconds(len(result.verified), result.verify_tokens)
+        return (max(draft, verify) if together else draft + verify) + costs.overhead[shape]
 
     def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
                seconds: float) -> None:
@@ -245,35 +258,29 @@ class SpeculationController:
         """The next step's shape and windows. `candidates`: for each speculative shape possible now, the requests
         it would draft and each one's cap; `everyone`: the requests a plain step would decode.
 
-        The shape is the one measured fastest at this load (wall seconds per token over its runs, `Trials`): the
-        model's prediction of a whole step misses what the step costs beyond its parts (processes waiting on each
-        other, the frontends' share of the cores), and measured it need not. Each shape the moment allows runs
-        once for a few decisions first (in the order the model predicts them), and another one now and then. The
-        model chooses each shape's k and trims its windows."""
+        The shape is the one with the fewest seconds per token: the model's prediction for this moment's requests
+        (their acceptance, each shape's best k and trimmed windows) times what the shape's steps measured at this
+        load against what the model predicted for them (`Trials`). The model's prediction of a whole step misses
+        what a step costs beyond its parts (processes waiting on each other, the frontends' share of the cores),
+        which the measured factor brings in; a shape's seconds per token measured outright would instead carry the
+        acceptance of the requests that ran it, which changes from one request to the next. Each shape the moment
+        allows runs once for a few decisions first (in the order predicted), and another one now and then."""
         shapes = [s for s in self.shapes if s in candidates]
         seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
         allowed = shapes + ([] if seeded else [Shape.PLAIN])
         self._load = min(everyone, 1 << 12).bit_length() // 2  # loads 1, 2-7, 8-31, 32-127, ...: a few to learn
-        warm = all(self._warm(s) for s in allowed)
-        if not warm:  # until the fits have data: the shapes that run alone first (a part beside the other is
-            # measured against its cost alone), each as it is
-            ranked = sorted(allowed, key=(Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP).index)
-        else:  # the first tries at a load in the model's order, which needs every shape's prediction
-            if self._trials.untried(self._load, allowed):
-                self._by_shape(candidates, shapes, everyone)
-            ranked = sorted(allowed, key=lambda s: -self.last_rates.get(s.value, 0.0))
-        shape = self._trials.pick(self._load, ranked)
-        if shape is Shape.PLAIN:  # the model has nothing to choose: a plain step costs no prediction
-            decision = Decision(Shape.PLAIN, [])
-        else:
-            decision = self._by_shape(candidates, [shape], everyone)[shape] if warm else \
-                self._as_it_is(shape, candidates)
-        if decision.shape is not Shape.PLAIN and not any(decision.windows):
-            # Its windows were all cut (drafts not worth their cost): a plain step, and the shape is known to
-            # make nothing here (tried again with the probes, when the acceptance may have changed).
-            self._trials.add(self._load, decision.shape, 0.0, 0.0)
+        cold = [s for s in sorted(allowed, key=(Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP).index)
+                if not self._warm(s)]  # fmt: skip
+        if cold:  # until the fits have data: each shape as it is, those that run alone first (a part beside the
+            # other is measured against its cost alone)
+            decision = self._as_it_is(cold[0], candidates)
+        else:  # predicted now (this moment's requests and their acceptance) x what the shape costs beyond the model
+            decisions = self._by_shape(candidates, shapes, everyone)
+            per_token = {s: 1.0 / max(1e-9, self.last_rates[s.value]) for s in allowed}
+            shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
+            decision = decisions[shape]
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
@@ -291,7 +298,7 @@ class SpeculationController:
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
         decisions = {Shape.PLAIN: Decision(Shape.PLAIN, [])}
-        for shape in shapes:
+        for shape in shapes:  # (windows all trimmed away: drafts not worth their cost now, a plain step)
             requests, caps = candidates[shape]
             survival = self._survival(requests)
             k, rates[shape.value] = self._best_k(costs, shape, survival, caps)
@@ -399,10 +406,10 @@ class SpeculationController:
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
-            # Per load (running requests from 2^(2n-1) to 2^(2n+1) - 1, n the key): each shape's measured wall
-            # seconds per token.
-            "measured_seconds_per_token": {
-                str(load): {shape.value: round(cost, 6) for shape, cost in by_shape.items() if cost < float("inf")}
+            # Per load (running requests from 2^(2n-1) to 2^(2n+1) - 1, n the key): each shape's steps' wall time
+            # over the model's prediction for the same work.
+            "measured_over_predicted": {
+                str(load): {shape.value: round(cost, 4) for shape, cost in by_shape.items() if cost < float("inf")}
                 for load, by_shape in self._trials.costs().items()
             },
         }

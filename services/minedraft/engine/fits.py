@@ -3,7 +3,7 @@ engine/threads.py's thread counts)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit
@@ -110,8 +110,11 @@ class Trials:
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
         self._state: dict[Hashable, _KindState] = {}
 
-    def pick(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
-        """The candidate to run now, of those allowed now (the untried in the order given)."""
+    def pick(self, kind: Hashable, candidates: Sequence[Hashable], scale: Mapping[Hashable, float] | None = None,
+             ) -> Hashable:
+        """The candidate to run now, of those allowed now (the untried in the order given). `scale`: what each
+        candidate's measured cost is worth now, where the work it is measured in is not the work that counts (a
+        step measured in the seconds a model predicted for it, chosen by seconds per token predicted now)."""
         state = self._state.setdefault(kind, _KindState(interval=self.probe_every, next_probe=self.probe_every))
         state.picks += 1
         if state.left and state.current in candidates:
@@ -119,13 +122,13 @@ class Trials:
             return state.current
         if state.probing:  # a probe's run has ended: did it change the choice?
             state.probing = False
-            changed = self.choice(kind, candidates, state.settled) != state.settled
+            changed = self.choice(kind, candidates, state.settled, scale) != state.settled
             state.interval = self.probe_every if changed else min(2 * state.interval,
                                                                   self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
         measured = self._cost.get(kind, {})
         unseen = [c for c in candidates if c not in measured]
-        settled = self.choice(kind, candidates, state.settled)
+        settled = self.choice(kind, candidates, state.settled, scale)
         others = [c for c in candidates if c != settled]
         if unseen:
             state.current, state.left = unseen[0], self.run - 1
@@ -151,17 +154,23 @@ class Trials:
         measured = self._cost.get(kind, {})
         return any(c not in measured for c in candidates)
 
-    def choice(self, kind: Hashable, candidates: Sequence[Hashable], incumbent: Hashable | None = None) -> Hashable:
+    def choice(self, kind: Hashable, candidates: Sequence[Hashable], incumbent: Hashable | None = None,
+               scale: Mapping[Hashable, float] | None = None) -> Hashable:
         """The measured cheapest of `candidates`, unless `incumbent` is within the margin of it."""
-        best = self.best(kind, candidates)
-        if incumbent in candidates and self.cost(kind, incumbent) * (1 - self.margin) <= self.cost(kind, best):
+        best = self.best(kind, candidates, scale)
+        if incumbent in candidates and (self._scaled(kind, incumbent, scale) * (1 - self.margin)
+                                        <= self._scaled(kind, best, scale)):  # fmt: skip
             return incumbent
         return best
 
-    def best(self, kind: Hashable, candidates: Sequence[Hashable]) -> Hashable:
+    def best(self, kind: Hashable, candidates: Sequence[Hashable], scale: Mapping[Hashable, float] | None = None,
+             ) -> Hashable:
         """The measured cheapest of `candidates` (the first, before any was measured)."""
         measured = self._cost.get(kind, {})
-        return min(candidates, key=lambda c: self.cost(kind, c) if c in measured else float("inf"))
+        return min(candidates, key=lambda c: self._scaled(kind, c, scale) if c in measured else float("inf"))
+
+    def _scaled(self, kind: Hashable, candidate: Hashable, scale: Mapping[Hashable, float] | None) -> float:
+        return self.cost(kind, candidate) * (scale[candidate] if scale is not None else 1.0)
 
     def cost(self, kind: Hashable, candidate: Hashable) -> float:
         seconds, work = self._cost.get(kind, {}).get(candidate, (0.0, 0.0))
