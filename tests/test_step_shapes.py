@@ -224,6 +224,33 @@ def test_the_shape_follows_each_requests_acceptance() -> None:
     assert sum(right) >= 0.85 * len(right), (sum(right) / len(right), controller.describe())
 
 
+def test_a_long_run_of_plain_steps_keeps_what_drafts_measured() -> None:
+    """A costly draft that pays only where most drafts are accepted (90% here; at the prior's 50% it does not).
+    A long request whose drafts miss runs plain steps; the next request, whose drafts are accepted, must draft
+    again at once: plain steps verify no drafts, so they must not wear the acceptance measured before them away."""
+    clock = Clock()
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    rng = random.Random(0)
+
+    def serve(acceptance: float, decisions: int) -> list[Shape]:
+        machine = Machine(**CHEAP_TOKENS, draft_forward=1.0 * MS, draft_token=0.01 * MS, beside=2.2,
+                          acceptance=acceptance)  # fmt: skip
+        [request], shapes = _requests(1), []
+        for _ in range(decisions):
+            decision = controller.decide({Shape.SPECULATE: ([request], [K])}, everyone=1)
+            drafting = [request] if decision.shape is not Shape.PLAIN else []
+            for result, seconds in _steps(machine, decision.shape, drafting, decision.windows, [request], rng):
+                clock.now += seconds
+                controller.observe(result, decision.shape)
+            shapes.append(decision.shape)
+        return shapes
+
+    for _ in range(4):
+        serve(0.9, 48)
+    assert serve(0.05, 400)[-100:].count(Shape.PLAIN) >= 90
+    assert serve(0.9, 16).count(Shape.SPECULATE) >= 12, controller.describe()["acceptance_by_position"]
+
+
 # --- Trials: how often the choice changes -------------------------------------------------------------------------
 
 

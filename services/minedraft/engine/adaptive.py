@@ -175,10 +175,12 @@ class SpeculationController:
     def observe(self, result: StepResult, shape: Shape) -> None:
         """Learn from one step's results (a step of `shape`): acceptance per position, what its parts and the
         step beyond them cost, and the wall time per token the shape takes at this load."""
-        self.acceptance.decay()
-        for verified in result.verified:
-            if verified.num_draft_tokens:
-                self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
+        drafted = [v for v in result.verified if v.num_draft_tokens]
+        if drafted:  # forgetting per step that verified drafts: plain steps teach nothing about acceptance, and
+            # decayed through a run of them the estimate fell back to its prior (0.5), which kept drafting off
+            self.acceptance.decay()
+        for verified in drafted:
+            self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
         together = result.draft_seconds > 0 and result.verify_seconds > 0
         # Only decoding steps teach the fits: a step that prefilled a prompt costs what attention over a whole
         # prompt costs, not what the next window will (prompts would pull the per-token cost their way).
