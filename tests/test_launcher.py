@@ -47,7 +47,28 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
         threads.done(forward[2])
         clock[0] += 1.0  # idle: no request for a second, which is not the step's
         threads.use(together=False, requests=1)
-        assert threads._counts.best((1, False)) == 2
+        assert threads._counts.best(("", 1, False)) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_parts_of_one_size_that_cost_differently_are_timed_apart() -> None:
+    """A verifier that drafts too runs draft parts, verifications of windows and plain steps at the same number of
+    requests, by turns. Here plain steps are fastest on 2 threads and the draft parts on 1: each gets its own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        clock = [0.0]
+        threads = StepThreads("cpu", beside=0, clock=lambda: clock[0])
+        cycle = {"plain": {1: 9e-3, 2: 6e-3}, "draft": {1: 5e-3, 2: 8e-3}}
+        for step in range(600):
+            part = "plain" if step % 3 else "draft"
+            threads.use(together=False, requests=8, part=part)
+            seconds = cycle[part][torch.get_num_threads()]
+            threads.done(seconds)
+            clock[0] += seconds
+        assert threads._counts.best(("plain", 4, False)) == 2
+        assert threads._counts.best(("draft", 4, False)) == 1
     finally:
         torch.set_num_threads(before)
 

@@ -430,6 +430,10 @@ class VerifyWorker(_Worker):
     def receive_drafts(self, drafts: dict[str, Drafts]) -> None:
         self._drafts.update(drafts)
 
+    def holds_drafts(self, plan: VerifyPlan) -> bool:
+        """Whether the plan verifies drafts this worker holds (else it decodes one token per request)."""
+        return any(task.request_id in self._drafts for task in plan.tasks)
+
     def verify(self, plan: VerifyPlan) -> list[Verified]:
         """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""
         batch = self.forward(plan)

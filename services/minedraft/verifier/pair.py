@@ -51,8 +51,9 @@ class PairNode:
         self.executor.admit(admit)
         part = verify or draft
         alone = part is not None and (draft is None or verify is None)  # overlapped: the executor's stage threads
-        if alone:
-            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill))
+        if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
+            kind = "draft" if verify is None else "verify" if self.executor.verifier.holds_drafts(verify) else "plain"
+            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill), part=kind)
         start = time.perf_counter()
         result = self.executor.step(draft, verify)
         if alone:
