@@ -41,7 +41,7 @@ _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (unti
 # of a load; the first _SETTLE steps of a run of a shape do not count (they carry the change: windows drafted in
 # the other shape, the drafter's catch-up). See SpeculationController.decide.
 _RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
-_SHAPE_DECAY = 0.9  # per step of a shape's measured seconds per token: a probe's steps outweigh older ones
+_SHAPE_DECAY = 0.9  # per step of a shape's measured factor (wall over predicted): a probe's steps outweigh older ones
 _REQUEST_PRIOR = 4.0  # verifications' weight of the global acceptance in a request's own estimate
 _MAX_ACCEPT = 0.995
 
@@ -174,7 +174,7 @@ class SpeculationController:
 
     def observe(self, result: StepResult, shape: Shape) -> None:
         """Learn from one step's results (a step of `shape`): acceptance per position, what its parts and the
-        step beyond them cost, and the wall time per token the shape takes at this load."""
+        step beyond them cost, and how the shape's wall time at this load compares with the model's."""
         drafted = [v for v in result.verified if v.num_draft_tokens]
         if drafted:  # forgetting per step that verified drafts: plain steps teach nothing about acceptance, and
             # decayed through a run of them the estimate fell back to its prior (0.5), which kept drafting off
@@ -300,7 +300,7 @@ class SpeculationController:
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
         decisions = {Shape.PLAIN: Decision(Shape.PLAIN, [])}
-        for shape in shapes:  # (windows all trimmed away: drafts not worth their cost now, a plain step)
+        for shape in shapes:  # a shape whose windows are all trimmed away runs as a plain step (pipelines.py)
             requests, caps = candidates[shape]
             survival = self._survival(requests)
             k, rates[shape.value] = self._best_k(costs, shape, survival, caps)

@@ -149,11 +149,6 @@ class Trials:
             state.interval, state.baseline = self.probe_every, cost
             state.next_probe = min(state.next_probe, state.picks + self.probe_every)
 
-    def untried(self, kind: Hashable, candidates: Sequence[Hashable]) -> bool:
-        """Whether a candidate of `kind` has not run yet (the next picks try it, in the order given)."""
-        measured = self._cost.get(kind, {})
-        return any(c not in measured for c in candidates)
-
     def choice(self, kind: Hashable, candidates: Sequence[Hashable], incumbent: Hashable | None = None,
                scale: Mapping[Hashable, float] | None = None) -> Hashable:
         """The measured cheapest of `candidates`, unless `incumbent` is within the margin of it."""
