@@ -12,7 +12,7 @@ that machine makes fastest: the shares asserted leave room for the warm-up and t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from test_pipelines import Letters
@@ -36,9 +36,15 @@ class Machine:
     acceptance: float  # chance each draft token is accepted when those before it were
     handoff: float = 0.0  # wall seconds of each half of a one-batch step beyond its part, which it does not report
     overlap_wait: float = 0.0  # wall seconds of every other overlapped step beyond its parts, unreported
+    verify_request: float = 0.0  # seconds per request verified (its attention over its context)
+    noise: float = 0.0  # each verify part's seconds vary by up to this fraction, as measured steps do
 
-    def verify(self, tokens: int, together: bool) -> float:
-        return (self.verify_step + self.verify_token * tokens) * (self.beside if together else 1.0)
+    def verify(self, tokens: int, together: bool, requests: int = 0) -> float:
+        seconds = self.verify_step + self.verify_request * requests + self.verify_token * tokens
+        return seconds * (self.beside if together else 1.0)
+
+    def measured_verify(self, tokens: int, together: bool, requests: int, rng: random.Random) -> float:
+        return self.verify(tokens, together, requests) * (1 + rng.uniform(-self.noise, self.noise))
 
     def draft(self, windows: list[int], together: bool) -> float:
         tokens = sum(windows) + sum(1 for w in windows if w)
@@ -69,7 +75,7 @@ def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: lis
     two halves."""
     n = len(everyone)
     if shape is Shape.PLAIN:
-        seconds = machine.verify(n, together=False)
+        seconds = machine.measured_verify(n, False, n, rng)
         return [(StepResult(verified=_verified(everyone, [0] * n, machine, rng), verify_tokens=n,
                             verify_seconds=seconds), seconds)]  # fmt: skip
     tokens = len(windows) + sum(windows)
@@ -78,12 +84,13 @@ def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: lis
         draft = StepResult(drafted=drafted, draft_forwards=max(windows), draft_tokens=tokens,
                            draft_seconds=machine.draft(windows, together=False))  # fmt: skip
         verify = StepResult(verified=_verified(drafting, windows, machine, rng), verify_tokens=tokens,
-                            verify_seconds=machine.verify(tokens, together=False))  # fmt: skip
+                            verify_seconds=machine.measured_verify(tokens, False, len(drafting), rng))  # fmt: skip
         return [(draft, draft.draft_seconds + machine.handoff), (verify, verify.verify_seconds + machine.handoff)]
     # Overlap: this batch drafts while the other, drafted alike the step before, is verified.
+    verify = machine.measured_verify(tokens, True, len(drafting), rng)
     step = StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, verify_tokens=tokens,
-                      verify_seconds=machine.verify(tokens, together=True), draft_forwards=max(windows),
-                      draft_tokens=tokens, draft_seconds=machine.draft(windows, together=True))  # fmt: skip
+                      verify_seconds=verify, draft_forwards=max(windows), draft_tokens=tokens,
+                      draft_seconds=machine.draft(windows, together=True))  # fmt: skip
     wait = machine.overlap_wait if rng.random() < 0.5 else 0.0  # now and then: no fixed overhead models it
     return [(step, max(step.draft_seconds, step.verify_seconds) + wait)]
 
@@ -249,6 +256,59 @@ def test_a_long_run_of_plain_steps_keeps_what_drafts_measured() -> None:
         serve(0.9, 48)
     assert serve(0.05, 400)[-100:].count(Shape.PLAIN) >= 90
     assert serve(0.9, 16).count(Shape.SPECULATE) >= 12, controller.describe()["acceptance_by_position"]
+
+
+def _predicted_verify(controller: SpeculationController, requests: int, tokens: int) -> float:
+    a, per_request, per_token = controller.describe()["cost_model_seconds"]["verify_alone"]
+    return a + per_request * requests + per_token * tokens
+
+
+def _serve(controller: SpeculationController, machine: Machine, clock: Clock, rng: random.Random, requests: int,
+           decisions: int) -> list[Shape]:
+    everyone, shapes = _requests(requests), []
+    for _ in range(decisions):
+        decision = controller.decide({Shape.SPECULATE: (everyone, [K] * requests)}, everyone=requests)
+        drafting = everyone if decision.shape is not Shape.PLAIN else []
+        for result, seconds in _steps(machine, decision.shape, drafting, decision.windows, everyone, rng):
+            clock.now += seconds
+            controller.observe(result, decision.shape)
+        shapes.append(decision.shape)
+    return shapes
+
+
+def test_each_load_keeps_what_it_measured() -> None:
+    """A verify part that costs per step, per request (its attention over its context) and per token. At one load
+    the requests never vary, so a step's cost per request cannot be told from its fixed cost; a model with one
+    fit for every load, after a few hundred steps at one load (whose times vary by 10%, as measured ones do),
+    priced the other load's steps wrong by a third. The
+    engine turns from one request to sixteen and back; at the start of each turn the model of that load must
+    still predict its plain steps and its windows of k."""
+    machine = Machine(verify_step=5 * MS, verify_token=0.5 * MS, draft_forward=0.4 * MS, draft_token=0.01 * MS,
+                      beside=2.2, acceptance=0.7, verify_request=0.5 * MS, noise=0.1)  # fmt: skip
+    clock = Clock()
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    rng = random.Random(0)
+    for turn in range(6):
+        n = 1 if turn % 2 == 0 else 16
+        if turn >= 2:  # each load seen before
+            controller.decide({Shape.SPECULATE: (_requests(n), [K] * n)}, everyone=n)
+            for tokens in (n, n * (K + 1)):
+                expected = machine.verify(tokens, together=False, requests=n)
+                assert _predicted_verify(controller, n, tokens) == pytest.approx(expected, rel=0.1), (turn, tokens)
+        _serve(controller, machine, clock, rng, n, 300)
+
+
+def test_a_long_run_of_plain_steps_keeps_what_windows_cost() -> None:
+    """Drafts that stop paying (their acceptance falls to nothing): hundreds of plain steps follow, whose tokens
+    never vary from their requests. What a window's tokens cost must outlast them, or the model takes windows to
+    cost what plain steps do and the next drafts that would pay are priced wrong."""
+    clock, rng = Clock(), random.Random(0)
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    good = Machine(verify_step=2 * MS, verify_token=0.3 * MS, draft_forward=0.4 * MS, draft_token=0.01 * MS,
+                   beside=2.2, acceptance=0.8)  # fmt: skip
+    _serve(controller, good, clock, rng, 8, 100)
+    assert _serve(controller, replace(good, acceptance=0.0), clock, rng, 8, 400)[-100:].count(Shape.PLAIN) >= 90
+    assert _predicted_verify(controller, 8, 40) == pytest.approx(good.verify(40, together=False), rel=0.1)
 
 
 # --- Trials: how often the choice changes -------------------------------------------------------------------------

@@ -6,13 +6,13 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
 - acceptance: the chance that the draft token at position j is accepted when every one before it was,
   from decayed counts over all verifications, scaled per request by its own acceptance so far (shrunk
   towards the global figure while it has few verifications);
-- cost: the seconds of a verify part as a + c x requests + b x target tokens, of a draft part as
-  c' x draft forwards + d x draft tokens, each fitted twice: for a part that ran alone (plain steps, the
-  halves of a one-batch step) and for one that ran beside the other part (overlapped steps; on one CPU the two
-  share its cores), and each step's overhead beyond its parts (planning, transport, the engine's bookkeeping, and
-  for overlapped steps the wait at their synchronisation point), per shape, from the wall time between results;
-  least squares with forgetting over the work the workers report (StepResult), so nothing is tuned for one
-  machine.
+- cost, per load (running requests, by powers of four): the seconds of a verify part as a + c x requests + b x
+  target tokens, of a draft part as c' x draft forwards + d x draft tokens, each fitted twice: for a part that
+  ran alone (plain steps, the halves of a one-batch step) and for one that ran beside the other part (overlapped
+  steps; on one CPU the two share its cores), and each step's overhead beyond its parts (planning, transport, the
+  engine's bookkeeping, and for overlapped steps the wait at their synchronisation point), per shape, from the
+  wall time between results; least squares with forgetting over the work the workers report (StepResult), so
+  nothing is tuned for one machine.
 
 Each decision takes, of the shapes the mode allows (plain decoding; one batch that drafts, then is verified;
 drafting beside verification), the one with the fewest seconds per token: predicted for the requests running now,
@@ -123,6 +123,41 @@ class Costs:
     one_forward_drafts: bool  # PARD: a window takes one forward
 
 
+class _LoadModel:
+    """What the steps of one load measured: per part, and whether the other part ran beside it, verify a + c x
+    requests + b x tokens (a request costs its attention over its context and its bookkeeping whatever its
+    window), draft c x forwards + d x tokens; a part beside the other = the part alone x a measured slowdown;
+    per shape, the decayed sum of its steps' overhead samples and their decayed count (per shape, not per kind
+    of step: served, an sd half hands its windows from one process to the other, which a plain step does not).
+
+    A verify part alone is fitted on two sets of sums solved together: plain steps' and windows', each forgetting
+    only as steps of its own kind come, so that a long run of plain steps does not wear away what windows cost
+    (the cost of the tokens a window adds is what the choice to draft again is made on)."""
+
+    def __init__(self) -> None:
+        self.verify = {False: OnlineFit(3), True: OnlineFit(3)}
+        self.verify_plain = OnlineFit(3)
+        self.draft = {False: OnlineFit(2), True: OnlineFit(2)}
+        self.slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
+        self.overhead_sums: dict[Shape, tuple[float, float]] = {}
+
+    def learn(self, part: str, together: bool, plain: bool, x: Sequence[float], seconds: float) -> None:
+        fits = self.verify if part == "verify" else self.draft
+        (self.verify_plain if plain and not together else fits[together]).add(x, seconds)
+        if together:
+            self.slowdown[part].add(x, seconds)
+
+    def seen(self, part: str, together: bool) -> int:
+        if part == "draft":
+            return self.draft[together].count
+        return self.verify[together].count + (0 if together else self.verify_plain.count)
+
+    def weights(self, part: str, together: bool) -> list[float]:
+        if part == "draft":
+            return self.draft[together].weights()
+        return self.verify[True].weights() if together else self.verify[False].weights(self.verify_plain)
+
+
 def _seeded_sampling(request: Request) -> bool:
     return request.params.seed is not None and request.params.temperature > 0
 
@@ -140,17 +175,11 @@ class SpeculationController:
         self.max_k = max_k
         self.shapes = tuple(shapes)
         self.acceptance = Acceptance(max_k)
-        # Per part, and whether the other part ran beside it: verify a + c x requests + b x tokens (a request
-        # costs its attention over its context and its bookkeeping whatever its window); draft c x forwards + d x
-        # tokens.
-        self._verify = {False: OnlineFit(3), True: OnlineFit(3)}
-        self._draft = {False: OnlineFit(2), True: OnlineFit(2)}
-        # A part beside the other = the part alone x a measured slowdown, once the fit alone is trusted.
-        self._slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
-        # Per shape: decayed sum of its steps' overhead samples, decayed count. Per shape, not per kind of step:
-        # served, an sd half hands its windows from one process to the other, which a plain step does not.
-        self._overhead_sums = {shape: (0.0, 0.0) for shape in Shape}
-        self._plain_seen = 0  # plain steps observed
+        # The cost model per load (running requests, by powers of four, as the shape factors): a line fits the
+        # steps of one load where it does not fit a curve across loads, and a load keeps what it measured while
+        # the engine runs at another (one fit for all, after hundreds of steps at one request, extrapolated to
+        # 32 from steps that never varied their requests).
+        self._models: dict[int, _LoadModel] = {}
         self._one_forward = one_forward_drafts
         self._clock = clock
         self._last_end: float | None = None
@@ -188,12 +217,12 @@ class SpeculationController:
         decoding_verify = 0 < result.verify_tokens <= window * len(result.verified)
         if decoding_verify and result.verify_seconds > 0:
             x = (1.0, len(result.verified), result.verify_tokens)
-            self._learn("verify", self._verify, together, x, result.verify_seconds)
-            self._plain_seen += not together and not any(v.num_draft_tokens for v in result.verified)
+            plain = not any(v.num_draft_tokens for v in result.verified)
+            self._model.learn("verify", together, plain, x, result.verify_seconds)
         decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
-            self._learn("draft", self._draft, together, (result.draft_forwards, result.draft_tokens),
-                        result.draft_seconds)
+            self._model.learn("draft", together, False, (result.draft_forwards, result.draft_tokens),
+                              result.draft_seconds)
         now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
@@ -203,10 +232,17 @@ class SpeculationController:
         # would bias the mean low), capped so that time the engine sat idle between requests does not count.
         parts = result.draft_seconds + result.verify_seconds if not together else slower
         between = min(now - last, 4 * max(result.step_seconds, parts))
-        total, count = self._overhead_sums[shape]
-        self._overhead_sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
+        sums = self._model.overhead_sums
+        total, count = sums.get(shape, (0.0, 0.0))
+        sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
         decoding = (not result.verify_seconds or decoding_verify) and (not result.draft_seconds or decoding_draft)
         self._measure(shape, result, between, decoding and self._warm(shape), together)
+
+    def idle(self) -> None:
+        """The engine ran out of work: the time until its next step is waiting for requests, not the overhead of
+        that step (counted as overhead, the gap between two benchmark runs made plain steps, rare in a run,
+        look several milliseconds dearer than they are)."""
+        self._last_end = None
 
     def _measure(self, shape: Shape, result: StepResult, seconds: float, counts: bool, together: bool) -> None:
         """A step of `shape` took `seconds` of wall time: against what the cost model predicts for the work it
@@ -230,25 +266,25 @@ class SpeculationController:
             verify = part.verify_seconds(len(result.verified), result.verify_tokens)
         return (max(draft, verify) if together else draft + verify) + costs.overhead[shape]
 
-    def _learn(self, part: str, fits: dict[bool, OnlineFit], together: bool, x: Sequence[float],
-               seconds: float) -> None:
-        fits[together].add(x, seconds)
-        if together:
-            self._slowdown[part].add(x, seconds)
+    @property
+    def _model(self) -> _LoadModel:
+        """The cost model of the load of the last decision."""
+        return self._models.setdefault(self._load, _LoadModel())
 
     def _trusted(self, part: str, together: bool) -> bool:
         """Whether a part's cost is known well enough: alone, its fit; beside the other, the slowdown over the
         fit alone (or, where the part never runs alone, as in PEARL's drafting, its own fit)."""
-        fits = self._verify if part == "verify" else self._draft
-        return fits[together].count >= _WARMUP_STEPS and (not together or self._slowdown[part].count >= _WARMUP_STEPS)
+        model = self._model
+        return model.seen(part, together) >= _WARMUP_STEPS and (
+            not together or model.slowdown[part].count >= _WARMUP_STEPS)
 
     def _alone_known(self, part: str) -> bool:
-        return (self._verify if part == "verify" else self._draft)[False].count >= _WARMUP_STEPS
+        return self._model.seen(part, False) >= _WARMUP_STEPS
 
     def _warm(self, shape: Shape) -> bool:
         """Whether the costs a shape's rate needs have been seen often enough to be trusted."""
         if shape is Shape.PLAIN:  # plain steps themselves: the fit must see windows of 0 to predict them
-            return self._trusted("verify", False) and self._plain_seen >= _WARMUP_STEPS // 2
+            return self._trusted("verify", False) and self._model.verify_plain.count >= _WARMUP_STEPS // 2
         together = shape is Shape.OVERLAP
         return self._trusted("verify", together) and self._trusted("draft", together)
 
@@ -332,8 +368,9 @@ class SpeculationController:
         return survival
 
     def _costs(self) -> Costs:
-        alone = PartCosts(self._verify[False].weights(), self._draft[False].weights())
-        fitted = PartCosts(self._verify[True].weights(), self._draft[True].weights())
+        model = self._model
+        alone = PartCosts(model.weights("verify", False), model.weights("draft", False))
+        fitted = PartCosts(model.weights("verify", True), model.weights("draft", True))
         ratio = self._slowdowns(alone)
         scaled = alone.scaled(ratio["verify"], ratio["draft"])
         together = PartCosts(scaled.verify if self._alone_known("verify") else fitted.verify,
@@ -343,13 +380,13 @@ class SpeculationController:
     def _overheads(self) -> dict[Shape, float]:
         """Each shape's overhead per step; a shape not seen yet borrows from one that was (plain and sd from
         each other, overlap from either)."""
-        seen = {shape: max(0.0, total / count) for shape, (total, count) in self._overhead_sums.items() if count}
+        seen = {shape: max(0.0, total / count) for shape, (total, count) in self._model.overhead_sums.items() if count}
         fallback = seen.get(Shape.SPECULATE, seen.get(Shape.PLAIN, seen.get(Shape.OVERLAP, 0.0)))
         return {shape: seen.get(shape, fallback) for shape in Shape}
 
     def _slowdowns(self, alone: PartCosts) -> dict[str, float]:
-        return {"verify": self._slowdown["verify"].value(alone.verify),
-                "draft": self._slowdown["draft"].value(alone.draft)}
+        slowdown = self._model.slowdown
+        return {"verify": slowdown["verify"].value(alone.verify), "draft": slowdown["draft"].value(alone.draft)}
 
     def _rate(self, costs: Costs, shape: Shape, windows: list[int], survival: list[list[float]]) -> float:
         """Expected tokens per second of a speculative step of `shape` with these windows."""

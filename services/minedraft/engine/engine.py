@@ -384,6 +384,8 @@ class LLMEngine:
         touched.extend(r for r in self._release_finished() if r not in touched)
         if not self.requests and not self._in_flight:
             self.flush()  # idle: free the last requests' KV now, not with a next step
+            if self.pipeline.controller is not None:
+                self.pipeline.controller.idle()
         return touched
 
     def _running_since(self, request_id: str, step: int) -> Request | None:

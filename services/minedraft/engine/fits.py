@@ -30,19 +30,22 @@ class OnlineFit:
                 self.xx[i][j] = self.xx[i][j] * DECAY + w * xi * xj
         self.count += 1
 
-    def weights(self) -> list[float]:
-        """Non-negative least squares by elimination: drop the most negative weight and solve again."""
-        active = list(range(len(self.xy)))
+    def weights(self, *others: OnlineFit) -> list[float]:
+        """Non-negative least squares by elimination: drop the most negative weight and solve again. `others`:
+        fits of the same features whose samples count with this one's (each forgetting at its own pace)."""
+        xx = [[sum(f.xx[i][j] for f in (self, *others)) for j in range(len(self.xy))] for i in range(len(self.xy))]
+        xy = [sum(f.xy[i] for f in (self, *others)) for i in range(len(self.xy))]
+        active = list(range(len(xy)))
         while active:
-            solution = _solve([[self.xx[i][j] for j in active] for i in active], [self.xy[i] for i in active],
+            solution = _solve([[xx[i][j] for j in active] for i in active], [xy[i] for i in active],
                               [i > 0 for i in active])
             if solution is not None and min(solution) >= 0:
-                weights = [0.0] * len(self.xy)
+                weights = [0.0] * len(xy)
                 for i, value in zip(active, solution):
                     weights[i] = value
                 return weights
             active.pop(solution.index(min(solution)) if solution is not None else 0)
-        return [0.0] * len(self.xy)
+        return [0.0] * len(xy)
 
 
 def _solve(a: list[list[float]], b: list[float], penalized: list[bool]) -> list[float] | None:
