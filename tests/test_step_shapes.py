@@ -65,6 +65,7 @@ def _verified(requests: list[Request], windows: list[int], machine: Machine, rng
             accepted += 1
         request.stats.record(window, accepted)
         request.num_rejections += accepted < window
+        request.plain_steps = 0 if window else request.plain_steps + 1
         out.append(Verified(request.request_id, [3] * (accepted + 1), window, accepted))
     return out
 
@@ -229,6 +230,30 @@ def test_the_shape_follows_each_requests_acceptance() -> None:
                 right.append(decision.shape is (Shape.SPECULATE if acceptance > 0.5 else Shape.PLAIN))
     # A shape measured per token outright (its seconds over its tokens) made 0.5 here.
     assert sum(right) >= 0.85 * len(right), (sum(right) / len(right), controller.describe())
+
+
+def test_a_request_whose_first_drafts_missed_drafts_again() -> None:
+    """A costly draft that pays where 95% of drafts are accepted, but each request after the first has its first
+    four windows rejected whole (a prompt's opening the draft does not know): the request turns to plain steps.
+    Plain steps verify no drafts, so its own estimate must fade back towards the global figure and its drafts be
+    tried again now and then, or it runs plain to its end (1% of its later steps drafted)."""
+    clock, rng = Clock(), random.Random(0)
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    good = Machine(**CHEAP_TOKENS, draft_forward=1.2 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.95)
+    unlucky = replace(good, acceptance=0.0)
+    late = []
+    for number in range(8):
+        [request] = _requests(1)
+        for step in range(200):
+            decision = controller.decide({Shape.SPECULATE: ([request], [K])}, everyone=1)
+            drafting = [request] if decision.shape is not Shape.PLAIN else []
+            machine = unlucky if number and request.stats.num_drafts < 4 else good
+            for result, seconds in _steps(machine, decision.shape, drafting, decision.windows, [request], rng):
+                clock.now += seconds
+                controller.observe(result, decision.shape)
+            if number and step >= 100:
+                late.append(decision.shape)
+    assert late.count(Shape.SPECULATE) >= 0.9 * len(late), late.count(Shape.SPECULATE) / len(late)
 
 
 def test_a_long_run_of_plain_steps_keeps_what_drafts_measured() -> None:

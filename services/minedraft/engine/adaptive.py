@@ -43,6 +43,9 @@ _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (unti
 _RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
 _SHAPE_DECAY = 0.9  # per step of a shape's measured factor (wall over predicted): a probe's steps outweigh older ones
 _REQUEST_PRIOR = 4.0  # verifications' weight of the global acceptance in a request's own estimate
+# Per step a request runs without drafts, what its own verifications weigh: a request that turned to plain steps
+# learns nothing more of its drafts, and it kept an estimate from its first few verifications to its end.
+_REQUEST_FADE = 0.93
 _MAX_ACCEPT = 0.995
 
 
@@ -358,8 +361,9 @@ class SpeculationController:
         overall, rates = self.acceptance.overall(), self.acceptance.conditional()
         survival = []
         for request in requests:
-            accepted = request.stats.num_accepted_tokens
-            own = (accepted + _REQUEST_PRIOR * overall) / (accepted + request.num_rejections + _REQUEST_PRIOR)
+            fade = _REQUEST_FADE**request.plain_steps
+            accepted, rejections = fade * request.stats.num_accepted_tokens, fade * request.num_rejections
+            own = (accepted + _REQUEST_PRIOR * overall) / (accepted + rejections + _REQUEST_PRIOR)
             scale, chance, chances = own / overall, 1.0, []
             for rate in rates:
                 chance *= min(_MAX_ACCEPT, rate * scale)

@@ -76,6 +76,7 @@ class Request:
     error: str | None = None  # why it failed, with finish_reason "error"
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_rejections: int = 0  # verifications that rejected a draft token (adaptive k reads its acceptance)
+    plain_steps: int = 0  # steps since it last verified drafts (adaptive k lets its own acceptance fade meanwhile)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when it first left the waiting queue for a batch
     first_token_time: float | None = None
