@@ -47,7 +47,7 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
         threads.done(forward[2])
         clock[0] += 1.0  # idle: no request for a second, which is not the step's
         threads.use(together=False, requests=1)
-        assert threads._counts.best(("", 1, False)) == 2
+        assert threads._counts.best(("", 1, 0, False)) == 2
     finally:
         torch.set_num_threads(before)
 
@@ -67,8 +67,32 @@ def test_parts_of_one_size_that_cost_differently_are_timed_apart() -> None:
             seconds = cycle[part][torch.get_num_threads()]
             threads.done(seconds)
             clock[0] += seconds
-        assert threads._counts.best(("plain", 4, False)) == 2
-        assert threads._counts.best(("draft", 4, False)) == 1
+        assert threads._counts.best(("plain", 4, 0, False)) == 2
+        assert threads._counts.best(("draft", 4, 0, False)) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_verifications_of_different_windows_are_timed_apart() -> None:
+    """Adaptive k changes a request's window from step to step, for runs of steps: one request verified with a
+    window of 1 runs fastest on one thread here, with a window of 4 on two. Counts tried while the windows were
+    short must not be compared with counts tried while they were long: each window size gets its own count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        clock = [0.0]
+        threads = StepThreads("cpu", beside=0, clock=lambda: clock[0])
+        cycle = {2: {1: 3.0e-3, 2: 3.4e-3}, 5: {1: 5.0e-3, 2: 3.8e-3}}  # tokens fed -> threads -> seconds
+        picked: dict[int, Counter[int]] = {2: Counter(), 5: Counter()}
+        for step in range(1200):
+            tokens = 2 if (step // 40) % 2 else 5  # runs of 40 steps of each window
+            threads.use(together=False, requests=1, part="verify", tokens=tokens)
+            count = torch.get_num_threads()
+            if step >= 600:
+                picked[tokens][count] += 1
+            threads.done(cycle[tokens][count])
+            clock[0] += cycle[tokens][count]
+        assert picked[2][1] >= 0.9 * picked[2].total() and picked[5][2] >= 0.9 * picked[5].total(), picked
     finally:
         torch.set_num_threads(before)
 

@@ -36,21 +36,23 @@ class StepThreads:
         self._current = self.alone
         self._counts = ThreadCounts(self.alone) if device == "cpu" and self.alone > 1 else None
         # The part running alone: its kind of step, thread count and start; and its own seconds (`done`).
-        self._measuring: tuple[tuple[str, int, bool], int, float] | None = None
+        self._measuring: tuple[tuple, int, float] | None = None
         self._part_seconds: float | None = None
 
-    def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "") -> None:
+    def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "", tokens: int = 0) -> None:
         """Set this thread's intra-op threads for a part of `requests` (and prompt chunks, if `prefill`) that
         runs beside the other's (`together`) or alone. `part` names what the part does where one process runs
         parts of different costs at the same size (a verifier that drafts too: drafting, verifying windows, plain
-        decoding), so that each kind is timed apart."""
+        decoding), and `tokens` how much of it (the tokens a verification feeds, the tokens drafted), where known
+        before it runs, so that each kind is timed apart: counts compared on steps of different windows (adaptive
+        k changes them every step) were compared on their windows, not on their threads."""
         now = self._clock()
         self._finish_cycle(now)
         count = self.beside
         if not together:
             count = self.alone
             if self._counts is not None:
-                kind = (part, min(requests, 1 << 12).bit_length(), prefill)
+                kind = (part, _bucket(requests), _bucket(tokens), prefill)
                 count = self._counts.pick(kind)
                 self._measuring = (kind, count, now)
         if count != self._current:
@@ -71,9 +73,14 @@ class StepThreads:
         self._measuring, self._part_seconds = None, None
 
 
+def _bucket(n: int) -> int:
+    """Sizes by powers of two."""
+    return min(n, 1 << 12).bit_length()
+
+
 class ThreadCounts:
-    """Per kind of step (its size in requests, by powers of two, and whether it prefills), the intra-op thread
-    count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
+    """Per kind of step (its size in requests and tokens, by powers of two, and whether it prefills), the intra-op
+    thread count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
     steps and only the steps after the first few of a run count: what a count does to the other processes on the
     cores (a scheduler that falls behind, say) shows only after a few steps, so one step alone would carry its
     predecessors' effect."""
@@ -87,16 +94,16 @@ class ThreadCounts:
         self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
         self._last, self._streak = 0, 0  # the last count picked and how many picks in a row it has had
 
-    def pick(self, kind: tuple[str, int, bool]) -> int:
+    def pick(self, kind: tuple) -> int:
         count = int(self._trials.pick(kind, self.candidates))
         self._streak = self._streak + 1 if count == self._last else 1
         self._last = count
         return count
 
-    def best(self, kind: tuple[str, int, bool]) -> int:
+    def best(self, kind: tuple) -> int:
         return int(self._trials.best(kind, self.candidates))
 
-    def add(self, kind: tuple[str, int, bool], count: int, seconds: float) -> None:
+    def add(self, kind: tuple, count: int, seconds: float) -> None:
         """The step just picked for `kind` took `seconds` (counted once its run has settled)."""
         if self._streak > self._SETTLE:
             self._trials.add(kind, count, seconds, 1.0)

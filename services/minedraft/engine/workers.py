@@ -430,9 +430,11 @@ class VerifyWorker(_Worker):
     def receive_drafts(self, drafts: dict[str, Drafts]) -> None:
         self._drafts.update(drafts)
 
-    def holds_drafts(self, plan: VerifyPlan) -> bool:
-        """Whether the plan verifies drafts this worker holds (else it decodes one token per request)."""
-        return any(task.request_id in self._drafts for task in plan.tasks)
+    def held_tokens(self, plan: VerifyPlan) -> int:
+        """The decoding tokens the plan feeds the target: each request's last token and the window this worker
+        holds for it (none: a plain step, one token per request)."""
+        return sum(1 + len(self._drafts[t.request_id].tokens if t.request_id in self._drafts else ())
+                   for t in plan.tasks)  # fmt: skip
 
     def verify(self, plan: VerifyPlan) -> list[Verified]:
         """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""

@@ -52,8 +52,13 @@ class PairNode:
         part = verify or draft
         alone = part is not None and (draft is None or verify is None)  # overlapped: the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
-            kind = "draft" if verify is None else "verify" if self.executor.verifier.holds_drafts(verify) else "plain"
-            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill), part=kind)
+            if verify is None:
+                kind, tokens = "draft", sum(t.num_tokens for t in draft.tasks)
+            else:
+                tokens = self.executor.verifier.held_tokens(verify)
+                kind = "verify" if tokens > len(verify.tasks) else "plain"
+            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill), part=kind,
+                             tokens=tokens)
         start = time.perf_counter()
         result = self.executor.step(draft, verify)
         if alone:
