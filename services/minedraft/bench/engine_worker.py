@@ -73,7 +73,9 @@ def _our_engine(job: dict) -> Callable[[list[str]], Outputs]:
     if spec is not None and spec.get("model") == "random":
         spec = {**spec, "model": _random_draft(Path(job["draft"]))}
     batches = 2 if spec is not None and spec.get("is_parallel") and not spec.get("force_pearl") else 1
-    llm = LLM(speculative_config=spec, max_num_seqs=job["max_num_seqs"] // batches, dtype="float32",
+    # One in flight in MineDraft modes: two batches of one would hold two, so the prompts go one at a time.
+    one_at_a_time = job["max_num_seqs"] < batches
+    llm = LLM(speculative_config=spec, max_num_seqs=max(1, job["max_num_seqs"] // batches), dtype="float32",
               device=job["device"], batch_invariant=job["batch_invariant"],
               enable_prefix_caching=job.get("prefix_caching", False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
@@ -84,7 +86,10 @@ def _our_engine(job: dict) -> Callable[[list[str]], Outputs]:
         llm.engine.spec_stats = SpecDecodeStats()
         controller = llm.engine.pipeline.controller
         before = dict(controller.windows) if controller else {}
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if one_at_a_time:
+            outputs = [output for prompt in prompts for output in llm.generate([prompt], params, use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         mean_k = None
         if controller is not None:
             chosen = {k: n - before.get(k, 0) for k, n in controller.windows.items()}
