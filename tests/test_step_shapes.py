@@ -11,7 +11,9 @@ that machine makes fastest: the shares asserted leave room for the warm-up and t
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from dataclasses import dataclass, replace
 
 import pytest
@@ -194,6 +196,22 @@ def test_operators_see_the_choice_and_the_costs_behind_it() -> None:
         assert predicted == pytest.approx(SHARED_CORES.verify(tokens, together=False), rel=0.05)
     assert state["slowdown_beside"]["verify"] == pytest.approx(SHARED_CORES.beside, rel=0.05)
     assert state["acceptance_by_position"][0] == pytest.approx(0.8, abs=0.1)
+
+
+def test_operators_can_follow_each_decision_and_step_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """`--log-level DEBUG` shows why the engine runs what it runs: each decision with the model's predictions and
+    the measured factors, each step with its parts and its wall time; nothing of it at INFO."""
+    caplog.set_level(logging.INFO, logger="minedraft.engine.adaptive")
+    _settle(SHARED_CORES, BOTH, decisions=40)
+    assert not [r for r in caplog.records if r.name == "minedraft.engine.adaptive"]
+    caplog.set_level(logging.DEBUG, logger="minedraft.engine.adaptive")
+    _settle(SHARED_CORES, BOTH, decisions=40)
+    messages = [r.getMessage() for r in caplog.records if r.name == "minedraft.engine.adaptive"]
+    decisions = [m for m in messages if re.fullmatch(r"decision at 16 running: (sd|plain|overlap), windows \[.*\]; "
+                                                      r"predicted tok/s \{.*\}; measured over predicted \{.*\}", m)]
+    steps = [m for m in messages if re.fullmatch(r"(sd|plain|overlap) step: verify [\d.]+ ms \(\d+ requests, \d+ "
+                                                  r"tokens\), draft [\d.]+ ms \(\d+ tokens\), wall [\d.]+ ms", m)]
+    assert len(decisions) == 40 and len(steps) >= 40, messages[:4]
 
 
 def test_a_shape_is_chosen_by_what_it_measured() -> None:

@@ -26,6 +26,7 @@ a seed keep the mode's own shape and the fixed k, so that their text is the same
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,10 @@ from enum import Enum
 from minedraft.engine.fits import DECAY, OnlineFit, Ratio, Trials
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
+
+# DEBUG: each decision (what the model predicted, the measured factors) and each step (its parts, its wall time),
+# so that an operator can follow why the engine runs the shapes it does (`--log-level DEBUG`).
+log = logging.getLogger(__name__)
 
 _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (until then the shape runs as it is)
 # The shapes are tried in runs of this many decisions, and one run of another shape every _PROBE_EVERY decisions
@@ -239,6 +244,10 @@ class SpeculationController:
         total, count = sums.get(shape, (0.0, 0.0))
         sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
         decoding = (not result.verify_seconds or decoding_verify) and (not result.draft_seconds or decoding_draft)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s step: verify %.2f ms (%d requests, %d tokens), draft %.2f ms (%d tokens), wall %.2f ms",
+                      shape.value, result.verify_seconds * 1e3, len(result.verified), result.verify_tokens,
+                      result.draft_seconds * 1e3, result.draft_tokens, between * 1e3)  # fmt: skip
         self._measure(shape, result, between, decoding and self._warm(shape), together)
 
     def idle(self) -> None:
@@ -326,6 +335,11 @@ class SpeculationController:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
                                                   for r, w, cap in zip(requests, decision.windows, caps)])
+        if log.isEnabledFor(logging.DEBUG):
+            factors = {s.value: round(f, 3) for s, f in self._trials.costs().get(self._load, {}).items()}
+            log.debug("decision at %d running: %s, windows %s; predicted tok/s %s; measured over predicted %s",
+                      everyone, decision.shape.value, decision.windows,
+                      {k: round(v) for k, v in self.last_rates.items()}, factors)  # fmt: skip
         return self._record(decision, everyone)
 
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
