@@ -78,7 +78,7 @@ class DrafterNode:
             if missed:
                 self.worker.apply_results(self.channel.recv_results(missed))
             self.threads.use(together=verify is not None, requests=len(draft.tasks), prefill=bool(draft.prefill),
-                             tokens=sum(t.num_tokens for t in draft.tasks))
+                             tokens=draft.num_tokens)
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start

@@ -149,7 +149,7 @@ class _LoadModel:
         self.slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
         self.overhead_sums: dict[Shape, tuple[float, float]] = {}
 
-    def learn(self, part: str, together: bool, plain: bool, x: Sequence[float], seconds: float) -> None:
+    def learn(self, part: str, together: bool, x: Sequence[float], seconds: float, plain: bool = False) -> None:
         fits = self.verify if part == "verify" else self.draft
         (self.verify_plain if plain and not together else fits[together]).add(x, seconds)
         if together:
@@ -226,11 +226,10 @@ class SpeculationController:
         if decoding_verify and result.verify_seconds > 0:
             x = (1.0, len(result.verified), result.verify_tokens)
             plain = not any(v.num_draft_tokens for v in result.verified)
-            self._model.learn("verify", together, plain, x, result.verify_seconds)
+            self._model.learn("verify", together, x, result.verify_seconds, plain=plain)
         decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
-            self._model.learn("draft", together, False, (result.draft_forwards, result.draft_tokens),
-                              result.draft_seconds)
+            self._model.learn("draft", together, (result.draft_forwards, result.draft_tokens), result.draft_seconds)
         now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)

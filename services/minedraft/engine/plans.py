@@ -67,6 +67,11 @@ class DraftPlan:
     tetris_capacity: int | None = None  # with Tetris: draft tokens kept over the whole batch
     prefill: list[PrefillTask] = field(default_factory=list)
 
+    @property
+    def num_tokens(self) -> int:
+        """Draft tokens the plan proposes over its requests."""
+        return sum(t.num_tokens for t in self.tasks)
+
 
 @dataclass(frozen=True)
 class VerifyTask:

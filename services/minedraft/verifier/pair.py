@@ -53,7 +53,7 @@ class PairNode:
         alone = part is not None and (draft is None or verify is None)  # overlapped: the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
             if verify is None:
-                kind, tokens = "draft", sum(t.num_tokens for t in draft.tasks)
+                kind, tokens = "draft", draft.num_tokens
             else:
                 tokens = self.executor.verifier.held_tokens(verify)
                 kind = "verify" if tokens > len(verify.tasks) else "plain"
