@@ -156,7 +156,8 @@ def _wait_active(address: str, at_least: int = 4, timeout_s: float = 60) -> None
 
 
 def _served_within(address: str, since: float, limit_s: float = 30) -> float:
-    """Seconds from `since` until a new request is served (retrying UNAVAILABLE, as the SDK does)."""
+    """Seconds from `since` until a new request is served (retrying UNAVAILABLE, as the SDK does). Beside the
+    16 streams it waits for a free sequence slot too, so callers with streams in flight give it longer."""
     retries = RetryPolicy(max_attempts=100, max_backoff=0.5)
     with Client(address, timeout=limit_s, retries=retries) as client:
         assert client.generate([3, 1, 4], max_tokens=4, temperature=0, ignore_eos=True).usage.completion_tokens == 4
@@ -204,7 +205,8 @@ def test_a_killed_drafter_is_restarted_and_no_request_is_lost(up, expected) -> N
     _wait_active(f"127.0.0.1:{verifier_port}")
     old = up.kill("drafter")
     killed_at = time.monotonic()
-    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
+    # the 17th request: it waits for a stream to finish as well as for the group (max-num-seqs 16)
+    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at, 180)
 
     # target-only decoding serves: the scheduler stays SERVING from the kill until the drafter is back in its world
     def rejoined() -> bool:
@@ -214,7 +216,7 @@ def test_a_killed_drafter_is_restarted_and_no_request_is_lost(up, expected) -> N
     assert _health_while(rejoined, up.address) <= {"SERVING"}
     _, drafter_port = up.restarted("drafter", old)
     assert [f.result(timeout=240) for f in streams] == expected
-    new_request.result(timeout=60)
+    new_request.result(timeout=200)
     assert up.process.poll() is None
     assert "the drafter was killed by SIGKILL; restarting it in 1s (restart 1)" in up.said()
     # speculation resumed: the restarted drafter is in the scheduler's world again
@@ -227,12 +229,13 @@ def test_a_killed_verifier_is_restarted_and_its_requests_are_held(up, expected) 
     _wait_active(f"127.0.0.1:{verifier_port}")
     old = up.kill("verifier")
     killed_at = time.monotonic()
-    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at)
+    # the 17th request: it waits for a stream to finish as well as for the group (max-num-seqs 16)
+    new_request = ThreadPoolExecutor(1).submit(_served_within, up.address, killed_at, 180)
     # nothing can decode while no verifier serves: NOT_SERVING until the group is formed again
     assert "NOT_SERVING" in _health_while(lambda: up.back("verifier", old) is not None, up.address)
     up.restarted("verifier", old)
     assert [f.result(timeout=240) for f in streams] == expected
-    new_request.result(timeout=60)
+    new_request.result(timeout=200)
     assert up.process.poll() is None
     assert "the verifier was killed by SIGKILL; restarting it in 1s (restart 1)" in up.said()
 
