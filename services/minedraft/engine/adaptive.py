@@ -47,11 +47,12 @@ _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (unti
 # the other shape, the drafter's catch-up). See SpeculationController.decide.
 _RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
 _SHAPE_DECAY = 0.9  # per step of a shape's measured factor (wall over predicted): a probe's steps outweigh older ones
-_REQUEST_PRIOR = 4.0  # verifications' weight of the global acceptance in a request's own estimate
+_REQUEST_PRIOR = 6.0  # verifications' weight of the global acceptance in a request's own estimate
 # Per step a request runs without drafts, what its own verifications weigh: a request that turned to plain steps
 # learns nothing more of its drafts, and it kept an estimate from its first few verifications to its end.
-_REQUEST_FADE = 0.93
+_REQUEST_FADE = 0.8
 _MAX_ACCEPT = 0.995
+_RESOLVE_EVERY = 4  # steps learned from before the cost model is solved again (the fits forget 2% a step)
 
 
 class Acceptance:
@@ -71,8 +72,11 @@ class Acceptance:
             self.accepted[j] += j < num_accepted
 
     def conditional(self) -> list[float]:
-        """Each position's estimate, leaning on the position before it while it has few counts."""
-        rates, prior = [], 0.5
+        """Each position's estimate, leaning on the position before it while it has few counts, and optimistic
+        before any: plain steps verify no drafts, so an estimate that started low (or saw a bad first few
+        windows) kept drafting off until a probe, for hundreds of steps; one that starts high drafts until the
+        windows show that drafting does not pay, which a useless draft shows within a few steps."""
+        rates, prior = [], 1.0
         for reached, accepted in zip(self.reached, self.accepted):
             prior = (accepted + 2 * prior) / (reached + 2)
             rates.append(prior)
@@ -103,7 +107,7 @@ class PartCosts:
     """The fitted seconds of a step's verify and draft parts, run alone or beside each other."""
 
     verify: list[float]  # a, c, b: seconds per step, per request, per token
-    draft: list[float]  # c', d: seconds per forward, per token
+    draft: list[float]  # e, c', d: seconds per draft part, per forward, per token
 
     def verify_seconds(self, requests: float, tokens: float) -> float:
         a, per_request, per_token = self.verify
@@ -117,8 +121,8 @@ class PartCosts:
             return 0.0
         forwards = 1 if one_forward else max(windows)
         drafting = sum(1 for w in windows if w)  # each also feeds the drafter its pending token(s) first
-        per_forward, per_token = self.draft
-        return per_forward * forwards + per_token * (sum(windows) + drafting)
+        per_part, per_forward, per_token = self.draft
+        return per_part + per_forward * forwards + per_token * (sum(windows) + drafting)
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,8 @@ class _LoadModel:
     def __init__(self) -> None:
         self.verify = {False: OnlineFit(3), True: OnlineFit(3)}
         self.verify_plain = OnlineFit(3)
-        self.draft = {False: OnlineFit(2), True: OnlineFit(2)}
-        self.slowdown = {"verify": Ratio(3), "draft": Ratio(2)}
+        self.draft = {False: OnlineFit(3), True: OnlineFit(3)}
+        self.slowdown = {"verify": Ratio(3), "draft": Ratio(3)}
         self.overhead_sums: dict[Shape, tuple[float, float]] = {}
 
     def learn(self, part: str, together: bool, x: Sequence[float], seconds: float, plain: bool = False) -> None:
@@ -191,6 +195,9 @@ class SpeculationController:
         self._one_forward = one_forward_drafts
         self._clock = clock
         self._last_end: float | None = None
+        # The load whose model `_costs` solved last, the steps observed then, and what it solved.
+        self._solved: tuple[int, int, Costs] | None = None
+        self._observed = 0
         # Per load (running requests, by powers of four): each shape's wall seconds over predicted seconds; the load
         # of the last decision; the shape of the last step observed and how many steps in a row had it.
         self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
@@ -212,6 +219,7 @@ class SpeculationController:
     def observe(self, result: StepResult, shape: Shape) -> None:
         """Learn from one step's results (a step of `shape`): acceptance per position, what its parts and the
         step beyond them cost, and how the shape's wall time at this load compares with the model's."""
+        self._observed += 1
         drafted = [v for v in result.verified if v.num_draft_tokens]
         if drafted:  # forgetting per step that verified drafts: plain steps teach nothing about acceptance, and
             # decayed through a run of them the estimate fell back to its prior (0.5), which kept drafting off
@@ -229,7 +237,8 @@ class SpeculationController:
             self._model.learn("verify", together, x, result.verify_seconds, plain=plain)
         decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
-            self._model.learn("draft", together, (result.draft_forwards, result.draft_tokens), result.draft_seconds)
+            x = (1.0, result.draft_forwards, result.draft_tokens)
+            self._model.learn("draft", together, x, result.draft_seconds)
         now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
@@ -270,9 +279,9 @@ class SpeculationController:
         """The model's wall time for a step that did the work `result` reports."""
         costs = self._costs()
         part = costs.together if together else costs.alone
-        (per_forward, per_token), draft, verify = part.draft, 0.0, 0.0
+        (per_part, per_forward, per_token), draft, verify = part.draft, 0.0, 0.0
         if result.draft_seconds > 0:
-            draft = per_forward * result.draft_forwards + per_token * result.draft_tokens
+            draft = per_part + per_forward * result.draft_forwards + per_token * result.draft_tokens
         if result.verify_seconds > 0:
             verify = part.verify_seconds(len(result.verified), result.verify_tokens)
         return (max(draft, verify) if together else draft + verify) + costs.overhead[shape]
@@ -280,7 +289,10 @@ class SpeculationController:
     @property
     def _model(self) -> _LoadModel:
         """The cost model of the load of the last decision."""
-        return self._models.setdefault(self._load, _LoadModel())
+        model = self._models.get(self._load)
+        if model is None:
+            model = self._models[self._load] = _LoadModel()
+        return model
 
     def _trusted(self, part: str, together: bool) -> bool:
         """Whether a part's cost is known well enough: alone, its fit; beside the other, the slowdown over the
@@ -385,13 +397,21 @@ class SpeculationController:
         return survival
 
     def _costs(self) -> Costs:
+        """The model of this load, solved again once it has learned from _RESOLVE_EVERY steps: at one request a
+        step takes a few milliseconds, and solving the fits for each question asked of them took 6% of them."""
+        solved = self._solved
+        if solved is None or solved[0] != self._load or self._observed - solved[1] >= _RESOLVE_EVERY:
+            solved = self._solved = (self._load, self._observed, self._solve())
+        return solved[2]
+
+    def _solve(self) -> Costs:
         model = self._model
         alone = PartCosts(model.weights("verify", False), model.weights("draft", False))
-        fitted = PartCosts(model.weights("verify", True), model.weights("draft", True))
         ratio = self._slowdowns(alone)
         scaled = alone.scaled(ratio["verify"], ratio["draft"])
-        together = PartCosts(scaled.verify if self._alone_known("verify") else fitted.verify,
-                             scaled.draft if self._alone_known("draft") else fitted.draft)  # fmt: skip
+        # a part beside the other: its cost alone x its slowdown, or its own fit where it never runs alone
+        together = PartCosts(scaled.verify if self._alone_known("verify") else model.weights("verify", True),
+                             scaled.draft if self._alone_known("draft") else model.weights("draft", True))
         return Costs(alone, together, self._overheads(), self._one_forward)
 
     def _overheads(self) -> dict[Shape, float]:
@@ -435,9 +455,9 @@ class SpeculationController:
             part = costs.together
             draft = part.draft_seconds(windows, costs.one_forward_drafts)
             slower_is_draft = draft >= part.verify_seconds(len(windows), len(windows) + sum(windows))
-            per_token = part.draft[1] if slower_is_draft else part.verify[2]
+            per_token = part.draft[2] if slower_is_draft else part.verify[2]
         else:
-            per_token = costs.alone.draft[1] + costs.alone.verify[2]
+            per_token = costs.alone.draft[2] + costs.alone.verify[2]
         trimmed = []
         for window, chances in zip(windows, survival):
             while window and chances[window - 1] < rate * per_token:
@@ -460,7 +480,7 @@ class SpeculationController:
                 "verify_together": costs.together.verify, "draft_together": costs.together.draft,
                 "overhead_by_shape": {shape.value: seconds for shape, seconds in costs.overhead.items()},
             },
-            "cost_terms": {"verify": ["step", "request", "token"], "draft": ["forward", "token"]},
+            "cost_terms": {"verify": ["step", "request", "token"], "draft": ["step", "forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
             # Per load (running requests from 2^(2n-1) to 2^(2n+1) - 1, n the key): each shape's steps' wall time
             # over the model's prediction for the same work.

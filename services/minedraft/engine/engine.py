@@ -369,9 +369,7 @@ class LLMEngine:
             if request is None:
                 continue
             request.pending_drafts = None
-            request.stats.record(verified.num_draft_tokens, verified.num_accepted)
-            request.num_rejections += verified.num_accepted < verified.num_draft_tokens
-            request.plain_steps = 0 if verified.num_draft_tokens else request.plain_steps + 1
+            request.record_verification(verified.num_draft_tokens, verified.num_accepted)
             self.spec_stats.record(verified.num_draft_tokens, verified.num_accepted)
             if verified.prompt_logprobs is not None and request.prompt_logprobs == []:
                 request.prompt_logprobs = verified.prompt_logprobs

@@ -206,6 +206,12 @@ class Request:
         self._append_text(self.detokenizer.flush())
         self._finish(reason)
 
+    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification of its window (of 0 tokens: a plain step)."""
+        self.stats.record(num_draft_tokens, num_accepted)
+        self.num_rejections += num_accepted < num_draft_tokens
+        self.plain_steps = 0 if num_draft_tokens else self.plain_steps + 1
+
     def restart(self) -> None:
         """Back to the waiting queue, to be admitted again with its tokens so far (nothing is in flight):
         after a preemption, or when the workers lost every request."""
