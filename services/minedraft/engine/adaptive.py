@@ -7,7 +7,7 @@ Two online models (docs/engine.md, "Adaptive speculation: step shapes and k"):
   from decayed counts over all verifications, scaled per request by its own acceptance so far (shrunk
   towards the global figure while it has few verifications);
 - cost, per load (running requests, by powers of four): the seconds of a verify part as a + c x requests + b x
-  target tokens, of a draft part as c' x draft forwards + d x draft tokens, each fitted twice: for a part that
+  target tokens, of a draft part as e + c' x draft forwards + d x draft tokens, each fitted twice: for a part that
   ran alone (plain steps, the halves of a one-batch step) and for one that ran beside the other part (overlapped
   steps; on one CPU the two share its cores), and each step's overhead beyond its parts (planning, transport, the
   engine's bookkeeping, and for overlapped steps the wait at their synchronisation point), per shape, from the
@@ -138,7 +138,8 @@ class Costs:
 class _LoadModel:
     """What the steps of one load measured: per part, and whether the other part ran beside it, verify a + c x
     requests + b x tokens (a request costs its attention over its context and its bookkeeping whatever its
-    window), draft c x forwards + d x tokens; a part beside the other = the part alone x a measured slowdown;
+    window), draft e + c' x forwards + d x tokens (e: what a draft part costs whatever it drafts, sampling and the
+    windows' bookkeeping); a part beside the other = the part alone x a measured slowdown;
     per shape, the decayed sum of its steps' overhead samples and their decayed count (per shape, not per kind
     of step: served, an sd half hands its windows from one process to the other, which a plain step does not).
 
@@ -222,7 +223,7 @@ class SpeculationController:
         self._observed += 1
         drafted = [v for v in result.verified if v.num_draft_tokens]
         if drafted:  # forgetting per step that verified drafts: plain steps teach nothing about acceptance, and
-            # decayed through a run of them the estimate fell back to its prior (0.5), which kept drafting off
+            # decayed through a run of them the estimate fell back to its prior (then 0.5), which kept drafting off
             self.acceptance.decay()
         for verified in drafted:
             self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
