@@ -402,13 +402,14 @@ def _cpu_verify(tokens: int) -> float:
     return (2.45 + 0.16 * tokens) * MS
 
 
-def _replay_bundled_pair(controller: SpeculationController | None) -> float:
+def _replay_bundled_pair(adaptive: bool) -> tuple[float, SpeculationController | None]:
     """Tokens per second over the bundled pair's measured acceptance (tests/data), one request at a time, on the
-    CPU's costs; each step's parts as the engine reports them. `controller` None: fixed k = K."""
+    CPU's costs, each step's parts as the engine reports them; and the controller (`adaptive` False: fixed k = K)."""
     traces = json.loads((Path(__file__).parent / "data/acceptance_bundled_pair.json").read_text())
     clock, handoff = Clock(), 0.33 * MS
-    if controller is not None:
-        controller._clock = clock
+    controller = None
+    if adaptive:
+        controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
 
     def run(result: StepResult, shape: Shape, seconds: float) -> None:
         clock.now += seconds + handoff
@@ -439,7 +440,7 @@ def _replay_bundled_pair(controller: SpeculationController | None) -> float:
             position, pending = position + accepted + 1, 1
         if controller is not None:
             controller.idle()
-    return sum(map(len, traces)) / clock.now
+    return sum(map(len, traces)) / clock.now, controller
 
 
 def test_on_the_bundled_pairs_acceptance_the_default_makes_what_fixed_k_makes() -> None:
@@ -448,15 +449,14 @@ def test_on_the_bundled_pairs_acceptance_the_default_makes_what_fixed_k_makes() 
     the best one shape here (the best k per request would make 2.6% more). An estimate that began pessimistic (0.5
     before any window) and a request's own estimate that faded slowly across plain steps turned requests plain after
     a stretch of misses and kept them there: 0.965x of fixed k here (all deterministic), 0.93x offline."""
-    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False)
-    adaptive, fixed = _replay_bundled_pair(controller), _replay_bundled_pair(None)
+    (adaptive, controller), (fixed, _) = _replay_bundled_pair(True), _replay_bundled_pair(False)
     assert adaptive >= 0.975 * fixed, (adaptive / fixed, dict(controller.chosen), dict(controller.windows))
 
 
 def test_a_draft_parts_own_cost_is_fitted_apart_from_its_forwards() -> None:
     """A draft part costs something whatever it drafts (sampling, the windows' bookkeeping: 0.7 ms on a 2-core
     CPU), beside its forwards and tokens. Without a term of its own the fit spread it over forwards and tokens, and
-    priced a window of 1 a third too low against a window of 4, so that windows were trimmed where they paid."""
+    priced short windows too low against long ones."""
     controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False)
     part, forward, token = 0.7 * MS, 0.85 * MS, 0.05 * MS
     rng = random.Random(0)
