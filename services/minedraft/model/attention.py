@@ -10,6 +10,9 @@ flight, where the copy was a sixth of a decode step on 600-token contexts). Two 
   steps, k + 1 verification tokens, draft steps) share one call per layer over their gathered keys,
   queries padded to the longest, a mask hiding what each query may not see. Long queries (prefill) get
   a call each, so one long prompt never pads the whole batch.
+* ``cpu`` (the CPU default for float32 models, where the machine's C compiler builds it): short queries
+  go to a C kernel that reads each sequence's blocks in place (model/cpu_attention.py); long queries keep
+  sdpa's calls.
 * ``batch-invariant``: the same math with every GEMM and reduction at a fixed shape (Q_BLOCK query rows
   x KV_BLOCK keys, key blocks combined strictly left to right), so a token's output is bit-identical
   whether it is decoded alone, verified among k drafts or batched with other sequences. Blocks a row
@@ -80,11 +83,13 @@ class AttentionPlan:
     groups: list[BlockGroup]  # batch-invariant
     padded: PaddedGroup | None = None  # sdpa, one call for all
     paged: Any = None  # triton_attention.PagedMeta: the whole batch in one paged kernel call
+    cpu: Any = None  # cpu_attention.CpuPagedMeta: the short queries in one call of the C kernel
+    cpu_covers_all: bool = False  # every token of the batch is one of them
 
 
 def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]], block_size: int,
                    num_heads: int, num_kv_heads: int, device: torch.device, batch_invariant: bool,
-                   paged_kernel: bool = False) -> AttentionPlan:
+                   paged_kernel: bool = False, cpu_kernel: bool = False) -> AttentionPlan:
     """Host-side bookkeeping shared by all layers of one forward pass."""
     if paged_kernel:
         from minedraft.model.triton_attention import paged_meta  # triton is imported only where it runs
@@ -97,6 +102,12 @@ def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]
                              offsets[i], lengths[i], _sdpa_mask(starts[i], lengths[i], device),
                              _run(tables[i], starts[i] + lengths[i], block_size))
                 for i in range(len(lengths)) if lengths[i] > PADDED_MAX_QUERY]
+        if cpu_kernel and short:
+            from minedraft.model.cpu_attention import cpu_paged_meta
+
+            meta = cpu_paged_meta([starts[i] for i in short], [offsets[i] for i in short],
+                                  [lengths[i] for i in short], [tables[i] for i in short], NULL_BLOCK)
+            return AttentionPlan(seqs, [], cpu=meta, cpu_covers_all=len(short) == len(lengths))
         padded = _padded_group([tables[i] for i in short], block_size, [starts[i] for i in short],
                                [offsets[i] for i in short], [lengths[i] for i in short], sum(lengths),
                                num_heads // num_kv_heads, device) if short else None
@@ -250,7 +261,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
         return paged_attention(q, k_cache, v_cache, plan.paged, scale)
     if plan.padded is not None and plan.padded.src is None:
         return _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)  # the whole batch in one call
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.cpu is not None:
+        from minedraft.model.cpu_attention import paged_attention
+
+        paged_attention(q, k_cache, v_cache, plan.cpu, scale, out)
+        if plan.cpu_covers_all:
+            return out
     if plan.padded is not None:
         out[plan.padded.dst] = _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)[plan.padded.src]
     for seq in plan.seqs:

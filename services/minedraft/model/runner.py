@@ -31,8 +31,8 @@ from minedraft.model.transformer import CausalLM, ForwardContext
 
 log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
-_KERNELS = {"attention_kernel": ("auto", "torch", "triton"), "quantized_kernel": ("auto", "triton", "dequantize"),
-            "fused_kernels": ("auto", "on", "off")}  # fmt: skip
+_KERNELS = {"attention_kernel": ("auto", "torch", "triton", "cpu"),
+            "quantized_kernel": ("auto", "triton", "dequantize"), "fused_kernels": ("auto", "on", "off")}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,9 @@ class RunnerOptions:
     # the LoRA adapters a sequence may name (allocate_slot), applied in batches (model/lora.py); the forward
     # runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)
     lora: LoraOptions | None = None
-    # Test and benchmark knobs. attention_kernel: torch, triton (paged: reads the cache in place) or auto
-    # (triton on CUDA where it is installed and the shapes suit it, torch elsewhere).
+    # Test and benchmark knobs. attention_kernel: torch, triton (paged: reads the cache in place), cpu (the
+    # C kernel for short queries on CPU, model/cpu_attention.py) or auto (triton on CUDA where it is installed
+    # and the shapes suit it; cpu on CPU for float32 models where a C compiler builds it; torch elsewhere).
     attention_kernel: str = "auto"
     # for a quantized checkpoint: triton (keep the weights as stored, MoE experts included, Triton GEMMs),
     # dequantize (dense weights at load) or auto (loader.use_quantized_kernels)
@@ -92,8 +93,9 @@ class RunnerOptions:
             if getattr(self, setting) not in choices:
                 raise ValueError(f"{setting} {getattr(self, setting)!r}: use {', '.join(choices[:-1])} or "
                                  f"{choices[-1]}")  # fmt: skip
-        if self.batch_invariant and self.attention_kernel == "triton":
-            raise ValueError("attention_kernel triton is not batch-invariant: use torch with batch_invariant")
+        if self.batch_invariant and self.attention_kernel in ("triton", "cpu"):
+            raise ValueError(f"attention_kernel {self.attention_kernel} is not the strict mode's kernel: use torch "
+                             "with batch_invariant")
         if self.batch_invariant and self.fused_kernels == "on":
             raise ValueError("fused_kernels on is not for the strict mode (batch_invariant), which keeps torch's ops")
 
@@ -152,6 +154,7 @@ class ModelRunner:
         self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
         self.kv_cache = self._new_kv_cache(options)
         self.paged_kernel = self._use_triton(options.attention_kernel)
+        self.cpu_kernel = self._use_cpu_kernel(options.attention_kernel)
         self.fused_kernels = self._use_fused(options.fused_kernels)
         if self.fused_kernels:  # before the graphs capture the forward
             self.model.model.fused_kernels = True
@@ -202,6 +205,28 @@ class ModelRunner:
                 raise ValueError(f"attention_kernel triton needs the triton package: {exc}") from exc
             return False
         return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
+
+    def _use_cpu_kernel(self, kernel: str) -> bool:
+        """The C attention kernel for short queries (model/cpu_attention.py), as attention_kernel chooses."""
+        if kernel not in ("auto", "cpu") or self.batch_invariant:
+            return False
+        head_dim = self.config.head_dim
+        unsuitable = (f"device {self.device.type}" if self.device.type != "cpu" else
+                      f"dtype {self.dtype}" if self.dtype != torch.float32 else
+                      f"head_dim {head_dim} (needs a multiple of 16)" if head_dim % 16 else None)  # fmt: skip
+        if unsuitable:
+            if kernel == "cpu":
+                raise ValueError(f"attention_kernel cpu runs float32 models on CPU with head_dim a multiple of 16, "
+                                 f"not {unsuitable}")
+            return False
+        from minedraft.model.cpu_attention import available
+
+        reason = available()
+        if reason is not None:
+            if kernel == "cpu":
+                raise ValueError(f"attention_kernel cpu: {reason}")
+            log.warning("attention stays on torch's sdpa path (%s)", reason)
+        return reason is None
 
     def _use_fused(self, kernel: str) -> bool:
         """The fused layer kernels (model/triton_fused.py), as fused_kernels chooses."""
@@ -381,7 +406,8 @@ class ModelRunner:
         # Host lists first: the attention plan is bookkeeping, and this avoids device syncs.
         plan = plan_attention(batch.start_pos.tolist(), batch.query_lens.tolist(), batch.block_tables.tolist(),
                               self.kv_cache.block_size, self.config.num_attention_heads // self.tp.size,
-                              self.kv_cache.k[0].shape[0], self.device, self.batch_invariant, self.paged_kernel)
+                              self.kv_cache.k[0].shape[0], self.device, self.batch_invariant, self.paged_kernel,
+                              self.cpu_kernel)
         batch = batch.to(self.device)
         ctx = ForwardContext(positions=batch.positions, token_index=batch.token_index, attention=plan,
                              kv_cache=self.kv_cache)

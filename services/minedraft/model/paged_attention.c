@@ -1,0 +1,141 @@
+/* Paged attention on CPU: each sequence's keys and values read in place through its block table.
+ *
+ * The CPU path's kernel for short queries (decode steps, k + 1 verification tokens, draft steps); built
+ * once per machine by model/cpu_attention.py and called through ctypes. Semantics as everywhere in the
+ * engine: query i of a sequence sits at position start + i and sees keys 0 .. start + i; query head h
+ * reads kv head h / (heads / kv_heads).
+ *
+ * One work item per (sequence, kv head): its rows are the (query, head) pairs of the heads that share the
+ * kv head, so each cache block is read once per item, keys then values while they are in cache. Softmax is
+ * online, one cache block at a time. Every row is computed by the same loop whatever the batch around it,
+ * in the same order, so a token's output does not depend on the other sequences or on how many queries
+ * its own sequence brought.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)))); /* unaligned loads */
+
+/* a . b over n floats (n a multiple of LANES): LANES partial sums, added in a fixed tree. */
+static inline float dot(const float *a, const float *b, int n) {
+    vec part = *(const vec *)a * *(const vec *)b;
+    for (int i = LANES; i < n; i += LANES) part += *(const vec *)(a + i) * *(const vec *)(b + i);
+    float lane[LANES];
+    memcpy(lane, &part, sizeof lane);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
+    return lane[0];
+}
+
+/* acc += sum over t < keys of p[t] * v[t * stride ...], n floats (a multiple of LANES): per chunk of LANES
+ * floats, two sums held in registers over the keys (even and odd keys), added at the end. */
+static inline void add_weighted(float *acc, const float *p, const float *v, int64_t stride, int keys, int n) {
+    for (int i = 0; i < n; i += LANES) {
+        vec even = *(vec *)(acc + i), odd = {0};
+        int t = 0;
+        for (; t + 1 < keys; t += 2) {
+            even += p[t] * *(const vec *)(v + t * stride + i);
+            odd += p[t + 1] * *(const vec *)(v + (t + 1) * stride + i);
+        }
+        if (t < keys) even += p[t] * *(const vec *)(v + t * stride + i);
+        *(vec *)(acc + i) = even + odd;
+    }
+}
+
+/* x[i] = exp(x[i]) for x[i] <= 0, in a form the compiler vectorizes: x = k ln 2 + r with |r| <= ln 2 / 2,
+ * exp(r) by its Taylor series to r^6 (relative error below 2e-7), times 2^k built in the exponent bits.
+ * Inputs below -87 give exp(-87) ~ 1.6e-38 instead of less: a weight no sum of float32 can see. */
+static inline void exp_nonpositive(float *x, int n) {
+    for (int i = 0; i < n; i++) {
+        float v = x[i] < -87.0f ? -87.0f : x[i];
+        float k = __builtin_rintf(v * 1.44269504f);
+        float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+        float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+        int32_t bits = ((int32_t)k + 127) << 23;
+        float two_k;
+        memcpy(&two_k, &bits, sizeof two_k);
+        x[i] = p * two_k;
+    }
+}
+
+static void attend_item(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, const float *v,
+                        int64_t kv_stride_b, int64_t kv_stride_t, float *out, int64_t out_stride_t,
+                        int64_t out_stride_h, const int32_t *table, int start, int offset, int length,
+                        int kv_head, int group, int dim, int block_size, float scale, float *work) {
+    int rows = length * group;
+    float *acc = work;                  /* [rows][dim] */
+    float *best = acc + rows * dim;     /* [rows] running max */
+    float *total = best + rows;         /* [rows] running sum */
+    float *scores = total + rows;       /* [rows][block_size] */
+    for (int r = 0; r < rows; r++) best[r] = -INFINITY, total[r] = 0.0f;
+    memset(acc, 0, sizeof(float) * rows * dim);
+    int keys = start + length;
+    for (int first = 0; first < keys; first += block_size) {
+        const float *kb = k + (int64_t)table[first / block_size] * kv_stride_b;
+        const float *vb = v + (int64_t)table[first / block_size] * kv_stride_b;
+        int in_block = keys - first < block_size ? keys - first : block_size;
+        for (int r = 0; r < rows; r++) {
+            int query = r / group, head = kv_head * group + r % group;
+            int seen = start + query + 1 - first; /* keys of this block the row sees */
+            if (seen <= 0) continue;
+            if (seen > in_block) seen = in_block;
+            const float *qr = q + (int64_t)(offset + query) * q_stride_t + (int64_t)head * q_stride_h;
+            float *s = scores + r * block_size;
+            float top = best[r];
+            for (int t = 0; t < seen; t++) {
+                s[t] = dot(qr, kb + t * kv_stride_t, dim) * scale;
+                if (s[t] > top) top = s[t];
+            }
+            float *ar = acc + r * dim;
+            if (top > best[r]) { /* earlier blocks' weights were taken against a smaller max */
+                float rescale = expf(best[r] - top); /* 0 on the first block (best is -inf) */
+                total[r] *= rescale;
+                for (int d = 0; d < dim; d++) ar[d] *= rescale;
+            }
+            for (int t = 0; t < seen; t++) s[t] -= top;
+            exp_nonpositive(s, seen);
+            for (int t = 0; t < seen; t++) total[r] += s[t];
+            add_weighted(ar, s, vb, kv_stride_t, seen, dim);
+            best[r] = top;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int query = r / group, head = kv_head * group + r % group;
+        float *o = out + (int64_t)(offset + query) * out_stride_t + (int64_t)head * out_stride_h;
+        float inv = 1.0f / total[r];
+        for (int d = 0; d < dim; d++) o[d] = acc[r * dim + d] * inv;
+    }
+}
+
+/* q: [tokens, heads, dim] (strided by token and head, dims contiguous); k, v: [kv_heads, blocks, block_size,
+ * dim] with (block_size, dim) contiguous; out as q. Sequence s's rows are offsets[s] .. offsets[s] +
+ * lengths[s] - 1 of q and out; tables: [seqs, table_width]. Returns 0, or -1 when scratch memory ran out. */
+int paged_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, const float *v,
+                        int64_t kv_stride_h, int64_t kv_stride_b, int64_t kv_stride_t, float *out,
+                        int64_t out_stride_t, int64_t out_stride_h, const int32_t *tables, int64_t table_width,
+                        const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs,
+                        int heads, int kv_heads, int dim, int block_size, float scale, int threads) {
+    int group = heads / kv_heads, max_length = 0, failed = 0;
+    for (int s = 0; s < seqs; s++)
+        if (lengths[s] > max_length) max_length = lengths[s];
+    int64_t rows = (int64_t)max_length * group;
+    size_t scratch = sizeof(float) * (size_t)(rows * dim + 2 * rows + rows * block_size);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *work = malloc(scratch);
+        if (!work) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < seqs * kv_heads; item++) {
+            int s = item / kv_heads, h = item % kv_heads;
+            if (work && lengths[s] > 0)
+                attend_item(q, q_stride_t, q_stride_h, k + h * kv_stride_h, v + h * kv_stride_h, kv_stride_b,
+                            kv_stride_t, out, out_stride_t, out_stride_h, tables + s * table_width, starts[s],
+                            offsets[s], lengths[s], h, group, dim, block_size, scale, work);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}
