@@ -2,7 +2,8 @@
 
 Built for real with this machine's C compiler, as a user's first start builds it. Cases: decode at every
 context length around block boundaries, k + 1 verification windows, short prompts, block tables out of
-order with holes, GQA ratios 1, 2 and 4, head sizes 32, 64 and 128; a batch mixing short and long queries
+order with holes, cache blocks of 8, 16 and 32 tokens, GQA ratios 1, 2 and 4 (rows scored key by key and
+against transposed keys), head sizes 32, 64 and 128; a batch mixing short and long queries
 (long ones stay on sdpa); nothing outside a sequence is read; a sequence's rows are bit-identical alone
 and in any batch; the whole runner with the kernel against the runner without it; the kernel choice and
 its refusals, and the fallback where no compiler runs.
@@ -30,11 +31,12 @@ BLOCK_SIZE = 16
 CPU = torch.device("cpu")
 
 
-def _shapes_and_tables(shapes: list[tuple[int, int]], seed: int) -> tuple[list[int], list[int], list[list[int]], int]:
+def _shapes_and_tables(shapes: list[tuple[int, int]], seed: int,
+                       block_size: int = BLOCK_SIZE) -> tuple[list[int], list[int], list[list[int]], int]:
     """(starts, lengths, block tables, pool blocks) for (start, length) shapes: each sequence's blocks drawn
     at random from a pool with unused blocks between them, so tables are out of order and have holes."""
     rng = random.Random(seed)
-    needed = [-(-(start + length) // BLOCK_SIZE) for start, length in shapes]
+    needed = [-(-(start + length) // block_size) for start, length in shapes]
     pool = list(range(1, sum(needed) + len(shapes) + 1))  # block 0 is the zero block
     rng.shuffle(pool)
     tables, used = [], 0
@@ -48,18 +50,18 @@ SHORT = [(n, 1) for n in range(0, 2 * BLOCK_SIZE + 2)] + [(23, 5), (47, 5), (0, 
 
 
 def _attention(shapes, heads: int, kv_heads: int, head_dim: int, seed: int, cpu_kernel: bool,
-               poison: bool = False) -> torch.Tensor:
-    starts, lengths, tables, num_blocks = _shapes_and_tables(shapes, seed)
+               poison: bool = False, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    starts, lengths, tables, num_blocks = _shapes_and_tables(shapes, seed, block_size)
     gen = torch.Generator().manual_seed(seed)
-    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen) for _ in range(2))
     q = torch.randn(sum(lengths), heads, head_dim, generator=gen)
     if poison:  # every slot no sequence holds (other blocks, the tails of last blocks) is NaN
-        live = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool)
+        live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
         for start, length, table in zip(starts, lengths, tables, strict=True):
-            live[[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start + length)]] = True
+            live[[table[p // block_size] * block_size + p % block_size for p in range(start + length)]] = True
         for cache in (k_cache, v_cache):
             cache.view(kv_heads, -1, head_dim)[:, ~live] = float("nan")
-    plan = plan_attention(starts, lengths, tables, BLOCK_SIZE, heads, kv_heads, CPU, batch_invariant=False,
+    plan = plan_attention(starts, lengths, tables, block_size, heads, kv_heads, CPU, batch_invariant=False,
                           cpu_kernel=cpu_kernel)  # fmt: skip
     assert (plan.cpu is not None) == cpu_kernel
     return attend(q, k_cache, v_cache, plan, head_dim**-0.5)
@@ -71,6 +73,17 @@ def test_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_dim: int)
     expected = _attention(SHORT, heads, kv_heads, head_dim, seed=heads + head_dim, cpu_kernel=False)
     got = _attention(SHORT, heads, kv_heads, head_dim, seed=heads + head_dim, cpu_kernel=True)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_cache_blocks_smaller_and_larger_than_the_kernels_chunk_of_keys(block_size: int) -> None:
+    """The kernel reads up to 16 keys at a time and never across a block's end."""
+    for heads, kv_heads in ((4, 4), (4, 2)):  # four rows a step (keys transposed) and two (key by key)
+        expected = _attention(SHORT, heads, kv_heads, 64, seed=7, cpu_kernel=False, block_size=block_size)
+        got = _attention(SHORT, heads, kv_heads, 64, seed=7, cpu_kernel=True, block_size=block_size)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+        poisoned = _attention(SHORT, heads, kv_heads, 64, seed=7, cpu_kernel=True, poison=True, block_size=block_size)
+        assert torch.equal(poisoned, got)
 
 
 def test_a_batch_of_short_and_long_queries_splits_between_the_kernel_and_sdpa() -> None:

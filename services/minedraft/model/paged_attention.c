@@ -17,6 +17,7 @@
 #include <string.h>
 
 #define LANES 16
+#define TRANSPOSE_ROWS 4
 typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)))); /* unaligned loads */
 
 /* a . b over n floats (n a multiple of LANES): LANES partial sums, added in a fixed tree. */
@@ -28,6 +29,27 @@ static inline float dot(const float *a, const float *b, int n) {
     for (int width = LANES / 2; width > 0; width /= 2)
         for (int j = 0; j < width; j++) lane[j] += lane[j + width];
     return lane[0];
+}
+
+/* kt[d][t] = keys[t][d] for the n keys of a chunk (n <= LANES), zeros past them: LANES keys become one vector. */
+static inline void transpose_keys(float *kt, const float *keys, int64_t stride, int n, int dim) {
+    if (n < LANES) memset(kt, 0, sizeof(float) * LANES * dim);
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < dim; d++) kt[d * LANES + t] = keys[t * stride + d];
+}
+
+/* scores[t] = scale * q . key t for a chunk's LANES keys (kt from transpose_keys): four sums over the dims
+ * (d mod 4), added in a fixed order. dim is a multiple of LANES. */
+static inline void chunk_scores(float *scores, const float *q, const float *kt, int dim, float scale) {
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int d = 0; d < dim; d += 4) {
+        a0 += q[d] * *(const vec *)(kt + d * LANES);
+        a1 += q[d + 1] * *(const vec *)(kt + (d + 1) * LANES);
+        a2 += q[d + 2] * *(const vec *)(kt + (d + 2) * LANES);
+        a3 += q[d + 3] * *(const vec *)(kt + (d + 3) * LANES);
+    }
+    vec sum = ((a0 + a1) + (a2 + a3)) * scale;
+    memcpy(scores, &sum, sizeof sum);
 }
 
 /* acc += sum over t < keys of p[t] * v[t * stride ...], n floats (a multiple of LANES): per chunk of LANES
@@ -61,45 +83,58 @@ static inline void exp_nonpositive(float *x, int n) {
     }
 }
 
+/* Fold a row's scores of `seen` keys (s, overwritten with their weights) and those keys' values into its
+ * running max, sum and weighted sum of values. */
+static inline void absorb(float *s, int seen, const float *v, int64_t kv_stride_t, float *acc, float *best,
+                          float *total, int dim) {
+    float top = *best;
+    for (int t = 0; t < seen; t++)
+        if (s[t] > top) top = s[t];
+    if (top > *best) { /* earlier keys' weights were taken against a smaller max */
+        float rescale = expf(*best - top); /* 0 on the first keys (best is -inf) */
+        *total *= rescale;
+        for (int d = 0; d < dim; d++) acc[d] *= rescale;
+    }
+    for (int t = 0; t < seen; t++) s[t] -= top;
+    exp_nonpositive(s, seen);
+    for (int t = 0; t < seen; t++) *total += s[t];
+    add_weighted(acc, s, v, kv_stride_t, seen, dim);
+    *best = top;
+}
+
 static void attend_item(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, const float *v,
                         int64_t kv_stride_b, int64_t kv_stride_t, float *out, int64_t out_stride_t,
                         int64_t out_stride_h, const int32_t *table, int start, int offset, int length,
                         int kv_head, int group, int dim, int block_size, float scale, float *work) {
     int rows = length * group;
+    /* Scores key by key (a dot product each) for a row or two; for more rows, LANES keys at once against
+     * the chunk's keys transposed, which pays for the transpose from four rows on. The choice depends on
+     * the sequence alone, never on the batch. */
+    int transposed = rows >= TRANSPOSE_ROWS;
     float *acc = work;                  /* [rows][dim] */
     float *best = acc + rows * dim;     /* [rows] running max */
     float *total = best + rows;         /* [rows] running sum */
-    float *scores = total + rows;       /* [rows][block_size] */
+    float *kt = total + rows;           /* [dim][LANES] the chunk's keys, transposed */
+    float s[LANES];
     for (int r = 0; r < rows; r++) best[r] = -INFINITY, total[r] = 0.0f;
     memset(acc, 0, sizeof(float) * rows * dim);
-    int keys = start + length;
-    for (int first = 0; first < keys; first += block_size) {
-        const float *kb = k + (int64_t)table[first / block_size] * kv_stride_b;
-        const float *vb = v + (int64_t)table[first / block_size] * kv_stride_b;
-        int in_block = keys - first < block_size ? keys - first : block_size;
+    int keys = start + length, n;
+    for (int first = 0; first < keys; first += n) { /* up to LANES keys at a time, within one cache block */
+        int64_t base = (int64_t)table[first / block_size] * kv_stride_b + (int64_t)(first % block_size) * kv_stride_t;
+        n = keys - first < LANES ? keys - first : LANES;
+        if (n > block_size - first % block_size) n = block_size - first % block_size;
+        if (transposed) transpose_keys(kt, k + base, kv_stride_t, n, dim);
         for (int r = 0; r < rows; r++) {
             int query = r / group, head = kv_head * group + r % group;
-            int seen = start + query + 1 - first; /* keys of this block the row sees */
+            int seen = start + query + 1 - first; /* keys of this chunk the row sees */
             if (seen <= 0) continue;
-            if (seen > in_block) seen = in_block;
+            if (seen > n) seen = n;
             const float *qr = q + (int64_t)(offset + query) * q_stride_t + (int64_t)head * q_stride_h;
-            float *s = scores + r * block_size;
-            float top = best[r];
-            for (int t = 0; t < seen; t++) {
-                s[t] = dot(qr, kb + t * kv_stride_t, dim) * scale;
-                if (s[t] > top) top = s[t];
-            }
-            float *ar = acc + r * dim;
-            if (top > best[r]) { /* earlier blocks' weights were taken against a smaller max */
-                float rescale = expf(best[r] - top); /* 0 on the first block (best is -inf) */
-                total[r] *= rescale;
-                for (int d = 0; d < dim; d++) ar[d] *= rescale;
-            }
-            for (int t = 0; t < seen; t++) s[t] -= top;
-            exp_nonpositive(s, seen);
-            for (int t = 0; t < seen; t++) total[r] += s[t];
-            add_weighted(ar, s, vb, kv_stride_t, seen, dim);
-            best[r] = top;
+            if (transposed)
+                chunk_scores(s, qr, kt, dim, scale);
+            else
+                for (int t = 0; t < seen; t++) s[t] = dot(qr, k + base + t * kv_stride_t, dim) * scale;
+            absorb(s, seen, v + base, kv_stride_t, acc + r * dim, best + r, total + r, dim);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -122,7 +157,7 @@ int paged_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
     for (int s = 0; s < seqs; s++)
         if (lengths[s] > max_length) max_length = lengths[s];
     int64_t rows = (int64_t)max_length * group;
-    size_t scratch = sizeof(float) * (size_t)(rows * dim + 2 * rows + rows * block_size);
+    size_t scratch = sizeof(float) * (size_t)(rows * dim + 2 * rows + LANES * dim);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *work = malloc(scratch);
