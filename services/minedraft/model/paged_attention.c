@@ -83,13 +83,35 @@ static inline void exp_nonpositive(float *x, int n) {
     }
 }
 
+/* The largest and the sum of a full chunk's LANES scores, in a fixed tree (the compiler makes it vector ops). */
+static inline float lanes_max(const float *s) {
+    float lane[LANES];
+    memcpy(lane, s, sizeof lane);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lane[j] = lane[j] > lane[j + width] ? lane[j] : lane[j + width];
+    return lane[0];
+}
+
+static inline float lanes_sum(const float *s) {
+    float lane[LANES];
+    memcpy(lane, s, sizeof lane);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
+    return lane[0];
+}
+
 /* Fold a row's scores of `seen` keys (s, overwritten with their weights) and those keys' values into its
  * running max, sum and weighted sum of values. */
 static inline void absorb(float *s, int seen, const float *v, int64_t kv_stride_t, float *acc, float *best,
                           float *total, int dim) {
     float top = *best;
-    for (int t = 0; t < seen; t++)
-        if (s[t] > top) top = s[t];
+    if (seen == LANES) {
+        float chunk = lanes_max(s);
+        top = chunk > top ? chunk : top;
+    } else {
+        for (int t = 0; t < seen; t++)
+            if (s[t] > top) top = s[t];
+    }
     if (top > *best) { /* earlier keys' weights were taken against a smaller max */
         float rescale = expf(*best - top); /* 0 on the first keys (best is -inf) */
         *total *= rescale;
@@ -97,7 +119,11 @@ static inline void absorb(float *s, int seen, const float *v, int64_t kv_stride_
     }
     for (int t = 0; t < seen; t++) s[t] -= top;
     exp_nonpositive(s, seen);
-    for (int t = 0; t < seen; t++) *total += s[t];
+    if (seen == LANES) {
+        *total += lanes_sum(s);
+    } else {
+        for (int t = 0; t < seen; t++) *total += s[t];
+    }
     add_weighted(acc, s, v, kv_stride_t, seen, dim);
     *best = top;
 }
