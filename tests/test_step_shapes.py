@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_pipelines import Letters
 
-from minedraft.engine.adaptive import Decision, Shape, SpeculationController
+from minedraft.engine.adaptive import Decision, Shape, SpeculationController, load_kind
 from minedraft.engine.fits import Trials
 from minedraft.engine.plans import StepResult, Verified
 from minedraft.engine.request import Request
@@ -471,3 +471,15 @@ def test_a_draft_parts_own_cost_is_fitted_apart_from_its_forwards() -> None:
         tokens = requests * (k + 1)
         predicted = fitted[0] + fitted[1] * k + fitted[2] * tokens
         assert predicted == pytest.approx(part + forward * k + token * tokens, rel=0.03), (requests, k, fitted)
+
+
+def test_a_server_at_its_usual_concurrency_stays_at_one_load() -> None:
+    """A load hovering at 8, 16, 32 or 64 in flight (requests ending and joining: a few below it) is one kind, so
+    one cost model and one set of shape factors decide there; kinds grow by factors of four."""
+    for concurrency in (1, 4, 8, 16, 32, 64, 128, 256):
+        hovering = {load_kind(n) for n in range(max(1, concurrency - concurrency // 8 - 1), concurrency + 1)}
+        assert len(hovering) == 1, (concurrency, hovering)
+    kinds = [load_kind(n) for n in range(1, 5000)]
+    assert kinds == sorted(kinds) and kinds[0] == 0 and len(set(kinds)) == 8
+    assert [load_kind(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [0, 1, 1, 2, 2, 3, 3, 4]
+

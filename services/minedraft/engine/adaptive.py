@@ -171,6 +171,18 @@ class _LoadModel:
         return self.verify[True].weights() if together else self.verify[False].weights(self.verify_plain)
 
 
+def load_kind(running: int) -> int:
+    """The load a decision is made at, for the cost models and the shape factors: running requests 1, 2-4, 5-16,
+    17-64, 65-256, ... (factors of four, a few kinds to learn). Each kind ends at a power of two, where a server's
+    concurrency usually sits, so a load hovering just below it as requests end and join stays one kind: with edges
+    at 8 and 32, a load hovering at 32 (30, 31, 32) switched between two models and two sets of shape factors every
+    few steps, each choosing its own shape, and the default turned between shapes for nothing."""
+    kind, edge = 0, 1
+    while running > edge and kind < 7:
+        kind, edge = kind + 1, edge * 4
+    return kind
+
+
 def _seeded_sampling(request: Request) -> bool:
     return request.params.seed is not None and request.params.temperature > 0
 
@@ -332,7 +344,7 @@ class SpeculationController:
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
         allowed = shapes + ([] if seeded else [Shape.PLAIN])
-        self._load = min(everyone, 1 << 12).bit_length() // 2  # loads 1, 2-7, 8-31, 32-127, ...: a few to learn
+        self._load = load_kind(everyone)
         cold = [s for s in sorted(allowed, key=(Shape.SPECULATE, Shape.PLAIN, Shape.OVERLAP).index)
                 if not self._warm(s)]  # fmt: skip
         if cold:  # until the fits have data: each shape as it is, those that run alone first (a part beside the
@@ -483,8 +495,8 @@ class SpeculationController:
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["step", "forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
-            # Per load (running requests from 2^(2n-1) to 2^(2n+1) - 1, n the key): each shape's steps' wall time
-            # over the model's prediction for the same work.
+            # Per load (load_kind: running requests 1, 2-4, 5-16, 17-64, ... for keys 0, 1, 2, 3, ...): each shape's
+            # steps' wall time over the model's prediction for the same work.
             "measured_over_predicted": {
                 str(load): {shape.value: round(cost, 4) for shape, cost in by_shape.items() if cost < float("inf")}
                 for load, by_shape in self._trials.costs().items()
