@@ -1,10 +1,11 @@
 """Causal attention of each sequence's new tokens over its paged KV cache, bottom-right aligned.
 
-Query i of a sequence sits at position start + i and sees keys 0 .. start + i. A sequence's keys are
-gathered from the pool through its block table (one index_select per layer and kernel call; padding
-entries point at the zero block), except where the sdpa kernel reads one sequence whose blocks lie in one
-run of the pool: then it reads a view of the pool and copies nothing (the usual case at one request in
-flight, where the copy was a sixth of a decode step on 600-token contexts). Two kernels:
+Query i of a sequence sits at position start + i and sees keys 0 .. start + i. For the torch kernels a
+sequence's keys are gathered from the pool through its block table (one index_select per layer and kernel
+call; padding entries point at the zero block), except where the sdpa kernel reads one sequence whose blocks
+lie in one run of the pool: then it reads a view of the pool and copies nothing (the usual case at one
+request in flight, where the copy was a sixth of a decode step on 600-token contexts). The C kernel reads
+every sequence's blocks in place. Three kernels on CPU (the GPU's paged Triton kernel: triton_attention.py):
 
 * ``sdpa`` (the default): torch scaled_dot_product_attention. Sequences with short queries (decode
   steps, k + 1 verification tokens, draft steps) share one call per layer over their gathered keys,
