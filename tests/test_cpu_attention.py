@@ -23,9 +23,9 @@ import torch
 from minedraft.model import cpu_attention
 from minedraft.model.attention import attend, plan_attention
 from minedraft.model.kv_cache import NULL_BLOCK
-from minedraft.model.runner import ModelRunner, SeqInput
+from minedraft.model.runner import ModelRunner
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import assert_runners_agree, make_tiny_checkpoint, torch_threads
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
@@ -115,12 +115,8 @@ def test_a_sequences_rows_are_the_same_alone_and_in_any_batch() -> None:
                                             [sum(lengths[j] for j in seqs[:n]) for n in range(len(seqs))],
                                             [lengths[i] for i in seqs], [tables[i] for i in seqs], NULL_BLOCK)
         out = torch.empty(len(rows), heads, dim)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             cpu_attention.paged_attention(q[rows], k_cache, v_cache, meta, 0.125, out)
-        finally:
-            torch.set_num_threads(before)
         return out
 
     everyone = run(list(range(len(SHORT))), threads=2)
@@ -138,17 +134,7 @@ def test_the_runner_with_the_kernel_matches_the_runner_without(tmp_path) -> None
     runners = {kernel: ModelRunner(path, max_seq_len=96, num_slots=3, attention_kernel=kernel)
                for kernel in ("torch", "auto")}  # fmt: skip
     assert runners["auto"].cpu_kernel and not runners["torch"].cpu_kernel
-    rng = random.Random(0)
-    prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 18, 40)]
-    steps = [[SeqInput(i, p, 0, num_logits=1) for i, p in enumerate(prompts)]]
-    steps.append([SeqInput(i, [7], len(p)) for i, p in enumerate(prompts)])
-    steps.append([SeqInput(i, [9, 4, 11, 2, 5], len(p) + 1, num_logits=5) for i, p in enumerate(prompts)])
-    for runner in runners.values():
-        for _ in prompts:
-            runner.allocate_slot()
-    for step in steps:
-        torch.testing.assert_close(runners["auto"].forward(step), runners["torch"].forward(step), atol=1e-5,
-                                   rtol=1e-5)  # fmt: skip
+    assert_runners_agree(runners["auto"], runners["torch"], tolerance=1e-5)
 
 
 def test_kernel_choice_and_refusals(tmp_path) -> None:

@@ -18,10 +18,10 @@ pytest.importorskip("triton")
 
 from minedraft.model.attention import attend, plan_attention  # noqa: E402
 from minedraft.model.kv_cache import NULL_BLOCK  # noqa: E402
-from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
+from minedraft.model.runner import ModelRunner  # noqa: E402
 from minedraft.model.triton_attention import paged_attention, paged_meta, supports  # noqa: E402
 
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import assert_runners_agree, make_tiny_checkpoint  # noqa: E402
 
 BLOCK_SIZE, HEAD_DIM = 16, 32
 CPU = torch.device("cpu")
@@ -110,17 +110,7 @@ def test_the_runner_with_the_kernel_matches_the_runner_without(tmp_path) -> None
     runners = {kernel: ModelRunner(path, max_seq_len=96, num_slots=3, attention_kernel=kernel)
                for kernel in ("torch", "triton")}  # fmt: skip
     assert runners["triton"].paged_kernel and not runners["torch"].paged_kernel
-    rng = random.Random(0)
-    prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 18, 40)]
-    steps = [[SeqInput(i, p, 0, num_logits=1) for i, p in enumerate(prompts)]]
-    steps.append([SeqInput(i, [7], len(p)) for i, p in enumerate(prompts)])
-    steps.append([SeqInput(i, [9, 4, 11, 2, 5], len(p) + 1, num_logits=5) for i, p in enumerate(prompts)])
-    for runner in runners.values():
-        for _ in prompts:
-            runner.allocate_slot()
-    for step in steps:
-        torch.testing.assert_close(runners["triton"].forward(step), runners["torch"].forward(step),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+    assert_runners_agree(runners["triton"], runners["torch"], tolerance=1e-4)
 
 
 def test_kernel_choice(tmp_path) -> None:

@@ -13,11 +13,14 @@ Both share the tokenizer as long as vocab_size matches.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from minedraft.model.runner import SeqInput
 
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe")  # llama3 = Llama with llama3 rope scaling
 # qwen3_moe: 4 experts of intermediate size 32, top 2, the last layer dense (mlp_only_layers)
@@ -140,6 +143,21 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def assert_runners_agree(runner, reference, tolerance: float) -> None:
+    """Prefill, decode and a verification window of three sequences at once, through every layer of two
+    ModelRunners of the same checkpoint (fresh ones, their first three slots): logits equal within `tolerance`."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 18, 40)]
+    steps = [[SeqInput(i, p, 0, num_logits=1) for i, p in enumerate(prompts)]]
+    steps.append([SeqInput(i, [7], len(p)) for i, p in enumerate(prompts)])
+    steps.append([SeqInput(i, [9, 4, 11, 2, 5], len(p) + 1, num_logits=5) for i, p in enumerate(prompts)])
+    for each in (runner, reference):
+        for _ in prompts:
+            each.allocate_slot()
+    for step in steps:
+        torch.testing.assert_close(runner.forward(step), reference.forward(step), atol=tolerance, rtol=tolerance)
 
 
 def make_eagle3_head(
