@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from minedraft.model.cpu_attention import CpuPagedMeta, cpu_paged_meta
+from minedraft.model.cpu_attention import paged_attention as cpu_paged_attention
 from minedraft.model.kv_cache import NULL_BLOCK
 
 Q_BLOCK = 8  # query rows per fixed-shape block
@@ -84,7 +86,7 @@ class AttentionPlan:
     groups: list[BlockGroup]  # batch-invariant
     padded: PaddedGroup | None = None  # sdpa, one call for all
     paged: Any = None  # triton_attention.PagedMeta: the whole batch in one paged kernel call
-    cpu: Any = None  # cpu_attention.CpuPagedMeta: the short queries in one call of the C kernel
+    cpu: CpuPagedMeta | None = None  # the short queries in one call of the C kernel
     cpu_covers_all: bool = False  # every token of the batch is one of them
 
 
@@ -104,8 +106,6 @@ def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]
                              _run(tables[i], starts[i] + lengths[i], block_size))
                 for i in range(len(lengths)) if lengths[i] > PADDED_MAX_QUERY]
         if cpu_kernel and short:
-            from minedraft.model.cpu_attention import cpu_paged_meta
-
             meta = cpu_paged_meta([starts[i] for i in short], [offsets[i] for i in short],
                                   [lengths[i] for i in short], [tables[i] for i in short], NULL_BLOCK)
             return AttentionPlan(seqs, [], cpu=meta, cpu_covers_all=len(short) == len(lengths))
@@ -264,9 +264,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
         return _padded_sdpa(q, k_cache, v_cache, plan.padded, scale)  # the whole batch in one call
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.cpu is not None:
-        from minedraft.model.cpu_attention import paged_attention
-
-        paged_attention(q, k_cache, v_cache, plan.cpu, scale, out)
+        cpu_paged_attention(q, k_cache, v_cache, plan.cpu, scale, out)
         if plan.cpu_covers_all:
             return out
     if plan.padded is not None:

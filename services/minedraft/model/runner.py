@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from minedraft.config import check_fits_one_request
 from minedraft.extras import require
+from minedraft.model import cpu_attention
 from minedraft.model.attention import plan_attention
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
@@ -219,9 +220,7 @@ class ModelRunner:
                 raise ValueError(f"attention_kernel cpu runs float32 models on CPU with head_dim a multiple of 16, "
                                  f"not {unsuitable}")
             return False
-        from minedraft.model.cpu_attention import available
-
-        reason = available()
+        reason = cpu_attention.available()
         if reason is not None:
             if kernel == "cpu":
                 raise ValueError(f"attention_kernel cpu: {reason}")
