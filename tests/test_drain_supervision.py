@@ -25,6 +25,7 @@ from minedraft.engine.engine import LLMEngine
 from minedraft.launcher import engine_flags, free_port
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.step_deadline import StepDeadline
+from minedraft.supervision import supervised_child
 
 from conftest import tiny_config
 from services import children, wait_health, wait_serving, worker_info
@@ -227,6 +228,29 @@ def test_services_die_with_a_sigkilled_up(pair) -> None:
     while alive := [name for name, pid in services.items() if _alive(pid)]:
         assert time.monotonic() < deadline, f"still running after minedraft up was SIGKILLed: {alive}"
         time.sleep(0.2)
+
+
+_PRINT_DEATH_SIGNAL = (
+    "import ctypes; from minedraft.supervision import watch_parent_from_env; watch_parent_from_env(); "
+    "sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0); print(sig.value)"
+)  # prctl(PR_GET_PDEATHSIG)
+
+
+def _death_signal_of_child() -> int:
+    options = supervised_child()
+    out = subprocess.run([sys.executable, "-c", _PRINT_DEATH_SIGNAL], capture_output=True, text=True, check=True,
+                         **options)  # fmt: skip
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_asks_for_the_parent_death_signal_itself() -> None:
+    """A child of the main thread asks the kernel for SIGTERM when its parent dies, without a preexec_fn (which
+    would fork() a parent that runs gRPC threads); a child of another thread does not (the signal would come
+    when that thread ends) and keeps the watchdog alone."""
+    assert _death_signal_of_child() == signal.SIGTERM
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(_death_signal_of_child).result() == 0
 
 
 def test_up_without_restarts_exits_non_zero_when_a_service_dies(pair) -> None:

@@ -1,9 +1,11 @@
 """Child processes that die with their parent, even when the parent is SIGKILLed.
 
 `minedraft up` starts the services as its children. A parent that is killed cannot stop them, so
-each child arranges it itself: on Linux the kernel sends it SIGTERM when its parent dies
-(prctl PR_SET_PDEATHSIG); elsewhere, and for the moment before prctl runs, a watchdog thread in the
-child notices that its parent changed and sends itself SIGTERM. SIGTERM, not SIGKILL: a child still
+each child arranges it itself, first thing after it starts: on Linux the kernel sends it SIGTERM when
+its parent dies (prctl PR_SET_PDEATHSIG); elsewhere, and for a parent that died before prctl ran, a
+watchdog thread in the child notices that its parent changed and sends itself SIGTERM. The child, not a
+`preexec_fn`, calls prctl: a `preexec_fn` makes subprocess fork() the parent, and fork() runs gRPC's
+at-fork handlers, which can deadlock a parent that runs gRPC threads. SIGTERM, not SIGKILL: a child still
 shuts down in order (the scheduler drains, servers close their ports).
 
 `Supervisor` keeps a stack's services running: a service that exits is started again (with back-off),
@@ -30,11 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("minedraft")
 
 PARENT_ENV = "MINEDRAFT_PARENT_PID"  # set by the parent: the pid its children watch
+DEATH_SIGNAL_ENV = "MINEDRAFT_PARENT_DEATH_SIGNAL"  # set by a parent's main thread: the child asks for PDEATHSIG
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """In a child (e.g. Popen's preexec_fn): SIGTERM when the parent thread that started it exits."""
+    """In a child: SIGTERM when the parent thread that started it exits."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -56,19 +59,24 @@ def watch_parent(parent_pid: int, interval_s: float = 1.0) -> threading.Thread:
 
 
 def watch_parent_from_env() -> None:
-    """Start the watchdog when the parent asked for it (PARENT_ENV names its pid)."""
-    parent = os.environ.pop(PARENT_ENV, None)  # not inherited by processes this one starts
-    if parent and parent.isdigit():
-        watch_parent(int(parent))
+    """Die with the parent when it asked for it (PARENT_ENV names its pid): the kernel's death signal where
+    the parent's main thread started this process, and the watchdog always."""
+    parent = os.environ.pop(PARENT_ENV, None)  # neither is inherited by processes this one starts
+    death_signal = os.environ.pop(DEATH_SIGNAL_ENV, None) == "1"
+    if not (parent and parent.isdigit()):
+        return
+    if death_signal:
+        die_with_parent()
+    watch_parent(int(parent))  # also covers a parent that died before prctl ran
 
 
 def supervised_child() -> dict:
-    """Popen arguments for a child that dies with this process. PR_SET_PDEATHSIG fires when the *thread*
-    that started the child exits, so it is used only from the main thread; the watchdog covers the rest."""
+    """Popen arguments for a `minedraft` child that dies with this process (see `watch_parent_from_env`).
+    PR_SET_PDEATHSIG fires when the *thread* that started the child exits, so it is asked for only by
+    children of the main thread; the watchdog covers the rest."""
     main = threading.current_thread() is threading.main_thread()
     return {
-        "env": {**os.environ, PARENT_ENV: str(os.getpid())},
-        "preexec_fn": die_with_parent if main else None,
+        "env": {**os.environ, PARENT_ENV: str(os.getpid()), DEATH_SIGNAL_ENV: "1" if main else "0"},
         "start_new_session": True,  # a terminal's Ctrl-C reaches only the parent: it stops its children in order
     }
 
