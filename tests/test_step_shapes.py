@@ -393,6 +393,19 @@ def test_probes_back_off_while_nothing_changes_and_return_when_the_cost_moves() 
     assert chosen.index("slow") <= 128 + 8 and chosen[-256:].count("slow") >= 240, chosen.index("slow")
 
 
+def test_a_burst_during_a_first_try_is_outweighed_by_the_first_probe() -> None:
+    """A neighbour's burst makes "fast" measure 5x its cost in its first try: "slow" runs, the first probe (a
+    quarter of probe_every) measures "fast" again, and its fresh samples outweigh the burst's: "fast" settles."""
+    trials = Trials(run=4, probe_every=128, decay=0.9)
+    costs, chosen = {"fast": 1.0, "slow": 2.0}, []
+    for pick in range(96):
+        choice = trials.pick("load", list(costs))
+        chosen.append(choice)
+        trials.add("load", choice, costs[choice] * (5.0 if pick < 4 else 1.0), 1.0)
+    assert chosen[:31] == ["fast"] * 4 + ["slow"] * 27
+    assert chosen[31:] == ["fast"] * 65, chosen  # the probe at pick 32 changed the choice for good
+
+
 # What each part took on a 2-core CPU serving the bundled pair at one request (offline, the parts' wall times).
 def _cpu_draft(window: int, pending: int) -> float:
     return (0.75 + 0.9 * window + 0.05 * pending) * MS

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit
+_NEGLIGIBLE = 1e-100
 
 
 class OnlineFit:
@@ -97,17 +98,23 @@ class Trials:
     say), measured, not predicted. Each candidate a kind allows is first tried for a run of `run` picks; then the
     cheapest runs, and now and then another candidate runs again (a probe), so that a change (a neighbour that
     comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a run that has
-    settled (the first steps after a change carry the change's own cost). `decay` per sample: a probe's few
-    samples outweigh what that candidate measured long ago.
+    settled (the first steps after a change carry the change's own cost). `decay` per sample of the kind,
+    whichever candidate it measured: a candidate's cost is what it measured lately, compared with the others as
+    they measured about the same time, and a probe's few samples outweigh what it measured long ago (in a
+    neighbour's burst, say).
 
     Changing costs too (the switch itself, and every probe runs something slower): the candidate in use stays
     until another measures cheaper by more than `margin` (a fraction), and each probe that changes nothing
-    doubles the picks to the next one, from `probe_every` up to `max_backoff` times it; once the candidate in use
-    costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
+    doubles the picks to the next one, up to `max_backoff` times `probe_every`; once the candidate in use
+    costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again. The first
+    probe of a kind comes at its pick `first_probe` (a quarter of `probe_every` unless given): a first try's few
+    samples can fall into a neighbour's burst, and a candidate that measured dear in one must not sit out
+    `probe_every` picks."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
-                 drift: float = 0.1) -> None:
+                 drift: float = 0.1, first_probe: int | None = None) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
+        self.first_probe = first_probe if first_probe is not None else probe_every // 4
         self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
         # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
@@ -118,7 +125,7 @@ class Trials:
         """The candidate to run now, of those allowed now (the untried in the order given). `scale`: what each
         candidate's measured cost is worth now, where the work it is measured in is not the work that counts (a
         step measured in the seconds a model predicted for it, chosen by seconds per token predicted now)."""
-        state = self._state.setdefault(kind, _KindState(interval=self.probe_every, next_probe=self.probe_every))
+        state = self._state.setdefault(kind, _KindState(interval=self.first_probe, next_probe=self.first_probe))
         state.picks += 1
         if state.left and state.current in candidates:
             state.left -= 1
@@ -175,9 +182,14 @@ class Trials:
         return seconds / work if work > 0 else float("inf")
 
     def add(self, kind: Hashable, candidate: Hashable, seconds: float, work: float) -> None:
+        """A sample of `candidate`: every candidate's samples of this kind age by it (a ratio aged whole keeps
+        its value; what ages is its weight against the next samples of the same candidate)."""
         costs = self._cost.setdefault(kind, {})
+        for other, (total, done) in costs.items():
+            if done > _NEGLIGIBLE:  # a weight that small is as good as none; stop before it underflows to 0/0
+                costs[other] = (total * self.decay, done * self.decay)
         total, done = costs.get(candidate, (0.0, 0.0))
-        costs[candidate] = (total * self.decay + seconds, done * self.decay + work)
+        costs[candidate] = (total + seconds, done + work)
 
     def costs(self) -> dict[Hashable, dict[Hashable, float]]:
         """Per kind, each measured candidate's cost per unit of work."""
