@@ -175,8 +175,9 @@ def _wait_tokens_at(metrics_port: int, since: float, more: float = 64, timeout_s
         time.sleep(0.05)
 
 
-def _health_while(condition: Callable[[], bool], address: str, timeout_s: float = 60) -> set[str]:
-    """The scheduler's health statuses seen until `condition` holds."""
+def _health_while(condition: Callable[[], bool], address: str, timeout_s: float = 180) -> set[str]:
+    """The scheduler's health statuses seen until `condition` holds (a liveness bound, as the streams' 240 s: a
+    restarted service imports torch and loads its model while the other test worker loads the same cores)."""
     seen, deadline = set(), time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"
