@@ -179,25 +179,6 @@ def test_other_shapes_are_tried_again_rarely_once_settled() -> None:
     assert share[Shape.OVERLAP] >= 0.95, share  # a run of 4 decisions of another shape every 128
 
 
-def test_a_plain_decision_stands_for_the_same_requests_and_a_new_request_ends_it() -> None:
-    """Settled on drafting nothing (useless drafts: plain steps, or sd steps whose windows are all trimmed away),
-    the controller predicts every shape once per _PLAIN_HOLD steps of the same requests, not every step
-    (`last_rates` is what a prediction writes); a request that joins is weighed at once."""
-    controller, share = _settle(USELESS_DRAFT, (Shape.SPECULATE,), decisions=300)
-    assert share[Shape.PLAIN] >= 0.85
-    everyone, predicted = _requests(2 * PER_BATCH), []
-    candidates = {Shape.SPECULATE: (everyone, [K] * len(everyone))}
-    for _ in range(12):
-        controller.last_rates.clear()
-        assert not any(controller.decide(candidates, everyone=len(everyone)).windows)
-        predicted.append(bool(controller.last_rates))
-    assert 1 <= predicted.count(True) <= 3, predicted  # 12 steps of the same requests: once in eight
-    controller.last_rates.clear()
-    joined = everyone[1:] + [replace(everyone[0], request_id="new")]  # one request ended, another joined
-    controller.decide({Shape.SPECULATE: (joined, [K] * len(joined))}, everyone=len(joined))
-    assert controller.last_rates
-
-
 def test_seeded_sampling_keeps_the_modes_own_shape_and_k() -> None:
     controller, share = _settle(USELESS_DRAFT, BOTH, seed=7)  # plain would be faster: a seed forbids it
     assert share[Shape.OVERLAP] == 1.0
@@ -410,20 +391,6 @@ def test_probes_back_off_while_nothing_changes_and_return_when_the_cost_moves() 
     # off schedule had left) and finds "slow" faster.
     chosen = _run_trials(trials, {"fast": 1.8, "slow": 1.2}, 512, noise=0.02, rng=rng)
     assert chosen.index("slow") <= 128 + 8 and chosen[-256:].count("slow") >= 240, chosen.index("slow")
-
-
-def test_a_burst_during_a_first_try_is_outweighed_by_the_first_probe() -> None:
-    """A neighbour's burst makes "fast" measure 3x its cost in its first try: "slow" runs until the first probe
-    (a quarter of probe_every) measures "fast" again, and its samples bring it back below "slow": "fast" settles.
-    (The first probe at probe_every left it out for 128 picks.)"""
-    trials = Trials(run=4, probe_every=128, decay=0.9)
-    costs, chosen = {"fast": 1.0, "slow": 2.0}, []
-    for pick in range(96):
-        choice = trials.pick("load", list(costs))
-        chosen.append(choice)
-        trials.add("load", choice, costs[choice] * (3.0 if pick < 4 else 1.0), 1.0)
-    assert chosen[:31] == ["fast"] * 4 + ["slow"] * 27
-    assert chosen[31:] == ["fast"] * 65, chosen  # the probe at pick 32 changed the choice for good
 
 
 # What each part took on a 2-core CPU serving the bundled pair at one request (offline, the parts' wall times).

@@ -52,8 +52,7 @@ _REQUEST_PRIOR = 6.0  # verifications' weight of the global acceptance in a requ
 # learns nothing more of its drafts, and it kept an estimate from its first few verifications to its end.
 _REQUEST_FADE = 0.8
 _MAX_ACCEPT = 0.995
-_RESOLVE_EVERY = 8  # steps learned from before the cost model is solved again (the fits forget 2% a step)
-_PLAIN_HOLD = 8  # steps of the same requests one plain decision serves (see SpeculationController.decide)
+_RESOLVE_EVERY = 4  # steps learned from before the cost model is solved again (the fits forget 2% a step)
 
 
 class Acceptance:
@@ -217,8 +216,6 @@ class SpeculationController:
         self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
         self._load = 0
         self._run: tuple[Shape | None, int] = (None, 0)
-        # The last decision that drafted nothing: its requests, the steps it may still serve, the decision.
-        self._held: tuple[tuple, int, Decision] | None = None
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
@@ -341,17 +338,8 @@ class SpeculationController:
         what a step costs beyond its parts (processes waiting on each other, the frontends' share of the cores),
         which the measured factor brings in; a shape's seconds per token measured outright would instead carry the
         acceptance of the requests that ran it, which changes from one request to the next. Each shape the moment
-        allows runs once for a few decisions first (in the order predicted), and another one now and then.
-
-        A decision that drafts nothing (plain, or a shape whose windows were all trimmed away) stands for up to
-        _PLAIN_HOLD steps of the same requests, unless a try or probe is due: such a step changes no acceptance,
-        and predicting every shape at every k for every step cost a plain step at one request 2%, and more per
-        request at 32."""
+        allows runs once for a few decisions first (in the order predicted), and another one now and then."""
         shapes = [s for s in self.shapes if s in candidates]
-        key = (everyone, tuple(tuple(r.request_id for r in candidates[s][0]) for s in shapes))
-        held = self._held_decision(key)
-        if held is not None:
-            return self._record(held, everyone)
         seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
@@ -367,7 +355,6 @@ class SpeculationController:
             per_token = {s: 1.0 / max(1e-9, self.last_rates[s.value]) for s in allowed}
             shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
             decision = decisions[shape]
-        self._held = (key, _PLAIN_HOLD - 1, decision) if not any(decision.windows) and not cold else None
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
@@ -378,16 +365,6 @@ class SpeculationController:
                       everyone, decision.shape.value, decision.windows,
                       {k: round(v) for k, v in self.last_rates.items()}, factors)  # fmt: skip
         return self._record(decision, everyone)
-
-    def _held_decision(self, key: tuple) -> Decision | None:
-        """The last decision, one that drafts nothing, if it stands for this step (see `decide`): the same
-        requests, fewer than _PLAIN_HOLD steps since it was made, and its shape what the trials would pick
-        without weighing again."""
-        held = self._held
-        if held is None or held[0] != key or held[1] <= 0 or not self._trials.keep(self._load, held[2].shape):
-            return None
-        self._held = (key, held[1] - 1, held[2])
-        return held[2]
 
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
         """The shape with every request at its cap (k, or less where the request asks or ends sooner)."""
@@ -411,10 +388,7 @@ class SpeculationController:
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
         self.last = decision
-        if not decision.windows:  # plain
-            self.windows[0] += everyone
-        else:
-            self.windows.update(decision.windows)
+        self.windows.update(decision.windows if decision.shape is not Shape.PLAIN else [0] * everyone)
         self.chosen[decision.shape] += 1
         self.num_decisions += 1
         self.num_plain += not any(decision.windows)

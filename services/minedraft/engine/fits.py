@@ -97,23 +97,17 @@ class Trials:
     say), measured, not predicted. Each candidate a kind allows is first tried for a run of `run` picks; then the
     cheapest runs, and now and then another candidate runs again (a probe), so that a change (a neighbour that
     comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a run that has
-    settled (the first steps after a change carry the change's own cost). `decay` per sample of a candidate: a
-    probe's few samples weigh against what that candidate measured before. (Tried and taken back: every candidate aged
-    by every sample, so that a probe's samples alone count. Served at 32 in flight the default then ran the
-    overlapped shape in 27% of its steps, where it had run 4%: one probe's two samples decided.)
+    settled (the first steps after a change carry the change's own cost). `decay` per sample: a probe's few
+    samples outweigh what that candidate measured long ago.
 
     Changing costs too (the switch itself, and every probe runs something slower): the candidate in use stays
     until another measures cheaper by more than `margin` (a fraction), and each probe that changes nothing
-    doubles the picks to the next one, up to `max_backoff` times `probe_every`; once the candidate in use
-    costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again. The first
-    probe of a kind comes at its pick `first_probe` (a quarter of `probe_every` unless given): a first try's few
-    samples can fall into a neighbour's burst, and a candidate that measured dear in one must not sit out
-    `probe_every` picks."""
+    doubles the picks to the next one, from `probe_every` up to `max_backoff` times it; once the candidate in use
+    costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
-                 drift: float = 0.1, first_probe: int | None = None) -> None:
+                 drift: float = 0.1) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
-        self.first_probe = first_probe if first_probe is not None else probe_every // 4
         self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
         # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
@@ -124,7 +118,7 @@ class Trials:
         """The candidate to run now, of those allowed now (the untried in the order given). `scale`: what each
         candidate's measured cost is worth now, where the work it is measured in is not the work that counts (a
         step measured in the seconds a model predicted for it, chosen by seconds per token predicted now)."""
-        state = self._state.setdefault(kind, _KindState(interval=self.first_probe, next_probe=self.first_probe))
+        state = self._state.setdefault(kind, _KindState(interval=self.probe_every, next_probe=self.probe_every))
         state.picks += 1
         if state.left and state.current in candidates:
             state.left -= 1
@@ -148,17 +142,6 @@ class Trials:
             state.current = state.settled = settled
             self._watch_drift(kind, state)
         return state.current
-
-    def keep(self, kind: Hashable, candidate: Hashable) -> bool:
-        """Count a pick of `candidate` without weighing the candidates again, if it is what `pick` would run now
-        unless the costs moved: the one settled on, no try or probe running or due. False (nothing counted)
-        otherwise: then `pick`."""
-        state = self._state.get(kind)
-        if (state is None or state.left or state.probing or state.current != candidate or state.settled != candidate
-                or state.picks + 1 >= state.next_probe):  # fmt: skip
-            return False
-        state.picks += 1
-        return True
 
     def _watch_drift(self, kind: Hashable, state: _KindState) -> None:
         """Probes at their base rate again once the settled candidate's cost has moved (the machine changed)."""
