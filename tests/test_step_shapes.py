@@ -179,6 +179,26 @@ def test_other_shapes_are_tried_again_rarely_once_settled() -> None:
     assert share[Shape.OVERLAP] >= 0.95, share  # a run of 4 decisions of another shape every 128
 
 
+def test_with_a_useless_draft_a_decision_holds_for_the_same_requests_and_a_new_request_ends_it() -> None:
+    """Settled on drafting nothing where nobody would draft (useless drafts: plain steps, or sd steps whose windows
+    are all trimmed away), the controller predicts every shape once per _HOLD steps of the same requests, not
+    every step (`last_rates` is what a prediction writes); a request that joins is weighed at once. (Where drafts
+    are good and one request's missed, it is weighed every step: test_a_request_whose_first_drafts_missed_...)"""
+    controller, share = _settle(USELESS_DRAFT, (Shape.SPECULATE,), decisions=300)
+    assert share[Shape.PLAIN] >= 0.85
+    everyone, predicted = _requests(2 * PER_BATCH), []
+    candidates = {Shape.SPECULATE: (everyone, [K] * len(everyone))}
+    for _ in range(16):
+        controller.last_rates.clear()
+        assert not any(controller.decide(candidates, everyone=len(everyone)).windows)
+        predicted.append(bool(controller.last_rates))
+    assert 2 <= predicted.count(True) <= 3, predicted  # 16 steps of the same requests: once in 8 (a probe: +1)
+    controller.last_rates.clear()
+    joined = everyone[1:] + _requests(1)  # one request ended, another joined
+    controller.decide({Shape.SPECULATE: (joined, [K] * len(joined))}, everyone=len(joined))
+    assert controller.last_rates
+
+
 def test_seeded_sampling_keeps_the_modes_own_shape_and_k() -> None:
     controller, share = _settle(USELESS_DRAFT, BOTH, seed=7)  # plain would be faster: a seed forbids it
     assert share[Shape.OVERLAP] == 1.0

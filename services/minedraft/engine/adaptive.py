@@ -52,7 +52,8 @@ _REQUEST_PRIOR = 6.0  # verifications' weight of the global acceptance in a requ
 # learns nothing more of its drafts, and it kept an estimate from its first few verifications to its end.
 _REQUEST_FADE = 0.8
 _MAX_ACCEPT = 0.995
-_RESOLVE_EVERY = 4  # steps learned from before the cost model is solved again (the fits forget 2% a step)
+_RESOLVE_EVERY = 8  # steps learned from before the cost model is solved again (the fits forget 2% a step)
+_HOLD = 8  # steps of the same requests that one decision drafting nothing may serve (see SpeculationController.decide)
 
 
 class Acceptance:
@@ -61,12 +62,14 @@ class Acceptance:
     def __init__(self, max_k: int) -> None:
         self.reached = [0.0] * max_k
         self.accepted = [0.0] * max_k
+        self.samples = 0  # windows recorded: the estimate changes with each, and with nothing else
 
     def decay(self) -> None:
         self.reached = [n * DECAY for n in self.reached]
         self.accepted = [n * DECAY for n in self.accepted]
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.samples += 1
         for j in range(min(num_accepted + 1, num_drafts, len(self.reached))):
             self.reached[j] += 1
             self.accepted[j] += j < num_accepted
@@ -216,6 +219,10 @@ class SpeculationController:
         self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
         self._load = 0
         self._run: tuple[Shape | None, int] = (None, 0)
+        # The last decision that drafted nothing where nobody would draft: its requests, the steps it may still
+        # serve, the decision (see `decide`).
+        self._held: tuple[tuple, int, Decision] | None = None
+        self._prior_check: tuple = (None, -1, False)  # the requests, the acceptance's samples, the answer
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
@@ -338,8 +345,17 @@ class SpeculationController:
         what a step costs beyond its parts (processes waiting on each other, the frontends' share of the cores),
         which the measured factor brings in; a shape's seconds per token measured outright would instead carry the
         acceptance of the requests that ran it, which changes from one request to the next. Each shape the moment
-        allows runs once for a few decisions first (in the order predicted), and another one now and then."""
+        allows runs once for a few decisions first (in the order predicted), and another one now and then.
+
+        Where nobody would draft even at the global acceptance (a useless draft), a decision that drafts nothing
+        stands for _HOLD steps of the same requests, unless a try or probe is due: until a step drafts, plain
+        steps move nothing a prediction reads but each request's own estimate, towards that acceptance, and
+        predicting every shape at every k for every step cost a plain step at one request 2%."""
         shapes = [s for s in self.shapes if s in candidates]
+        key = (everyone, tuple(tuple((r.request_id, r.arrival_time) for r in candidates[s][0]) for s in shapes))
+        held = self._held_decision(key)
+        if held is not None:
+            return self._record(held, everyone)
         seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
@@ -355,6 +371,9 @@ class SpeculationController:
             per_token = {s: 1.0 / max(1e-9, self.last_rates[s.value]) for s in allowed}
             shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
             decision = decisions[shape]
+        holds = not cold and not any(decision.windows) and self._nobody_drafts_at_the_prior(
+            candidates, shapes, allowed, everyone, key, decision.shape)
+        self._held = (key, _HOLD - 1, decision) if holds else None
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
@@ -366,6 +385,26 @@ class SpeculationController:
                       {k: round(v) for k, v in self.last_rates.items()}, factors)  # fmt: skip
         return self._record(decision, everyone)
 
+    def _held_decision(self, key: tuple) -> Decision | None:
+        """The last decision, if it holds for this step (see `decide`): the same requests, fewer than _HOLD steps
+        since it was made, and its shape what the trials would pick without weighing again."""
+        held = self._held
+        if held is None or held[0] != key or held[1] <= 0 or not self._trials.keep(self._load, held[2].shape):
+            return None
+        self._held = (key, held[1] - 1, held[2])
+        return held[2]
+
+    def _nobody_drafts_at_the_prior(self, candidates: Candidates, shapes: list[Shape], allowed: list[Shape],
+                                    everyone: int, key: tuple, chosen: Shape) -> bool:
+        """Whether the decision would draft nothing with each request at the global acceptance, where plain steps
+        take its own estimate. Asked again only once the requests or the acceptance changed."""
+        if self._prior_check[:2] != (key, self.acceptance.samples):
+            decisions, rates = self._predict(candidates, shapes, everyone, own=False)
+            per_token = {s: 1.0 / max(1e-9, rates[s.value]) for s in allowed}
+            shape = self._trials.choice(self._load, allowed, chosen, per_token)
+            self._prior_check = (key, self.acceptance.samples, not any(decisions[shape].windows))
+        return self._prior_check[2]
+
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
         """The shape with every request at its cap (k, or less where the request asks or ends sooner)."""
         return Decision(shape, [] if shape is Shape.PLAIN else list(candidates[shape][1]))
@@ -373,33 +412,43 @@ class SpeculationController:
     def _by_shape(self, candidates: Candidates, shapes: list[Shape], everyone: int) -> dict[Shape, Decision]:
         """Each of `shapes`' step as the model would run it (its best k, windows trimmed); its and plain
         decoding's predicted tokens per second go to `last_rates`."""
+        decisions, rates = self._predict(candidates, shapes, everyone)
+        self.last_rates.update(rates)
+        return decisions
+
+    def _predict(self, candidates: Candidates, shapes: list[Shape], everyone: int,
+                 own: bool = True) -> tuple[dict[Shape, Decision], dict[str, float]]:
+        """`_by_shape`'s steps and rates (`own` False: each request at the global acceptance)."""
         costs = self._costs()
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
         decisions = {Shape.PLAIN: Decision(Shape.PLAIN, [])}
         for shape in shapes:  # a shape whose windows are all trimmed away runs as a plain step (pipelines.py)
             requests, caps = candidates[shape]
-            survival = self._survival(requests)
+            survival = self._survival(requests, own)
             k, rates[shape.value] = self._best_k(costs, shape, survival, caps)
             decisions[shape] = Decision(shape, self._trim(costs, shape, [min(k, cap) for cap in caps], survival,
                                                           rates[shape.value]))  # fmt: skip
-        self.last_rates.update(rates)
-        return decisions
+        return decisions, rates
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
         self.last = decision
-        self.windows.update(decision.windows if decision.shape is not Shape.PLAIN else [0] * everyone)
+        if decision.windows:
+            self.windows.update(decision.windows)
+        else:  # plain
+            self.windows[0] += everyone
         self.chosen[decision.shape] += 1
         self.num_decisions += 1
         self.num_plain += not any(decision.windows)
         return decision
 
-    def _survival(self, requests: Sequence[Request]) -> list[list[float]]:
-        """For each request, the chance that each of its first max_k draft tokens is accepted."""
+    def _survival(self, requests: Sequence[Request], own: bool = True) -> list[list[float]]:
+        """For each request, the chance that each of its first max_k draft tokens is accepted (`own` False: as
+        if it had verified nothing yet)."""
         overall, rates = self.acceptance.overall(), self.acceptance.conditional()
         survival = []
         for request in requests:
-            fade = _REQUEST_FADE**request.plain_steps
+            fade = _REQUEST_FADE**request.plain_steps if own else 0.0
             accepted, rejections = fade * request.stats.num_accepted_tokens, fade * request.num_rejections
             own = (accepted + _REQUEST_PRIOR * overall) / (accepted + rejections + _REQUEST_PRIOR)
             scale, chance, chances = own / overall, 1.0, []

@@ -143,6 +143,17 @@ class Trials:
             self._watch_drift(kind, state)
         return state.current
 
+    def keep(self, kind: Hashable, candidate: Hashable) -> bool:
+        """Count a pick of `candidate` without weighing the candidates again, where it is what `pick` would run
+        unless the costs moved: the one settled on, no try or probe running or due. False (nothing counted)
+        otherwise: then `pick`."""
+        state = self._state.get(kind)
+        if (state is None or state.left or state.probing or state.current != candidate or state.settled != candidate
+                or state.picks + 1 >= state.next_probe):  # fmt: skip
+            return False
+        state.picks += 1
+        return True
+
     def _watch_drift(self, kind: Hashable, state: _KindState) -> None:
         """Probes at their base rate again once the settled candidate's cost has moved (the machine changed)."""
         cost = self.cost(kind, state.settled)
