@@ -52,7 +52,7 @@ _REQUEST_PRIOR = 6.0  # verifications' weight of the global acceptance in a requ
 # learns nothing more of its drafts, and it kept an estimate from its first few verifications to its end.
 _REQUEST_FADE = 0.8
 _MAX_ACCEPT = 0.995
-_RESOLVE_EVERY = 8  # steps learned from before the cost model is solved again (the fits forget 2% a step)
+_RESOLVE_EVERY = 4  # steps learned from before the cost model is solved again (the fits forget 2% a step)
 _HOLD = 8  # steps of the same requests that one decision drafting nothing may serve (see SpeculationController.decide)
 
 
