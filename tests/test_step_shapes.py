@@ -199,6 +199,16 @@ def test_with_a_useless_draft_a_decision_holds_for_the_same_requests_and_a_new_r
     assert controller.last_rates
 
 
+def test_seeded_requests_keep_their_windows_where_a_useless_draft_holds_plain_steps() -> None:
+    """Where nobody would draft, decisions hold; seeded requests still get their caps at every step (the windows
+    decide the seeded text), in the step they arrive and in every step after it."""
+    controller, _ = _settle(USELESS_DRAFT, (Shape.SPECULATE,), decisions=300)
+    seeded = _requests(2 * PER_BATCH, seed=7)
+    candidates = {Shape.SPECULATE: (seeded, [K] * len(seeded))}
+    for _ in range(12):
+        assert controller.decide(candidates, everyone=len(seeded)).windows == [K] * len(seeded)
+
+
 def test_seeded_sampling_keeps_the_modes_own_shape_and_k() -> None:
     controller, share = _settle(USELESS_DRAFT, BOTH, seed=7)  # plain would be faster: a seed forbids it
     assert share[Shape.OVERLAP] == 1.0

@@ -371,13 +371,14 @@ class SpeculationController:
             per_token = {s: 1.0 / max(1e-9, self.last_rates[s.value]) for s in allowed}
             shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
             decision = decisions[shape]
-        holds = not cold and not any(decision.windows) and self._nobody_drafts_at_the_prior(
-            candidates, shapes, allowed, everyone, key, decision.shape)
-        self._held = (key, _HOLD - 1, decision) if holds else None
         if seeded:
             requests, caps = candidates[decision.shape]
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
                                                   for r, w, cap in zip(requests, decision.windows, caps)])
+        # Never with a seeded request: its windows are its caps, whatever the prediction (its text depends on them).
+        holds = not cold and not seeded and not any(decision.windows) and self._nobody_drafts_at_the_prior(
+            candidates, shapes, allowed, everyone, key, decision.shape)
+        self._held = (key, _HOLD - 1, decision) if holds else None
         if log.isEnabledFor(logging.DEBUG):
             factors = {s.value: round(f, 3) for s, f in self._trials.costs().get(self._load, {}).items()}
             log.debug("decision at %d running: %s, windows %s; predicted tok/s %s; measured over predicted %s",
