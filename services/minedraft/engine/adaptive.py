@@ -400,7 +400,7 @@ class SpeculationController:
         """Whether the decision would draft nothing with each request at the global acceptance, where plain steps
         take its own estimate. Asked again only once the requests or the acceptance changed."""
         if self._prior_check[:2] != (key, self.acceptance.samples):
-            decisions, rates = self._predict(candidates, shapes, everyone, own=False)
+            decisions, rates = self._predict(candidates, shapes, everyone, own_evidence=False)
             per_token = {s: 1.0 / max(1e-9, rates[s.value]) for s in allowed}
             shape = self._trials.choice(self._load, allowed, chosen, per_token)
             self._prior_check = (key, self.acceptance.samples, not any(decisions[shape].windows))
@@ -418,15 +418,15 @@ class SpeculationController:
         return decisions
 
     def _predict(self, candidates: Candidates, shapes: list[Shape], everyone: int,
-                 own: bool = True) -> tuple[dict[Shape, Decision], dict[str, float]]:
-        """`_by_shape`'s steps and rates (`own` False: each request at the global acceptance)."""
+                 own_evidence: bool = True) -> tuple[dict[Shape, Decision], dict[str, float]]:
+        """`_by_shape`'s steps and rates (`own_evidence` False: each request at the global acceptance)."""
         costs = self._costs()
         plain_seconds = costs.alone.verify_seconds(everyone, everyone) + costs.overhead[Shape.PLAIN]
         rates = {Shape.PLAIN.value: everyone / max(1e-9, plain_seconds)}
         decisions = {Shape.PLAIN: Decision(Shape.PLAIN, [])}
         for shape in shapes:  # a shape whose windows are all trimmed away runs as a plain step (pipelines.py)
             requests, caps = candidates[shape]
-            survival = self._survival(requests, own)
+            survival = self._survival(requests, own_evidence)
             k, rates[shape.value] = self._best_k(costs, shape, survival, caps)
             decisions[shape] = Decision(shape, self._trim(costs, shape, [min(k, cap) for cap in caps], survival,
                                                           rates[shape.value]))  # fmt: skip
@@ -443,13 +443,13 @@ class SpeculationController:
         self.num_plain += not any(decision.windows)
         return decision
 
-    def _survival(self, requests: Sequence[Request], own: bool = True) -> list[list[float]]:
-        """For each request, the chance that each of its first max_k draft tokens is accepted (`own` False: as
-        if it had verified nothing yet)."""
+    def _survival(self, requests: Sequence[Request], own_evidence: bool = True) -> list[list[float]]:
+        """For each request, the chance that each of its first max_k draft tokens is accepted (`own_evidence`
+        False: as if it had verified nothing yet)."""
         overall, rates = self.acceptance.overall(), self.acceptance.conditional()
         survival = []
         for request in requests:
-            fade = _REQUEST_FADE**request.plain_steps if own else 0.0
+            fade = _REQUEST_FADE**request.plain_steps if own_evidence else 0.0
             accepted, rejections = fade * request.stats.num_accepted_tokens, fade * request.num_rejections
             own = (accepted + _REQUEST_PRIOR * overall) / (accepted + rejections + _REQUEST_PRIOR)
             scale, chance, chances = own / overall, 1.0, []
