@@ -423,6 +423,26 @@ def test_probes_back_off_while_nothing_changes_and_return_when_the_cost_moves() 
     assert chosen.index("slow") <= 128 + 8 and chosen[-256:].count("slow") >= 240, chosen.index("slow")
 
 
+def test_first_tries_interleave_so_that_a_burst_during_one_does_not_decide() -> None:
+    """"a" costs 1.0 and "b" 1.2 per unit, but a burst of other work makes "a"'s first run cost 1.5. Tried once
+    each, "b" is settled on until the first probe; tried in three interleaved runs each, "a" is."""
+    def picks(first_runs: int) -> list[str]:
+        trials, chosen = Trials(run=4, probe_every=128, decay=0.9, first_runs=first_runs), []
+        for pick in range(100):
+            choice = trials.pick("load", ["a", "b"])
+            chosen.append(choice)
+            burst = 1.5 if choice == "a" and pick < 4 else 1.0
+            if pick % 4 >= 2:  # a run's first two steps carry the switch and do not count, as the engine's
+                trials.add("load", choice, {"a": 1.0, "b": 1.2}[choice] * burst, 1.0)
+        return chosen
+
+    once = picks(first_runs=1)
+    assert once[:8] == ["a"] * 4 + ["b"] * 4 and set(once[8:]) == {"b"}
+    interleaved = picks(first_runs=3)
+    assert [interleaved[4 * run] for run in range(6)] == ["a", "b"] * 3
+    assert set(interleaved[24:]) == {"a"}
+
+
 # What each part took on a 2-core CPU serving the bundled pair at one request (offline, the parts' wall times).
 def _cpu_draft(window: int, pending: int) -> float:
     return (0.75 + 0.9 * window + 0.05 * pending) * MS

@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 _WARMUP_STEPS = 4  # steps of a kind seen before its cost fits are trusted (until then the shape runs as it is)
 # The shapes are tried in runs of this many decisions, and one run of another shape every _PROBE_EVERY decisions
 # of a load; the first _SETTLE steps of a run of a shape do not count (they carry the change: windows drafted in
-# the other shape, the drafter's catch-up). See SpeculationController.decide.
-_RUN, _PROBE_EVERY, _SETTLE = 4, 128, 2
+# the other shape, the drafter's catch-up). Each shape is first tried in _FIRST_RUNS runs, interleaved: served,
+# steps vary by 10-20% with the serving processes on the same cores, and one try of two counted steps decided
+# the first hundred decisions. See SpeculationController.decide.
+_RUN, _PROBE_EVERY, _SETTLE, _FIRST_RUNS = 4, 128, 2, 3
 _SHAPE_DECAY = 0.9  # per step of a shape's measured factor (wall over predicted): a probe's steps outweigh older ones
 _REQUEST_PRIOR = 6.0  # verifications' weight of the global acceptance in a request's own estimate
 # Per step a request runs without drafts, what its own verifications weigh: a request that turned to plain steps
@@ -216,7 +218,7 @@ class SpeculationController:
         self._observed = 0
         # Per load (running requests, by powers of four): each shape's wall seconds over predicted seconds; the load
         # of the last decision; the shape of the last step observed and how many steps in a row had it.
-        self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY)
+        self._trials = Trials(_RUN, _PROBE_EVERY, _SHAPE_DECAY, first_runs=_FIRST_RUNS)
         self._load = 0
         self._run: tuple[Shape | None, int] = (None, 0)
         # The last decision that drafted nothing where nobody would draft: its requests, the steps it may still
@@ -345,7 +347,8 @@ class SpeculationController:
         what a step costs beyond its parts (processes waiting on each other, the frontends' share of the cores),
         which the measured factor brings in; a shape's seconds per token measured outright would instead carry the
         acceptance of the requests that ran it, which changes from one request to the next. Each shape the moment
-        allows runs once for a few decisions first (in the order predicted), and another one now and then.
+        allows is first tried in a few interleaved runs of a few decisions (in the order predicted), and another
+        one runs now and then.
 
         Where nobody would draft even at the global acceptance (a useless draft), a decision that drafts nothing
         stands for _HOLD steps of the same requests, unless a try or probe is due: until a step drafts, plain

@@ -4,7 +4,7 @@ engine/threads.py's thread counts)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit
 
@@ -96,7 +96,10 @@ class Trials:
     """Per kind of situation, the candidate whose runs cost the least per unit of work here (seconds per token,
     say), measured, not predicted. Each candidate a kind allows is first tried for a run of `run` picks; then the
     cheapest runs, and now and then another candidate runs again (a probe), so that a change (a neighbour that
-    comes or goes, a load the costs differ at) is noticed. The caller adds only the samples of a run that has
+    comes or goes, a load the costs differ at) is noticed. With `first_runs` above 1 each candidate is tried in
+    that many runs before one is settled on, the one tried least next, so that the tries interleave (A B A B): a
+    single try measured during a burst of other work (a neighbour, the serving processes' own) otherwise decided
+    the choice until the first probe. The caller adds only the samples of a run that has
     settled (the first steps after a change carry the change's own cost). `decay` per sample: a probe's few
     samples outweigh what that candidate measured long ago.
 
@@ -106,9 +109,10 @@ class Trials:
     costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
-                 drift: float = 0.1) -> None:
+                 drift: float = 0.1, first_runs: int = 1) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
         self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
+        self.first_runs = first_runs
         # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
         self._state: dict[Hashable, _KindState] = {}
@@ -129,12 +133,13 @@ class Trials:
             state.interval = self.probe_every if changed else min(2 * state.interval,
                                                                   self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
-        measured = self._cost.get(kind, {})
-        unseen = [c for c in candidates if c not in measured]
+        measured, tries = self._cost.get(kind, {}), state.tries
+        untried = [c for c in candidates if c not in measured or tries.get(c, 0) < self.first_runs]
         settled = self.choice(kind, candidates, state.settled, scale)
         others = [c for c in candidates if c != settled]
-        if unseen:
-            state.current, state.left = unseen[0], self.run - 1
+        if untried:  # the one tried least first (of those, the first in the order given)
+            state.current, state.left = min(untried, key=lambda c: tries.get(c, 0)), self.run - 1
+            tries[state.current] = tries.get(state.current, 0) + 1
         elif state.picks >= state.next_probe and others:
             state.probes += 1
             state.current, state.left, state.probing = others[state.probes % len(others)], self.run - 1, True
@@ -205,5 +210,6 @@ class _KindState:
     settled: Hashable = None  # the candidate chosen outside tries and probes
     probing: bool = False  # the current run is a probe
     probes: int = 0
+    tries: dict = field(default_factory=dict)  # candidate -> its first tries begun
     watched: Hashable = None  # the settled candidate whose cost is watched, and its cost when watching began
     baseline: float = 0.0
