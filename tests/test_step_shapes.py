@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -423,24 +424,61 @@ def test_probes_back_off_while_nothing_changes_and_return_when_the_cost_moves() 
     assert chosen.index("slow") <= 128 + 8 and chosen[-256:].count("slow") >= 240, chosen.index("slow")
 
 
+def _settled_picks(trials: Trials, cost: Callable[[int, str], float], picks: int) -> list[str]:
+    """`picks` picks of one kind where a pick of `c` costs `cost(pick, c)` per unit; as the engine does, the first
+    two steps of a run of one candidate do not count (they carry the switch)."""
+    chosen: list[str] = []
+    for pick in range(picks):
+        choice = trials.pick("load", ["a", "b"])
+        chosen.append(choice)
+        if chosen[-3:] == [choice] * 3:
+            trials.add("load", choice, cost(pick, choice), 1.0)
+    return chosen
+
+
 def test_first_tries_interleave_so_that_a_burst_during_one_does_not_decide() -> None:
     """"a" costs 1.0 and "b" 1.2 per unit, but a burst of other work makes "a"'s first run cost 1.5. Tried once
     each, "b" is settled on until the first probe; tried in three interleaved runs each, "a" is."""
-    def picks(first_runs: int) -> list[str]:
-        trials, chosen = Trials(run=4, probe_every=128, decay=0.9, first_runs=first_runs), []
-        for pick in range(100):
-            choice = trials.pick("load", ["a", "b"])
-            chosen.append(choice)
-            burst = 1.5 if choice == "a" and pick < 4 else 1.0
-            if pick % 4 >= 2:  # a run's first two steps carry the switch and do not count, as the engine's
-                trials.add("load", choice, {"a": 1.0, "b": 1.2}[choice] * burst, 1.0)
-        return chosen
+    def cost(pick: int, choice: str) -> float:
+        return {"a": 1.0, "b": 1.2}[choice] * (1.5 if choice == "a" and pick < 4 else 1.0)
 
-    once = picks(first_runs=1)
+    once = _settled_picks(Trials(run=4, probe_every=128, decay=0.9), cost, 100)
     assert once[:8] == ["a"] * 4 + ["b"] * 4 and set(once[8:]) == {"b"}
-    interleaved = picks(first_runs=3)
+    interleaved = _settled_picks(Trials(run=4, probe_every=128, decay=0.9, first_runs=3), cost, 100)
     assert [interleaved[4 * run] for run in range(6)] == ["a", "b"] * 3
     assert set(interleaved[24:]) == {"a"}
+
+
+def test_a_burst_on_the_candidate_in_use_does_not_hold_the_choice_on_the_dearer_one() -> None:
+    """"a" (1.0 per unit) is in use when a burst of other work makes its steps cost 1.5 for 32 picks; "b" costs
+    1.15. During the burst "a"'s estimate climbs past "b"'s and "b" runs, and it keeps the burst's steps while
+    "b" runs. A probe measures "a" afresh, so "b" runs about one probe interval after the burst; before, each
+    probe's two steps weighed a fifth against the burst's and "b" ran to the end (1,360 of 1,372 picks)."""
+    def cost(pick: int, choice: str) -> float:
+        return {"a": 1.0, "b": 1.15}[choice] * (1.5 if 96 <= pick < 128 else 1.0)
+
+    chosen = _settled_picks(Trials(run=4, probe_every=128, decay=0.9, first_runs=3), cost, 1500)
+    assert chosen[24:96] == ["a"] * 72
+    assert chosen[128:].count("b") <= 128 + 4 * 8, chosen[128:].count("b")
+
+
+def test_a_probe_that_wins_once_runs_again_before_the_choice_changes() -> None:
+    """A probe's run (two counted steps) that measures its candidate cheaper, here by the 3% margin, does not
+    switch: the candidate in use runs a run, then the probed one again, and only a second win switches."""
+    costs = {"a": 1.0, "b": 1.2}
+    trials = Trials(run=4, probe_every=128, decay=0.9, first_runs=3)
+    chosen = _settled_picks(trials, lambda pick, c: costs[c], 127)  # the first probe starts at the 128th pick
+    assert chosen[24:] == ["a"] * 103
+    costs["b"] = 0.9  # from the probe on, "b" is cheaper
+    chosen = _settled_picks(trials, lambda pick, c: costs[c], 32)
+    assert chosen[:16] == ["b"] * 4 + ["a"] * 4 + ["b"] * 4 + ["b"] * 4, chosen
+    assert set(chosen[8:]) == {"b"}
+    # A probe that wins once by chance and loses its second run changes nothing.
+    trials = Trials(run=4, probe_every=128, decay=0.9, first_runs=3)
+    costs = {"a": 1.0, "b": 1.2}
+    _settled_picks(trials, lambda pick, c: costs[c], 127)
+    chosen = _settled_picks(trials, lambda pick, c: costs[c] * (0.7 if c == "b" and pick < 4 else 1.0), 64)
+    assert chosen[:12] == ["b"] * 4 + ["a"] * 4 + ["b"] * 4 and set(chosen[12:]) == {"a"}, chosen
 
 
 # What each part took on a 2-core CPU serving the bundled pair at one request (offline, the parts' wall times).

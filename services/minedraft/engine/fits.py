@@ -100,8 +100,13 @@ class Trials:
     that many runs before one is settled on, the one tried least next, so that the tries interleave (A B A B): a
     single try measured during a burst of other work (a neighbour, the serving processes' own) otherwise decided
     the choice until the first probe. The caller adds only the samples of a run that has
-    settled (the first steps after a change carry the change's own cost). `decay` per sample: a probe's few
-    samples outweigh what that candidate measured long ago.
+    settled (the first steps after a change carry the change's own cost). `decay` per sample.
+
+    A probe measures its candidate afresh: what it measured before the probe weighs `stale` (a fraction), since
+    it was measured at another time (costs that a burst of other work inflated stayed in a candidate's estimate
+    while another ran, and kept the choice on the other through probe after probe). A probe that finds its
+    candidate cheaper switches only once it wins a second time, after a run of the candidate in use (A B A B):
+    two samples of a probe are as noisy as the steps they time.
 
     Changing costs too (the switch itself, and every probe runs something slower): the candidate in use stays
     until another measures cheaper by more than `margin` (a fraction), and each probe that changes nothing
@@ -109,10 +114,10 @@ class Trials:
     costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
-                 drift: float = 0.1, first_runs: int = 1) -> None:
+                 drift: float = 0.1, first_runs: int = 1, stale: float = 0.05) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
         self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
-        self.first_runs = first_runs
+        self.first_runs, self.stale = first_runs, stale
         # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
         self._state: dict[Hashable, _KindState] = {}
@@ -129,9 +134,13 @@ class Trials:
             return state.current
         if state.probing:  # a probe's run has ended: did it change the choice?
             state.probing = False
-            changed = self.choice(kind, candidates, state.settled, scale) != state.settled
-            state.interval = self.probe_every if changed else min(2 * state.interval,
-                                                                  self.max_backoff * self.probe_every)
+            won = self.choice(kind, candidates, state.settled, scale) != state.settled
+            if won and state.challenger is None and state.settled in candidates:  # once: the candidate in use
+                state.challenger = state.current  # runs again, then this one (A B A B)
+                state.current, state.left = state.settled, self.run - 1
+                return state.current
+            state.challenger = None
+            state.interval = self.probe_every if won else min(2 * state.interval, self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
         measured, tries = self._cost.get(kind, {}), state.tries
         untried = [c for c in candidates if c not in measured or tries.get(c, 0) < self.first_runs]
@@ -140,20 +149,32 @@ class Trials:
         if untried:  # the one tried least first (of those, the first in the order given)
             state.current, state.left = min(untried, key=lambda c: tries.get(c, 0)), self.run - 1
             tries[state.current] = tries.get(state.current, 0) + 1
+        elif state.challenger in candidates:  # its second probe
+            state.current, state.left, state.probing = state.challenger, self.run - 1, True
         elif state.picks >= state.next_probe and others:
             state.probes += 1
             state.current, state.left, state.probing = others[state.probes % len(others)], self.run - 1, True
+            self._age(kind, state.current)
         else:
+            state.challenger = None
             state.current = state.settled = settled
             self._watch_drift(kind, state)
         return state.current
+
+    def _age(self, kind: Hashable, candidate: Hashable) -> None:
+        """A probe starts: what `candidate` measured before weighs `stale`."""
+        costs = self._cost.get(kind, {})
+        if candidate in costs:
+            seconds, work = costs[candidate]
+            costs[candidate] = (seconds * self.stale, work * self.stale)
 
     def keep(self, kind: Hashable, candidate: Hashable) -> bool:
         """Count a pick of `candidate` without weighing the candidates again, where it is what `pick` would run
         unless the costs moved: the one settled on, no try or probe running or due. False (nothing counted)
         otherwise: then `pick`."""
         state = self._state.get(kind)
-        if (state is None or state.left or state.probing or state.current != candidate or state.settled != candidate
+        if (state is None or state.left or state.probing or state.challenger is not None
+                or state.current != candidate or state.settled != candidate
                 or state.picks + 1 >= state.next_probe):  # fmt: skip
             return False
         state.picks += 1
@@ -210,6 +231,7 @@ class _KindState:
     settled: Hashable = None  # the candidate chosen outside tries and probes
     probing: bool = False  # the current run is a probe
     probes: int = 0
+    challenger: Hashable = None  # a probed candidate that won once: it is probed again after a run of the settled
     tries: dict = field(default_factory=dict)  # candidate -> its first tries begun
     watched: Hashable = None  # the settled candidate whose cost is watched, and its cost when watching began
     baseline: float = 0.0
