@@ -452,8 +452,9 @@ def test_first_tries_interleave_so_that_a_burst_during_one_does_not_decide() -> 
 def test_a_burst_on_the_candidate_in_use_does_not_hold_the_choice_on_the_dearer_one() -> None:
     """"a" (1.0 per unit) is in use when a burst of other work makes its steps cost 1.5 for 32 picks; "b" costs
     1.15. During the burst "a"'s estimate climbs past "b"'s and "b" runs, and it keeps the burst's steps while
-    "b" runs. A probe measures "a" afresh, so "b" runs about one probe interval after the burst; before, each
-    probe's two steps weighed a fifth against the burst's and "b" ran to the end (1,360 of 1,372 picks)."""
+    "b" runs. A probe of "a" is judged by its own runs (and, won twice, they replace "a"'s estimate), so "b" runs
+    about one probe interval after the burst; with the probes' two steps blended into the burst's, "b" ran to the
+    end (1,360 of 1,372 picks)."""
     def cost(pick: int, choice: str) -> float:
         return {"a": 1.0, "b": 1.15}[choice] * (1.5 if 96 <= pick < 128 else 1.0)
 

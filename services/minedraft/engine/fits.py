@@ -102,11 +102,12 @@ class Trials:
     the choice until the first probe. The caller adds only the samples of a run that has
     settled (the first steps after a change carry the change's own cost). `decay` per sample.
 
-    A probe measures its candidate afresh: what it measured before the probe weighs `stale` (a fraction), since
-    it was measured at another time (costs that a burst of other work inflated stayed in a candidate's estimate
-    while another ran, and kept the choice on the other through probe after probe). A probe that finds its
-    candidate cheaper switches only once it wins a second time, after a run of the candidate in use (A B A B):
-    two samples of a probe are as noisy as the steps they time.
+    A probe is judged by what its own runs measured, against the candidate in use: a candidate's estimate from
+    before holds what it measured at another time (a burst of other work while it ran stayed in it while another
+    ran, and with the probes' samples blended in, kept the choice on the other through probe after probe). A
+    probe that wins switches only once it wins a second time, after a run of the candidate in use (A B A B): a
+    probe's few samples are as noisy as the steps they time. Then what its runs measured replaces the
+    candidate's estimate; a probe that loses is blended in.
 
     Changing costs too (the switch itself, and every probe runs something slower): the candidate in use stays
     until another measures cheaper by more than `margin` (a fraction), and each probe that changes nothing
@@ -114,10 +115,10 @@ class Trials:
     costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
-                 drift: float = 0.1, first_runs: int = 1, stale: float = 0.05) -> None:
+                 drift: float = 0.1, first_runs: int = 1) -> None:
         self.run, self.probe_every, self.decay = run, probe_every, decay
         self.margin, self.max_backoff, self.drift = margin, max_backoff, drift
-        self.first_runs, self.stale = first_runs, stale
+        self.first_runs = first_runs
         # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
         self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
         self._state: dict[Hashable, _KindState] = {}
@@ -134,12 +135,14 @@ class Trials:
             return state.current
         if state.probing:  # a probe's run has ended: did it change the choice?
             state.probing = False
-            won = self.choice(kind, candidates, state.settled, scale) != state.settled
-            if won and state.challenger is None and state.settled in candidates:  # once: the candidate in use
-                state.challenger = state.current  # runs again, then this one (A B A B)
+            won = self._probe_won(kind, state, candidates, scale)
+            if won and state.challenger is None:  # once: the candidate in use runs again, then this one (A B A B)
+                state.challenger = state.current
                 state.current, state.left = state.settled, self.run - 1
                 return state.current
-            state.challenger = None
+            if won:  # twice: what its runs measured is what it costs now
+                self._cost[kind][state.probed] = state.fresh
+            state.challenger = state.probed = None
             state.interval = self.probe_every if won else min(2 * state.interval, self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
         measured, tries = self._cost.get(kind, {}), state.tries
@@ -154,19 +157,21 @@ class Trials:
         elif state.picks >= state.next_probe and others:
             state.probes += 1
             state.current, state.left, state.probing = others[state.probes % len(others)], self.run - 1, True
-            self._age(kind, state.current)
+            state.probed, state.fresh = state.current, (0.0, 0.0)
         else:
             state.challenger = None
             state.current = state.settled = settled
             self._watch_drift(kind, state)
         return state.current
 
-    def _age(self, kind: Hashable, candidate: Hashable) -> None:
-        """A probe starts: what `candidate` measured before weighs `stale`."""
-        costs = self._cost.get(kind, {})
-        if candidate in costs:
-            seconds, work = costs[candidate]
-            costs[candidate] = (seconds * self.stale, work * self.stale)
+    def _probe_won(self, kind: Hashable, state: _KindState, candidates: Sequence[Hashable],
+                   scale: Mapping[Hashable, float] | None) -> bool:
+        """Whether the probed candidate's runs measured it cheaper than the one in use by more than the margin."""
+        seconds, work = state.fresh
+        if work <= 0 or state.probed not in candidates or state.settled not in candidates:
+            return False
+        fresh = seconds / work * (scale[state.probed] if scale is not None else 1.0)
+        return fresh < self._scaled(kind, state.settled, scale) * (1 - self.margin)
 
     def keep(self, kind: Hashable, candidate: Hashable) -> bool:
         """Count a pick of `candidate` without weighing the candidates again, where it is what `pick` would run
@@ -215,6 +220,9 @@ class Trials:
         costs = self._cost.setdefault(kind, {})
         total, done = costs.get(candidate, (0.0, 0.0))
         costs[candidate] = (total * self.decay + seconds, done * self.decay + work)
+        state = self._state.get(kind)
+        if state is not None and state.probed == candidate:
+            state.fresh = (state.fresh[0] + seconds, state.fresh[1] + work)
 
     def costs(self) -> dict[Hashable, dict[Hashable, float]]:
         """Per kind, each measured candidate's cost per unit of work."""
@@ -231,6 +239,8 @@ class _KindState:
     settled: Hashable = None  # the candidate chosen outside tries and probes
     probing: bool = False  # the current run is a probe
     probes: int = 0
+    probed: Hashable = None  # the candidate under probe, and what its probe runs measured (seconds, work)
+    fresh: tuple[float, float] = (0.0, 0.0)
     challenger: Hashable = None  # a probed candidate that won once: it is probed again after a run of the settled
     tries: dict = field(default_factory=dict)  # candidate -> its first tries begun
     watched: Hashable = None  # the settled candidate whose cost is watched, and its cost when watching began
