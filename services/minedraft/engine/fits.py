@@ -136,13 +136,13 @@ class Trials:
         if state.probing:  # a probe's run has ended: did it change the choice?
             state.probing = False
             won = self._probe_won(kind, state, candidates, scale)
-            if won and state.challenger is None:  # once: the candidate in use runs again, then this one (A B A B)
-                state.challenger = state.current
+            if won and not state.won_once:  # once: the candidate in use runs again, then this one (A B A B)
+                state.won_once = True
                 state.current, state.left = state.settled, self.run - 1
                 return state.current
             if won:  # twice: what its runs measured is what it costs now
                 self._cost[kind][state.probed] = state.fresh
-            state.challenger = state.probed = None
+            state.won_once, state.probed = False, None
             state.interval = self.probe_every if won else min(2 * state.interval, self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
         measured, tries = self._cost.get(kind, {}), state.tries
@@ -152,14 +152,14 @@ class Trials:
         if untried:  # the one tried least first (of those, the first in the order given)
             state.current, state.left = min(untried, key=lambda c: tries.get(c, 0)), self.run - 1
             tries[state.current] = tries.get(state.current, 0) + 1
-        elif state.challenger in candidates:  # its second probe
-            state.current, state.left, state.probing = state.challenger, self.run - 1, True
+        elif state.won_once and state.probed in candidates:  # its second probe
+            state.current, state.left, state.probing = state.probed, self.run - 1, True
         elif state.picks >= state.next_probe and others:
             state.probes += 1
             state.current, state.left, state.probing = others[state.probes % len(others)], self.run - 1, True
             state.probed, state.fresh = state.current, (0.0, 0.0)
         else:
-            state.challenger = None
+            state.won_once, state.probed = False, None
             state.current = state.settled = settled
             self._watch_drift(kind, state)
         return state.current
@@ -178,7 +178,7 @@ class Trials:
         unless the costs moved: the one settled on, no try or probe running or due. False (nothing counted)
         otherwise: then `pick`."""
         state = self._state.get(kind)
-        if (state is None or state.left or state.probing or state.challenger is not None
+        if (state is None or state.left or state.probing or state.won_once
                 or state.current != candidate or state.settled != candidate
                 or state.picks + 1 >= state.next_probe):  # fmt: skip
             return False
@@ -241,7 +241,7 @@ class _KindState:
     probes: int = 0
     probed: Hashable = None  # the candidate under probe, and what its probe runs measured (seconds, work)
     fresh: tuple[float, float] = (0.0, 0.0)
-    challenger: Hashable = None  # a probed candidate that won once: it is probed again after a run of the settled
+    won_once: bool = False  # the probed candidate won its first probe: it runs again after a run of the settled
     tries: dict = field(default_factory=dict)  # candidate -> its first tries begun
     watched: Hashable = None  # the settled candidate whose cost is watched, and its cost when watching began
     baseline: float = 0.0
