@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from minedraft.gateway.pool import Backend, Pool
+from minedraft.gateway.policies import Placement, Predicted
+from minedraft.gateway.pool import Backend, Measured, Pool
 from minedraft.gateway.service import parse_backend
+from minedraft.launcher import free_port
+from minedraft.metrics import Metrics, scrape
 
 
 def _pool(*backends: Backend) -> Pool:
@@ -41,6 +44,38 @@ def test_the_schedulers_queue_counts_what_other_gateways_sent() -> None:
     assert _pool(mine, busy).pick(set()) is busy
     mine.take_report(0)  # a report older than this gateway's own requests never hides them
     assert mine.load == (1, 0)
+
+
+def _measure_burst(requests: int, tokens: int = 24, step_s: float = 0.01) -> Measured:
+    """A group's speed as the gateway reads it from a real scheduler /metrics: `requests` requests of `tokens`
+    tokens ran together, one token per step, and all came and went between two scrapes (the running gauge
+    read 0 at both)."""
+    metrics, port = Metrics(), free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    measured, url = Measured(), f"http://127.0.0.1:{port}/metrics"
+    measured.update(scrape(url))
+    for _ in range(tokens):
+        metrics.step_seconds.observe(step_s)
+    metrics.generation_tokens.inc(requests * tokens)
+    for _ in range(requests):
+        metrics.itl.observe(step_s)
+    measured.update(scrape(url))
+    return measured
+
+
+def test_a_burst_between_two_scrapes_is_measured_at_the_batch_it_ran() -> None:
+    """8 requests at 10 ms per token ran at a batch of 8, not of 1 (as the gauges, read at the scrapes, would
+    say): `predicted` then spreads 12 requests over two groups that measured the same."""
+    bursts, alone = [_measure_burst(requests=8), _measure_burst(requests=8)], _measure_burst(requests=1)
+    assert [(m.token_seconds, m.running) for m in bursts] == [(pytest.approx(0.01), pytest.approx(8))] * 2
+    assert alone.running == pytest.approx(1)
+    policy = Predicted()
+    policy.max_num_seqs = 8
+    groups = [_backend("a"), _backend("b")]
+    groups[0].measured, groups[1].measured = bursts
+    for _ in range(12):
+        policy.choose(groups, Placement([1, 2, 3], 24)).requests += 1
+    assert [g.requests for g in groups] == [6, 6]
 
 
 @pytest.mark.parametrize(

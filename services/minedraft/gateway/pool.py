@@ -23,12 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import generate_pb2_grpc
 from minedraft.metrics import (
+    GENERATION_TOKENS,
     ITL_SECONDS,
     KV_CACHE_USAGE,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     PREFILL_SECONDS,
     PROMPT_TOKENS,
+    STEP_SECONDS,
     Samples,
 )
 from minedraft.metrics import scrape as _scrape
@@ -48,26 +50,40 @@ class Measured:
 
     kv_usage: float = 0.0
     token_seconds: float | None = None  # a running request's time per output token (finished requests' ITL)
-    running: float = 1.0  # ... while this many requests ran
+    running: float = 1.0  # ... while this many requests ran, on average over the steps
     prefill_token_seconds: float | None = None  # prefill time per prompt token
     _last: Samples = field(default_factory=dict, repr=False)
 
     def update(self, samples: Samples) -> None:
         self.kv_usage = samples.get(KV_CACHE_USAGE, 0.0)
         token_seconds = self._rate(samples, ITL_SECONDS + "_sum", ITL_SECONDS + "_count")
-        if token_seconds:  # the requests that finished since were running at the scrape before
+        if token_seconds:
             self.token_seconds = token_seconds
-            self.running = max(self._last.get(NUM_REQUESTS_RUNNING, 0.0), samples.get(NUM_REQUESTS_RUNNING, 0.0), 1.0)
+            self.running = self._mean_running(samples, token_seconds)
         prefill = self._rate(samples, PREFILL_SECONDS + "_sum", PROMPT_TOKENS + "_total")
         self.prefill_token_seconds = prefill or self.prefill_token_seconds
         self._last = samples
 
+    def _mean_running(self, samples: Samples, token_seconds: float) -> float:
+        """Requests running while the group stepped, by Little's law: tokens made in its step time, times a
+        request's time per token. (The running gauge is read at the scrapes only: short requests that came
+        and went between two scrapes would count as one, and a group that served a burst at a batch of 8
+        would be believed that slow at a batch of 1.)"""
+        busy = self._grown(samples, STEP_SECONDS + "_sum")
+        tokens = self._grown(samples, GENERATION_TOKENS + "_total")
+        if busy <= 0 or tokens <= 0:  # a scheduler without these series: the gauges, as read
+            return max(self._last.get(NUM_REQUESTS_RUNNING, 0.0), samples.get(NUM_REQUESTS_RUNNING, 0.0), 1.0)
+        return max(tokens * token_seconds / busy, 1.0)
+
+    def _grown(self, samples: Samples, name: str) -> float:
+        return samples.get(name, 0.0) - self._last.get(name, 0.0)
+
     def _rate(self, samples: Samples, numerator: str, denominator: str) -> float | None:
         """d(numerator) / d(denominator) since the last scrape; None when the denominator did not grow."""
-        grown = samples.get(denominator, 0.0) - self._last.get(denominator, 0.0)
+        grown = self._grown(samples, denominator)
         if not self._last or grown <= 0:
             return None
-        return (samples.get(numerator, 0.0) - self._last.get(numerator, 0.0)) / grown
+        return self._grown(samples, numerator) / grown
 
 
 class NoBackend(Exception):
