@@ -1,6 +1,5 @@
 """How the local stack shares one machine's cores among its model processes."""
 
-import random
 from collections import Counter
 
 import torch
@@ -94,34 +93,6 @@ def test_verifications_of_different_windows_are_timed_apart() -> None:
             threads.done(cycle[tokens][count])
             clock[0] += cycle[tokens][count]
         assert picked[2][1] >= 0.9 * picked[2].total() and picked[5][2] >= 0.9 * picked[5].total(), picked
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_drafting_parts_of_every_window_share_one_count_compared_per_forward() -> None:
-    """A drafting part of one request runs a forward per draft token; adaptive k changes the window every few
-    steps (1-4 here, at random). One thread drafts a forward in 1.6 ms, two in 1.8 (served, at one request): one
-    count for every window, chosen per forward (compared per part, a count whose runs fell on short windows won
-    a quarter of the picks)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        clock, rng = [0.0], random.Random(7)
-        threads = StepThreads("cpu", beside=0, clock=lambda: clock[0])
-        per_forward = {1: 1.6e-3, 2: 1.8e-3}
-        picked: Counter[int] = Counter()
-        forwards = 4
-        for step in range(1500):
-            if step % 3 == 0:
-                forwards = rng.choice((1, 2, 3, 4))
-            threads.use(together=False, requests=1, part="draft", forwards=forwards)
-            count = torch.get_num_threads()
-            picked[count] += step >= 500
-            seconds = 0.3e-3 + forwards * per_forward[count]
-            threads.done(seconds)
-            clock[0] += seconds
-        assert threads._counts.best(("draft", 1, 0, False)) == 1
-        assert picked[1] >= 0.95 * picked.total(), picked
     finally:
         torch.set_num_threads(before)
 

@@ -9,7 +9,7 @@ from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.local_executor import draft_runner, draft_worker
-from minedraft.engine.threads import StepThreads, draft_forwards
+from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto
@@ -78,7 +78,7 @@ class DrafterNode:
             if missed:
                 self.worker.apply_results(self.channel.recv_results(missed))
             self.threads.use(together=verify is not None, requests=len(draft.tasks), prefill=bool(draft.prefill),
-                             forwards=draft_forwards(draft.tasks, self.worker.mask_token is not None))
+                             tokens=draft.num_tokens)
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start

@@ -35,30 +35,26 @@ class StepThreads:
         self.beside = min(beside, self.alone) if device == "cpu" and beside > 0 else self.alone
         self._current = self.alone
         self._counts = ThreadCounts(self.alone) if device == "cpu" and self.alone > 1 else None
-        # The part running alone: its kind of step, thread count, start and work; and its own seconds (`done`).
-        self._measuring: tuple[tuple, int, float, int] | None = None
+        # The part running alone: its kind of step, thread count and start; and its own seconds (`done`).
+        self._measuring: tuple[tuple, int, float] | None = None
         self._part_seconds: float | None = None
 
-    def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "", tokens: int = 0,
-            forwards: int = 0) -> None:
+    def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "", tokens: int = 0) -> None:
         """Set this thread's intra-op threads for a part of `requests` (and prompt chunks, if `prefill`) that
         runs beside the other's (`together`) or alone. `part` names what the part does where one process runs
         parts of different costs at the same size (a verifier that drafts too: drafting, verifying windows, plain
-        decoding), and `tokens` how much of it (the tokens a verification feeds), where known before it runs, so
-        that each kind is timed apart: counts compared on steps of different windows (adaptive k changes them
-        every step) were compared on their windows, not on their threads. A drafting part gives its `forwards`
-        instead: its cost grows with them (each a forward of one token per request), so its cycles are compared
-        per forward, in one kind for every window (a kind per window size split one request's drafting in two,
-        each with its own tries and its own, worse, choice)."""
+        decoding), and `tokens` how much of it (the tokens a verification feeds, the tokens drafted), where known
+        before it runs, so that each kind is timed apart: counts compared on steps of different windows (adaptive
+        k changes them every step) were compared on their windows, not on their threads."""
         now = self._clock()
         self._finish_cycle(now)
         count = self.beside
         if not together:
             count = self.alone
             if self._counts is not None:
-                kind = (part, _bucket(requests), _bucket(0 if forwards else tokens), prefill)
+                kind = (part, _bucket(requests), _bucket(tokens), prefill)
                 count = self._counts.pick(kind)
-                self._measuring = (kind, count, now, max(forwards, 1))
+                self._measuring = (kind, count, now)
         if count != self._current:
             torch.set_num_threads(count)
             self._current = count
@@ -71,15 +67,10 @@ class StepThreads:
         """Time the last part alone up to now, unless the process sat idle in between (no next step for a while:
         then the gap is not the part's)."""
         if self._measuring is not None and self._part_seconds is not None and self._counts is not None:
-            kind, count, start, work = self._measuring
+            kind, count, start = self._measuring
             if now - start <= _CYCLE_WITHIN * self._part_seconds + _CYCLE_SLACK:
-                self._counts.add(kind, count, now - start, work)
+                self._counts.add(kind, count, now - start)
         self._measuring, self._part_seconds = None, None
-
-
-def draft_forwards(tasks: list, one_forward: bool) -> int:
-    """The forwards a drafting part of these tasks (`DraftTask`s) runs: one (PARD), or its longest window."""
-    return 1 if one_forward else max((t.num_tokens for t in tasks), default=1)
 
 
 def _bucket(n: int) -> int:
@@ -112,7 +103,7 @@ class ThreadCounts:
     def best(self, kind: tuple) -> int:
         return int(self._trials.best(kind, self.candidates))
 
-    def add(self, kind: tuple, count: int, seconds: float, work: float = 1.0) -> None:
-        """The step just picked for `kind` took `seconds` for `work` (counted once its run has settled)."""
+    def add(self, kind: tuple, count: int, seconds: float) -> None:
+        """The step just picked for `kind` took `seconds` (counted once its run has settled)."""
         if self._streak > self._SETTLE:
-            self._trials.add(kind, count, seconds, work)
+            self._trials.add(kind, count, seconds, 1.0)

@@ -17,7 +17,7 @@ from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.local_executor import LocalExecutor, build_local_executor
 from minedraft.engine.plans import StepResult
-from minedraft.engine.threads import StepThreads, draft_forwards
+from minedraft.engine.threads import StepThreads
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
 from minedraft.worker_node import check_epoch, worker_info
 
@@ -53,13 +53,12 @@ class PairNode:
         alone = part is not None and (draft is None or verify is None)  # overlapped: the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
             if verify is None:
-                forwards = draft_forwards(draft.tasks, self.executor.drafter.mask_token is not None)
-                self.threads.use(together=False, requests=len(draft.tasks), prefill=bool(draft.prefill), part="draft",
-                                 forwards=forwards)  # fmt: skip
+                kind, tokens = "draft", draft.num_tokens
             else:
                 tokens = self.executor.verifier.held_tokens(verify)
-                self.threads.use(together=False, requests=len(verify.tasks), prefill=bool(verify.prefill),
-                                 part="verify" if tokens > len(verify.tasks) else "plain", tokens=tokens)  # fmt: skip
+                kind = "verify" if tokens > len(verify.tasks) else "plain"
+            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill), part=kind,
+                             tokens=tokens)
         start = time.perf_counter()
         result = self.executor.step(draft, verify)
         if alone:
