@@ -12,6 +12,7 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from minedraft.engine.plans import Drafts, Verified
 from minedraft.launcher import free_port
 from minedraft.transport import StepChannel, Topology, init_world, pick_backend
 from minedraft.transport.channel import ids_hash
-from minedraft.transport.groups import agree_backend
+from minedraft.transport.groups import agree_backend, rendezvous_store
 
 SUPPORT = 4
 NUM_STEPS = 4
@@ -194,6 +195,52 @@ def run_world(tp_size: int) -> dict[int, int]:
                 proc.kill()
                 proc.join()
     return {rank: detail for rank, (_, detail) in reports.items()}  # type: ignore[misc]
+
+
+def reformer(rank: int, port: int, results: mp.Queue) -> None:
+    """Rank 1 first fails a formation inside the process group's rendezvous (rank 0 is not there: a hung
+    peer), then both form the next epoch's world through the same store."""
+    torch.set_num_threads(1)
+    try:
+        store = rendezvous_store("127.0.0.1", port, is_master=rank == 0, timeout_s=30)
+        if rank == 1:
+            prefixed = torch.distributed.PrefixStore("minedraft/epoch/1/", store)
+            try:
+                torch.distributed.init_process_group("gloo", store=prefixed, rank=1, world_size=2,
+                                                     timeout=timedelta(seconds=2))  # fmt: skip
+                raise AssertionError("a world of two formed with one rank")
+            except (RuntimeError, torch.distributed.DistError):
+                store.set("failed", "1")
+        store.wait(["failed"])
+        groups = init_world(rank=rank, topology=Topology(1, has_drafter=True), master_addr="127.0.0.1",
+                            master_port=port, timeout_s=20, store=store, epoch=2)  # fmt: skip
+        torch.distributed.barrier()
+        groups.close()
+        results.put((rank, "ok", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def test_a_world_forms_again_after_a_formation_failed_on_one_rank():
+    """torch names the default group by a count of the groups a process made, and a failed formation raised it
+    on the rank where it failed: the next formation then met under keys the other rank never wrote."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=reformer, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = [results.get(timeout=PARENT_TIMEOUT_S) for _ in procs]
+        assert sorted((rank, status) for rank, status, _ in reports) == [(0, "ok"), (1, "ok")], reports
+        for proc in procs:
+            proc.join(timeout=30)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 @pytest.mark.parametrize("tp_size", [2, 1])

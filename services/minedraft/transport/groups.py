@@ -145,6 +145,12 @@ def init_world(
     comm_device = torch_device if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
         torch.cuda.set_device(comm_device)
+    if not dist.is_initialized():
+        # The default group's name, and with it the keys its ranks meet under, is torch's count of groups made
+        # in this process. A formation that failed inside the rendezvous (a peer hung past the timeout) leaves
+        # the count raised where it failed: every later formation waited on keys its peers never wrote, and
+        # the world was never formed again. Every formation starts the count afresh (destroying a world does).
+        dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(chosen, store=store, rank=rank, world_size=topology.world_size, timeout=timeout)
     try:
         tp_group = _new_tp_group(topology, timeout)
