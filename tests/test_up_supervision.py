@@ -260,6 +260,15 @@ def test_a_killed_verifier_that_drafts_itself_is_restarted_and_no_request_is_los
             stats = client.generate([3, 1, 4], max_tokens=24, temperature=0, ignore_eos=True).spec_decode_stats
         assert stats.num_draft_tokens > 0  # speculating again, through the restarted process
         assert "the verifier was killed by SIGKILL; restarting it in 1s (restart 1)" in stack.said()
+        # `bench --chaos` reads a colocated stack too (its scheduler runs with `--drafter ""`)
+        result = subprocess.run(
+            [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", stack.address, "--chaos-targets",
+             "scheduler", "--chaos-interval", "6", "--chaos-duration", "8", "--dataset", "random", "--input-len", "16",
+             "--num-prompts", "4", "--max-tokens", "16", "--concurrency", "4", "--tokenizer", pair[0]],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "SIGKILL group 0 scheduler" in result.stdout and "requests lost:          0 of" in result.stdout
     finally:
         stack.stop()
 

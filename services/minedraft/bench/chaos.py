@@ -176,8 +176,9 @@ class Stack:
         for _, port, args in schedulers:
             group_of[port] = self.groups.get(port, -1)
             for role in ("verifier", "drafter"):
-                if f"--{role}" in args:
-                    group_of[int(args[args.index(f"--{role}") + 1].rsplit(":", 1)[1])] = group_of[port]
+                address = args[args.index(f"--{role}") + 1] if f"--{role}" in args else ""
+                if address:  # `--drafter ""`: the verifier drafts itself (colocated, `up`'s default on CPU)
+                    group_of[int(address.rsplit(":", 1)[1])] = group_of[port]
         return [Service(role, pid, port, -1 if role == "gateway" else group_of.get(port, -1))
                 for role, pid, port, _ in found]  # fmt: skip
 
@@ -264,13 +265,23 @@ def run_chaos(stack: Stack, load: Load, chaos: Chaos, out: Callable[[str], None]
         f"{'/'.join(chaos.targets)}; minedraft up restarts what died")  # fmt: skip
     kills: list[Kill] = []
     stop = threading.Event()
-    thread = threading.Thread(target=monkey, args=(stack, stop, kills, chaos.every_s, chaos.targets, out))
+    failed: list[BaseException] = []
+
+    def kill_in_turn() -> None:
+        try:
+            monkey(stack, stop, kills, chaos.every_s, chaos.targets, out)
+        except BaseException as exc:  # a pass whose killer died is no chaos pass: raised below, not reported
+            failed.append(exc)
+
+    thread = threading.Thread(target=kill_in_turn)
     thread.start()
     try:
         wild = run_load(load, chaos.duration_s)
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise RuntimeError(f"the chaos pass stopped killing after {len(kills)} kills") from failed[0]
     changed = _changed(calm, wild)
     alive = stack.alive()
     return report(calm, wild, kills, alive, changed), alive and wild.lost == 0 and changed == 0
