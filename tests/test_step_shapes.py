@@ -241,7 +241,8 @@ def test_operators_can_follow_each_decision_and_step_at_debug(caplog: pytest.Log
     decisions = [m for m in messages if re.fullmatch(r"decision at 16 running: (sd|plain|overlap), windows \[.*\]; "
                                                       r"predicted tok/s \{.*\}; measured over predicted \{.*\}", m)]
     steps = [m for m in messages if re.fullmatch(r"(sd|plain|overlap) step: verify [\d.]+ ms \(\d+ requests, \d+ "
-                                                  r"tokens\), draft [\d.]+ ms \(\d+ tokens\), wall [\d.]+ ms", m)]
+                                                  r"tokens\), draft [\d.]+ ms \(\d+ tokens\), wall [\d.]+ ms, "
+                                                  r"\d+ new tokens", m)]
     assert len(decisions) == 40 and len(steps) >= 40, messages[:4]
 
 

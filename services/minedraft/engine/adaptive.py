@@ -275,9 +275,10 @@ class SpeculationController:
         sums[shape] = (total * DECAY + between - parts, count * DECAY + 1)
         decoding = (not result.verify_seconds or decoding_verify) and (not result.draft_seconds or decoding_draft)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s step: verify %.2f ms (%d requests, %d tokens), draft %.2f ms (%d tokens), wall %.2f ms",
-                      shape.value, result.verify_seconds * 1e3, len(result.verified), result.verify_tokens,
-                      result.draft_seconds * 1e3, result.draft_tokens, between * 1e3)  # fmt: skip
+            log.debug("%s step: verify %.2f ms (%d requests, %d tokens), draft %.2f ms (%d tokens), wall %.2f ms, "
+                      "%d new tokens", shape.value, result.verify_seconds * 1e3, len(result.verified),
+                      result.verify_tokens, result.draft_seconds * 1e3, result.draft_tokens, between * 1e3,
+                      sum(len(v.token_ids) for v in result.verified))  # fmt: skip
         self._measure(shape, result, between, decoding and self._warm(shape), together)
 
     def idle(self) -> None:

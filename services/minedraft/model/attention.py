@@ -285,9 +285,11 @@ def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: Se
     else:
         k, v = (gather_keys(cache, seq.blocks[None], end)[0] for cache in (k_cache, v_cache))
     causal = seq.start == 0 and seq.length > 1
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask, is_causal=causal, scale=scale,
-                                         enable_gqa=True)
-    return out.transpose(0, 1)
+    # With a batch dimension torch runs its flash kernel on CPU (without one, its math fallback: 2.2x slower on a
+    # 130-token prompt); the flash kernel's masked rows equal its causal ones bit for bit.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=seq.mask,
+                                         is_causal=causal, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def _padded_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PaddedGroup,
