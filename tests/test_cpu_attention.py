@@ -93,6 +93,31 @@ def test_a_batch_of_short_and_long_queries_splits_between_the_kernel_and_sdpa() 
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
 
 
+def test_long_queries_run_on_torchs_flash_kernel_and_a_chunk_equals_its_rows_of_the_whole_prompt() -> None:
+    """Prompts (queries over PADDED_MAX_QUERY) take sdpa's calls, on torch's CPU flash kernel (its math fallback,
+    taken for inputs without a batch dimension, was 2.2x slower on a 130-token prompt). A chunk of a prompt
+    (prefix caching, chunked prefill: a mask) gives its rows of the whole prompt's (causal) bit for bit, so a
+    prompt read from the cache decodes as one prefilled in full."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    starts, lengths, tables, num_blocks = _shapes_and_tables([(0, 90)], seed=11)
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen) for _ in range(2))
+    q = torch.randn(90, heads, head_dim, generator=gen)
+
+    def run(start: int) -> torch.Tensor:
+        plan = plan_attention([start], [90 - start], tables, BLOCK_SIZE, heads, kv_heads, CPU, batch_invariant=False)
+        return attend(q[start:], k_cache, v_cache, plan, head_dim**-0.5)
+
+    with torch.profiler.profile() as profile:
+        whole, chunk = run(0), run(40)
+    ops = {event.name for event in profile.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert torch.equal(chunk, whole[40:])
+    strict = plan_attention([0], [90], tables, BLOCK_SIZE, heads, kv_heads, CPU, batch_invariant=True)
+    torch.testing.assert_close(whole, attend(q, k_cache, v_cache, strict, head_dim**-0.5), atol=2e-6, rtol=2e-5)
+
+
 def test_nothing_outside_a_sequence_is_read() -> None:
     clean = _attention(SHORT, 8, 2, 64, seed=9, cpu_kernel=True)
     poisoned = _attention(SHORT, 8, 2, 64, seed=9, cpu_kernel=True, poison=True)
