@@ -246,20 +246,21 @@ def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expe
         return text
 
     before = [_finished(group.metrics_port) for group in stack.groups]
+    resubmitted_before = _gateway_metrics(stack, tls)["minedraft:gateway_resubmissions_total"]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = [pool.submit(one, p) for p in PROMPTS]
         deadline = time.monotonic() + 120
         while chunks < len(PROMPTS):  # early: the client reads behind the groups
             assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.01)
-        # A fast group may already have finished a stream or two (the client reads behind it): those stay done.
-        done_on_0 = _finished(stack.groups[0].metrics_port) - before[0]
         stack.kill_group(0)
         assert [r.result(timeout=240) for r in results] == expected
-    # Group 1 finished its own streams and every one that group 0 had not.
-    assert _finished(stack.groups[1].metrics_port) - before[1] == len(PROMPTS) - done_on_0
+    # Every stream the gateway moved off group 0 finished on group 1, beside group 1's own. (How many group 0 had
+    # finished when it died cannot be read afterwards: a fast group finishes streams while the client reads
+    # behind it, and a count read just before the kill missed three that ended in between.)
     gateway = _gateway_metrics(stack, tls)
-    assert gateway["minedraft:gateway_resubmissions_total"] >= 1
+    resubmitted = gateway["minedraft:gateway_resubmissions_total"] - resubmitted_before
+    assert 1 <= resubmitted <= _finished(stack.groups[1].metrics_port) - before[1] <= len(PROMPTS)
     assert gateway["minedraft:gateway_requests_in_flight"] == 0
     deadline = time.monotonic() + 30
     while _gateway_metrics(stack, tls)["minedraft:gateway_serving_groups"] != 1:  # group 0 seen gone
