@@ -22,7 +22,7 @@ from minedraft.model.layers import RotaryEmbedding, rms_normalize  # noqa: E402
 from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
 from minedraft.model.triton_fused import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul  # noqa: E402
 
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import make_tiny_checkpoint, unfused_qkv  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -69,17 +69,6 @@ def test_silu_and_mul_matches_the_gated_mlp(dtype: torch.dtype) -> None:
     _assert_close(silu_and_mul(gate_up), F.silu(gate) * up)
 
 
-def _reference_qkv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, kv_heads: int,
-                   head_dim: int, norm: tuple[torch.Tensor, torch.Tensor, float] | None):
-    """What transformer.Attention computes unfused: q, k and v per head (KVCache.write stores k and v)."""
-    qk, v = qkv.view(qkv.shape[0], -1, head_dim).split([heads + kv_heads, kv_heads], dim=1)
-    if norm is not None:
-        weight = torch.cat((norm[0].expand(heads, -1), norm[1].expand(kv_heads, -1)))
-        qk = weight * rms_normalize(qk, norm[2])
-    q, k = RotaryEmbedding.rotate(qk, rope).split([heads, kv_heads], dim=1)
-    return q, k, v
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "qk_norm"), [(4, 2, False), (4, 4, True), (8, 2, True)])
 def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype, heads: int, kv_heads: int, qk_norm: bool) -> None:
@@ -97,7 +86,7 @@ def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype, heads: int,
         cache.k[0].fill_(-3.0), cache.v[0].fill_(-3.0)
     index = torch.tensor([9 * block_size + p for p in range(4)] + [2 * block_size, 5 * block_size + 1,
                                                                    5 * block_size + 2, 11 * block_size + 3, 3])
-    q_ref, k_ref, v_ref = _reference_qkv(qkv, rope, heads, kv_heads, head_dim, norm)
+    q_ref, k_ref, v_ref = unfused_qkv(qkv, rope, heads, kv_heads, head_dim, norm)
     caches[0].write(0, index, k_ref, v_ref)
     q = rope_write_kv(qkv, rope, index, caches[1].k[0], caches[1].v[0], heads, kv_heads, norm)
     _assert_close(q, q_ref)
@@ -119,9 +108,9 @@ def test_the_runner_with_fused_kernels_matches_the_runner_without(tmp_path, arch
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, hidden_size=64, num_layers=2, seed=5)
     runners = {fused: ModelRunner(path, max_seq_len=64, num_slots=2, attention_kernel="triton",
                                   fused_kernels=fused, aux_hidden_layers=(1, 2))
-               for fused in ("off", "on")}  # fmt: skip
-    assert runners["on"].fused_kernels and not runners["off"].fused_kernels
-    fused = runners["on"]
+               for fused in ("off", "triton")}  # fmt: skip
+    assert runners["triton"].fused_kernels == "triton" and runners["off"].fused_kernels is None
+    fused = runners["triton"]
     fused.graphs = StaticForward(fused.model, fused.kv_cache, fused.max_seq_len, fused.device, max_tokens=8)
     rng = random.Random(0)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 21)]
@@ -132,14 +121,19 @@ def test_the_runner_with_fused_kernels_matches_the_runner_without(tmp_path, arch
         for _ in prompts:
             runner.allocate_slot()
     for step in steps:
-        torch.testing.assert_close(runners["on"].forward(step), runners["off"].forward(step), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(runners["on"].aux_hidden, runners["off"].aux_hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runners["triton"].forward(step), runners["off"].forward(step), atol=1e-4,
+                                   rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(runners["triton"].aux_hidden, runners["off"].aux_hidden, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_kernel_choice(tmp_path) -> None:
     path = make_tiny_checkpoint(tmp_path / "llama", arch="llama", hidden_size=64, num_layers=1, seed=4)
-    assert not ModelRunner(path, max_seq_len=32).fused_kernels  # auto: not on CPU
-    with pytest.raises(ValueError, match="fused_kernels on is not for the strict mode"):
-        ModelRunner(path, max_seq_len=32, fused_kernels="on", batch_invariant=True)
-    with pytest.raises(ValueError, match="fused_kernels 'fast': use auto, on or off"):
+    assert ModelRunner(path, max_seq_len=32).fused_kernels == "cpu"  # auto on CPU: the C kernels
+    assert ModelRunner(path, max_seq_len=32, batch_invariant=True).fused_kernels is None  # the strict mode: torch's
+    for kernel in ("triton", "cpu"):
+        with pytest.raises(ValueError, match=f"fused_kernels {kernel} is not for the strict mode"):
+            ModelRunner(path, max_seq_len=32, fused_kernels=kernel, batch_invariant=True)
+    with pytest.raises(ValueError, match="fused_kernels cpu runs float32 models on CPU .* dtype torch.bfloat16"):
+        ModelRunner(path, max_seq_len=32, fused_kernels="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="fused_kernels 'fast': use auto, triton, cpu or off"):
         ModelRunner(path, max_seq_len=32, fused_kernels="fast")

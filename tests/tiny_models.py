@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from minedraft.model.layers import RotaryEmbedding, rms_normalize
 from minedraft.model.runner import SeqInput
 
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe")  # llama3 = Llama with llama3 rope scaling
@@ -320,3 +321,15 @@ def read_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+def unfused_qkv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, kv_heads: int, head_dim: int,
+                norm: tuple[torch.Tensor, torch.Tensor, float] | None):
+    """What transformer.Attention computes unfused, for the fused kernels' tests: q, k and v per head (KVCache.write
+    stores k and v)."""
+    qk, v = qkv.view(qkv.shape[0], -1, head_dim).split([heads + kv_heads, kv_heads], dim=1)
+    if norm is not None:
+        weight = torch.cat((norm[0].expand(heads, -1), norm[1].expand(kv_heads, -1)))
+        qk = weight * rms_normalize(qk, norm[2])
+    q, k = RotaryEmbedding.rotate(qk, rope).split([heads, kv_heads], dim=1)
+    return q, k, v

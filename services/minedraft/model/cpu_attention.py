@@ -7,35 +7,19 @@ target in fp32, 4 MB of weights), and the gather and sdpa took half of it. This 
 for short queries (decode, verification, draft steps); prompts keep sdpa's flash attention, which is
 compute-bound there.
 
-It is built on first use with the machine's C compiler (`cc`, or `$CC`) for this CPU (`-march=native`),
-into `$MINEDRAFT_CACHE_DIR` (default `~/.cache/minedraft`), one file per source, flags, compiler and CPU, so
-later processes load it in milliseconds; ctypes calls it. Its OpenMP threads are torch's own: the library
-links `libgomp.so.1`, which the loader resolves to the copy torch already loaded. Where no compiler works,
+It is built on first use with the machine's C compiler (model/cpu_kernels.py). Where no compiler works,
 `attention_kernel auto` keeps the torch path and says why once; `attention_kernel cpu` refuses to start.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-_BUILD_TIMEOUT_S = 300
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here; the message says why."""
+from minedraft.model import cpu_kernels
+from minedraft.model.cpu_kernels import KernelUnavailable
 
 
 @dataclass
@@ -99,67 +83,13 @@ def available() -> str | None:
     return None
 
 
-@functools.cache
 def load() -> ctypes.CDLL:
     """The built kernel, building it first if this machine has no copy yet."""
-    library = _cache_dir() / f"paged_attention-{_build_key()}.so"
-    if not library.exists():
-        _build(library)
-    try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as exc:
-        raise KernelUnavailable(f"could not load {library.name}: {exc}") from exc
+    return cpu_kernels.library("paged_attention.c", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention_f32.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.paged_attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr,
                                         ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
-    return lib
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("MINEDRAFT_CACHE_DIR") or Path.home() / ".cache" / "minedraft"
-    return Path(root) / "kernels"
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC", "cc")
-    path = shutil.which(cc)
-    if path is None:
-        raise KernelUnavailable(f"no C compiler: {cc!r} is not on PATH (set CC, or install gcc)")
-    return path
-
-
-def _build_key() -> str:
-    """What the built file depends on: the source, the flags, the compiler and the CPU (-march=native)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
-    try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"the C compiler did not run: {exc}") from exc
-    digest.update(version.encode())
-    digest.update(_cpu_signature().encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_signature() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build(library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"{library.name}.{os.getpid()}.partial")  # processes may build side by side
-    command = [_compiler(), *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"]
-    log.info("building the CPU attention kernel (once per machine): %s", " ".join(command))
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-    except subprocess.CalledProcessError as exc:
-        raise KernelUnavailable(f"building {_SOURCE.name} failed: {exc.stderr.strip()[-2000:]}") from exc
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"building {_SOURCE.name} failed: {exc}") from exc
-    os.replace(partial, library)

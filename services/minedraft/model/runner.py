@@ -8,6 +8,7 @@ weights into the model, quantized or dequantized) is loader.py's; how a runner i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from minedraft.config import check_fits_one_request
 from minedraft.extras import require
-from minedraft.model import cpu_attention
+from minedraft.model import cpu_attention, cpu_fused
 from minedraft.model.attention import plan_attention
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
@@ -33,7 +34,8 @@ from minedraft.model.transformer import CausalLM, ForwardContext
 log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _KERNELS = {"attention_kernel": ("auto", "torch", "triton", "cpu"),
-            "quantized_kernel": ("auto", "triton", "dequantize"), "fused_kernels": ("auto", "on", "off")}  # fmt: skip
+            "quantized_kernel": ("auto", "triton", "dequantize"),
+            "fused_kernels": ("auto", "triton", "cpu", "off")}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,10 @@ class RunnerOptions:
     # for a quantized checkpoint: triton (keep the weights as stored, MoE experts included, Triton GEMMs),
     # dequantize (dense weights at load) or auto (loader.use_quantized_kernels)
     quantized_kernel: str = "auto"
-    # the layers' norms (with the residual add), rotary embedding (with the KV write) and SiLU-and-mul as
-    # Triton kernels (model/triton_fused.py): on, off, or auto (on with CUDA in the default mode where triton
-    # is installed; never in the strict mode, nor for an EAGLE head)
+    # the layers' norms (with the residual add), rotary embedding (with the KV write) and SiLU-and-mul as fused
+    # kernels: triton (model/triton_fused.py), cpu (C, model/cpu_fused.py: float32 on CPU), off, or auto (triton
+    # with CUDA where triton is installed, cpu on CPU for float32 models where a C compiler builds it; in the
+    # default mode only, never in the strict mode, nor for an EAGLE head)
     fused_kernels: str = "auto"
     # auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as vLLM's
     # --load-format dummy: for timing a model's shape without its weights)
@@ -97,8 +100,9 @@ class RunnerOptions:
         if self.batch_invariant and self.attention_kernel in ("triton", "cpu"):
             raise ValueError(f"attention_kernel {self.attention_kernel} is not the strict mode's kernel: use torch "
                              "with batch_invariant")
-        if self.batch_invariant and self.fused_kernels == "on":
-            raise ValueError("fused_kernels on is not for the strict mode (batch_invariant), which keeps torch's ops")
+        if self.batch_invariant and self.fused_kernels in ("triton", "cpu"):
+            raise ValueError(f"fused_kernels {self.fused_kernels} is not for the strict mode (batch_invariant), which "
+                             "keeps torch's ops")
 
 
 @dataclass
@@ -156,9 +160,9 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache(options)
         self.paged_kernel = self._use_triton(options.attention_kernel)
         self.cpu_kernel = self._use_cpu_kernel(options.attention_kernel)
-        self.fused_kernels = self._use_fused(options.fused_kernels)
-        if self.fused_kernels:  # before the graphs capture the forward
-            self.model.model.fused_kernels = True
+        self.fused_kernels = self._use_fused(options.fused_kernels)  # the kernels' name, None: torch's ops
+        if self.fused_kernels is not None:  # before the graphs capture the forward
+            self.model.model.fused_kernels = importlib.import_module(f"minedraft.model.{self.fused_kernels}_fused")
         eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
@@ -227,19 +231,34 @@ class ModelRunner:
             log.warning("attention stays on torch's sdpa path (%s)", reason)
         return reason is None
 
-    def _use_fused(self, kernel: str) -> bool:
-        """The fused layer kernels (model/triton_fused.py), as fused_kernels chooses."""
+    def _use_fused(self, kernel: str) -> str | None:
+        """Which fused layer kernels run, as fused_kernels chooses: triton, cpu or None (torch's ops)."""
         if kernel == "off" or self.batch_invariant or self.head_kind is not None:
-            return False
+            return None
+        if kernel == "cpu" or (kernel == "auto" and self.device.type == "cpu"):
+            return self._use_cpu_fused(kernel)
         if kernel == "auto" and self.device.type != "cuda":
-            return False
+            return None
         try:
             import minedraft.model.triton_fused  # noqa: F401
         except ImportError as exc:
-            if kernel == "on":
-                raise ValueError(f"fused_kernels on needs the triton package: {exc}") from exc
-            return False
-        return True
+            if kernel == "triton":
+                raise ValueError(f"fused_kernels triton needs the triton package: {exc}") from exc
+            return None
+        return "triton"
+
+    def _use_cpu_fused(self, kernel: str) -> str | None:
+        unsuitable = (f"device {self.device.type}" if self.device.type != "cpu" else
+                      f"dtype {self.dtype}" if self.dtype != torch.float32 else None)  # fmt: skip
+        reason = unsuitable or cpu_fused.available()
+        if reason is not None:
+            if kernel == "cpu":
+                raise ValueError(f"fused_kernels cpu runs float32 models on CPU where a C compiler builds them, not "
+                                 f"here: {reason}")
+            if unsuitable is None:
+                log.warning("the layers keep torch's unfused ops (%s)", reason)
+            return None
+        return "cpu"
 
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         layers = tuple(layers)

@@ -9,6 +9,7 @@ their own (``checkpoint_parts``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +65,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, fused: bool = False) -> torch.Tensor:
-        """fused: q/k norm, rotation and the KV write in one kernel (triton_fused.rope_write_kv)."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, fused: ModuleType | None = None) -> torch.Tensor:
+        """fused: the fused kernels' module (triton_fused, cpu_fused), whose rope_write_kv does the q/k norm,
+        rotation and the KV write in one kernel."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer]
-        q = self._fused_inputs(qkv, ctx) if fused else self._inputs(qkv, ctx)
+        q = self._fused_inputs(qkv, ctx, fused) if fused is not None else self._inputs(qkv, ctx)
         out = attend(q, k_cache, v_cache, ctx.attention, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -86,15 +88,14 @@ class Attention(nn.Module):
         ctx.kv_cache.write(self.layer, ctx.token_index, k, v)
         return q
 
-    def _fused_inputs(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        from minedraft.model.triton_fused import rope_write_kv  # triton is imported only where it runs
-
+    def _fused_inputs(self, qkv: torch.Tensor, ctx: ForwardContext, kernels: ModuleType) -> torch.Tensor:
         assert ctx.rope is not None
         norm = None
         if self.q_norm is not None and self.k_norm is not None:
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return rope_write_kv(qkv, ctx.rope, ctx.token_index, ctx.kv_cache.k[self.layer], ctx.kv_cache.v[self.layer],
-                             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, norm)  # fmt: skip
+        return kernels.rope_write_kv(qkv, ctx.rope, ctx.token_index, ctx.kv_cache.k[self.layer],
+                                     ctx.kv_cache.v[self.layer], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                                     norm)  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -105,13 +106,11 @@ class MLP(nn.Module):
                                                        batch_invariant)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp, batch_invariant)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """fused: SiLU(gate) * up in one kernel (triton_fused.silu_and_mul)."""
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        """fused: the fused kernels' module, whose silu_and_mul computes SiLU(gate) * up."""
         gate_up = self.gate_up_proj(x)
-        if fused:
-            from minedraft.model.triton_fused import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -129,20 +128,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None,
-                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+                      kernels: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernels' form (vLLM's): x is the last sublayer's output, not yet added to the residual
         stream (None: x is the stream), so each add is fused with the norm after it. Returns the same pair."""
-        h, residual = _add_norm(self.input_layernorm, x, residual)
-        h, residual = _add_norm(self.post_attention_layernorm, self.self_attn(h, ctx, fused=True), residual)
-        return self.mlp(h, fused=True) if isinstance(self.mlp, MLP) else self.mlp(h), residual
+        h, residual = _add_norm(kernels, self.input_layernorm, x, residual)
+        h, residual = _add_norm(kernels, self.post_attention_layernorm, self.self_attn(h, ctx, fused=kernels),
+                                residual)  # fmt: skip
+        return self.mlp(h, fused=kernels) if isinstance(self.mlp, MLP) else self.mlp(h), residual
 
 
-def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_norm(kernels: ModuleType, norm: RMSNorm, x: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) in one kernel; residual None: (norm(x), x)."""
-    from minedraft.model.triton_fused import add_rms_norm
-
-    return add_rms_norm(x, residual, norm.weight, norm.eps)
+    return kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -159,15 +158,15 @@ class DecoderModel(nn.Module):
         # layers: the last one after the final norm, EAGLE-1).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
-        # The Triton kernels of model/triton_fused.py for the norms, rotary + KV write and SiLU-and-mul (the
-        # runner decides at start-up: CUDA, the default mode). Off, the layers run torch's ops.
-        self.fused_kernels = False
+        # The fused kernels for the norms, rotary + KV write and SiLU-and-mul: model/triton_fused.py on CUDA,
+        # model/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
+        self.fused_kernels: ModuleType | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         ctx = replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
         captured: dict[int, torch.Tensor] = {}
-        x = self._fused_layers(x, ctx, captured) if self.fused_kernels else self._layers(x, ctx, captured)
+        x = self._layers(x, ctx, captured) if self.fused_kernels is None else self._fused_layers(x, ctx, captured)
         if self.aux_layers:
             if len(self.layers) in self.aux_layers:
                 captured[len(self.layers)] = self.final_norm(x)
@@ -175,7 +174,7 @@ class DecoderModel(nn.Module):
         return x  # the final norm is applied by CausalLM to the rows that need logits only
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return _add_norm(self.norm, x, None)[0] if self.fused_kernels else self.norm(x)
+        return self.norm(x) if self.fused_kernels is None else _add_norm(self.fused_kernels, self.norm, x, None)[0]
 
     def _layers(self, x: torch.Tensor, ctx: ForwardContext, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -191,7 +190,7 @@ class DecoderModel(nn.Module):
             if i in self.aux_layers:  # an EAGLE head reads the stream entering layer i: add it here
                 x, residual = x if residual is None else x + residual, None
                 captured[i] = x
-            x, residual = layer.forward_fused(x, residual, ctx)
+            x, residual = layer.forward_fused(x, residual, ctx, self.fused_kernels)
         return x + residual
 
 

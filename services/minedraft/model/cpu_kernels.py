@@ -1,0 +1,93 @@
+"""C kernels for the CPU path, built on first use with the machine's C compiler and called through ctypes.
+
+Each source (`model/*.c`) is built with `cc` (or `$CC`) for this CPU (`-march=native`) into
+`$MINEDRAFT_CACHE_DIR` (default `~/.cache/minedraft`), one file per source, flags, compiler and CPU, so later
+processes load it in milliseconds. Their OpenMP threads are torch's own: the libraries link `libgomp.so.1`,
+which the loader resolves to the copy torch already loaded. Where no compiler works, `KernelUnavailable` says
+why, and the callers keep torch's ops (or refuse, where a user asked for the kernel by name).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_BUILD_TIMEOUT_S = 300
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here; the message says why."""
+
+
+@functools.cache
+def library(source_name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
+    """The built `model/<source_name>`, building it first if this machine has no copy yet; `declare` sets its
+    functions' ctypes signatures."""
+    source = Path(__file__).with_name(source_name)
+    built = _cache_dir() / f"{source.stem}-{_build_key(source)}.so"
+    if not built.exists():
+        _build(source, built)
+    try:
+        lib = ctypes.CDLL(str(built))
+    except OSError as exc:
+        raise KernelUnavailable(f"could not load {built.name}: {exc}") from exc
+    declare(lib)
+    return lib
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MINEDRAFT_CACHE_DIR") or Path.home() / ".cache" / "minedraft"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc)
+    if path is None:
+        raise KernelUnavailable(f"no C compiler: {cc!r} is not on PATH (set CC, or install gcc)")
+    return path
+
+
+def _build_key(source: Path) -> str:
+    """What the built file depends on: the source, the flags, the compiler and the CPU (-march=native)."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C compiler did not run: {exc}") from exc
+    digest.update(version.encode())
+    digest.update(_cpu_signature().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(source: Path, built: Path) -> None:
+    built.parent.mkdir(parents=True, exist_ok=True)
+    partial = built.with_name(f"{built.name}.{os.getpid()}.partial")  # processes may build side by side
+    command = [_compiler(), *_FLAGS, str(source), "-o", str(partial), "-lm"]
+    log.info("building a CPU kernel (once per machine): %s", " ".join(command))
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+    except subprocess.CalledProcessError as exc:
+        raise KernelUnavailable(f"building {source.name} failed: {exc.stderr.strip()[-2000:]}") from exc
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"building {source.name} failed: {exc}") from exc
+    os.replace(partial, built)
