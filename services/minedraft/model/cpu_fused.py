@@ -87,9 +87,10 @@ def rope_write_kv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], to
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, width] float32 with unit stride along the width (what the kernels index)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or not x.is_cpu:
         raise ValueError(f"the CPU fused kernels take float32 CPU tensors, got {x.dtype} on {x.device}")
-    x = x.reshape(-1, x.shape[-1])
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
