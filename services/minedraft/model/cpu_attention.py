@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.model import cpu_kernels
-from minedraft.model.cpu_kernels import KernelUnavailable
 
 
 @dataclass
@@ -76,11 +75,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
 
 def available() -> str | None:
     """None when the kernel loads here, else why not."""
-    try:
-        load()
-    except KernelUnavailable as exc:
-        return str(exc)
-    return None
+    return cpu_kernels.unavailable(load)
 
 
 def load() -> ctypes.CDLL:

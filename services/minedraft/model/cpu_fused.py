@@ -21,16 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from minedraft.model import cpu_kernels
-from minedraft.model.cpu_kernels import KernelUnavailable
 
 
 def available() -> str | None:
     """None when the kernels load here, else why not."""
-    try:
-        _load()
-    except KernelUnavailable as exc:
-        return str(exc)
-    return None
+    return cpu_kernels.unavailable(_load)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

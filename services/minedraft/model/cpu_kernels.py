@@ -44,6 +44,15 @@ def library(source_name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.
     return lib
 
 
+def unavailable(load: Callable[[], ctypes.CDLL]) -> str | None:
+    """None when `load` loads its kernel here, else why not."""
+    try:
+        load()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("MINEDRAFT_CACHE_DIR") or Path.home() / ".cache" / "minedraft"
     return Path(root) / "kernels"
