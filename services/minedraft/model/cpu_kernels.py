@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 300
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)  # another source of model/, built into this one
 
 
 class KernelUnavailable(RuntimeError):
@@ -67,8 +69,11 @@ def _compiler() -> str:
 
 
 def _build_key(source: Path) -> str:
-    """What the built file depends on: the source, the flags, the compiler and the CPU (-march=native)."""
+    """What the built file depends on: the source and the sources it includes, the flags, the compiler and the
+    CPU (-march=native)."""
     digest = hashlib.sha256(source.read_bytes())
+    for name in _LOCAL_INCLUDE.findall(source.read_text()):
+        digest.update(source.with_name(name).read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout

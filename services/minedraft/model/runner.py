@@ -22,6 +22,7 @@ from minedraft.config import check_fits_one_request
 from minedraft.extras import require
 from minedraft.model import cpu_attention, cpu_fused
 from minedraft.model.attention import plan_attention
+from minedraft.model.cpu_stack import DecodeStack
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
@@ -83,6 +84,10 @@ class RunnerOptions:
     # with CUDA where triton is installed, cpu on CPU for float32 models where a C compiler builds it; in the
     # default mode only, never in the strict mode, nor for an EAGLE head)
     fused_kernels: str = "auto"
+    # a step of short queries through every layer in one C call (model/cpu_stack.py), where the model allows it (a
+    # dense float32 model on CPU with the C fused and attention kernels, without LoRA): for a model whose logits need
+    # not equal another's bit for bit, the draft (engine/local_executor.draft_runner turns it on)
+    decode_stack: bool = False
     # auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as vLLM's
     # --load-format dummy: for timing a model's shape without its weights)
     load_format: str = "auto"
@@ -163,6 +168,7 @@ class ModelRunner:
         self.fused_kernels = self._use_fused(options.fused_kernels)  # the kernels' name, None: torch's ops
         if self.fused_kernels is not None:  # before the graphs capture the forward
             self.model.model.fused_kernels = importlib.import_module(f"minedraft.model.{self.fused_kernels}_fused")
+        self.decode_stack = options.decode_stack and self._use_decode_stack()
         eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
@@ -246,6 +252,17 @@ class ModelRunner:
                 raise ValueError(f"fused_kernels triton needs the triton package: {exc}") from exc
             return None
         return "triton"
+
+    def _use_decode_stack(self) -> bool:
+        """Put the layers' one-call form in place where the model and the kernels allow it (decode_stack)."""
+        if self.fused_kernels != "cpu" or not self.cpu_kernel or self.lora is not None:
+            return False
+        stack, reason = DecodeStack.build(self.model)
+        if stack is None:
+            log.info("the draft's layers run one by one (%s)", reason)
+            return False
+        self.model.model.decode_stack = stack
+        return True
 
     def _use_cpu_fused(self, kernel: str) -> str | None:
         unsuitable = (f"device {self.device.type}" if self.device.type != "cpu" else

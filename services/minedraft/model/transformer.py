@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +162,9 @@ class DecoderModel(nn.Module):
         # The fused kernels for the norms, rotary + KV write and SiLU-and-mul: model/triton_fused.py on CUDA,
         # model/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
         self.fused_kernels: ModuleType | None = None
+        # A step of short queries through the layers, final norm and LM head as one C call (CausalLM.forward,
+        # model/cpu_stack.DecodeStack): a draft model on CPU, where the runner sets it (decode_stack). None: as below.
+        self.decode_stack: Any = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -203,6 +207,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
+        stack = self.model.decode_stack
+        if stack is not None and not self.model.aux_layers and stack.takes(len(input_ids), ctx):
+            x = self.model.embed_tokens(input_ids)
+            return stack.logits(x, replace(ctx, rope=self.model.rotary.table(ctx.positions, x.dtype)), logits_indices)
         hidden = self.model(input_ids, ctx)[logits_indices]
         return self.lm_head(self.model.final_norm(hidden))
 

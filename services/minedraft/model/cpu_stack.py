@@ -1,0 +1,143 @@
+"""A draft model's decode forward on CPU as one C call (model/decode_stack.c): every layer of a step whose
+queries are all short (draft steps, the pending tokens fed before them).
+
+On CPU a small draft model's step costs what dispatching its operators costs: the bundled draft (two layers of
+128 features) ran some 230 operators per forward, about a millisecond, for arithmetic one core does in tens of
+microseconds, and at one request in flight a window of four drafts took more time than the target's
+verification of it. `DecodeStack` holds each layer's weights and the LM head transposed ([in, out], a copy: the
+draft's are small) and runs the layers, the final norm and the LM head in one call; the embedding stays torch's.
+
+Only for a model whose logits need not equal another's bit for bit: the draft (whatever it proposes, the output
+is exactly the target's; the runner turns it on with `decode_stack`). Each row's result depends on that row
+alone, so drafts do not depend on the batch around them either. Dense float32 Llama/Qwen layers on one device
+without LoRA; for anything else `DecodeStack.build` says why not and the layers run as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from minedraft.model import cpu_kernels
+from minedraft.model.transformer import MLP, CausalLM, ForwardContext
+
+# Rows (tokens) of the step up to which the one call runs it; beyond, the GEMMs of torch's BLAS are faster.
+MAX_ROWS = 64
+_WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
+
+
+class DecodeStack:
+    """The layers of one model as decode_stack.c reads them."""
+
+    def __init__(self, model: CausalLM) -> None:
+        decoder = model.model
+        config = decoder.layers[0].self_attn
+        self.hidden = decoder.norm.weight.shape[0]
+        self.heads, self.kv_heads = config.qkv_proj.num_heads, config.qkv_proj.num_kv_heads
+        self.head_dim, self.scale = config.head_dim, config.scale
+        self.eps = decoder.norm.eps
+        self.intermediate = decoder.layers[0].mlp.down_proj.dense_weight().shape[1]
+        self._kept: list[torch.Tensor] = []  # the tensors the pointer table points into
+        pointers = [self._layer_pointers(layer) for layer in decoder.layers]
+        self.num_layers = len(pointers)
+        self.pointers = torch.tensor(pointers, dtype=torch.int64)
+        self.final_norm = decoder.norm.weight.detach().contiguous()
+        self.vocab = model.lm_head.vocab_size
+        self.lm_head = model.lm_head.weight.detach()[: self.vocab].t().contiguous()  # [hidden, vocab]
+
+    @staticmethod
+    def build(model: CausalLM) -> tuple[DecodeStack | None, str | None]:
+        """The stack, or None and why the model's layers cannot run as one call here."""
+        reason = _unsupported(model) or cpu_kernels.unavailable(_load)
+        return (None, reason) if reason else (DecodeStack(model), None)
+
+    def takes(self, tokens: int, ctx: ForwardContext) -> bool:
+        """Whether the step is one the call runs: every token a short query of the C attention kernel's."""
+        return ctx.attention.cpu_covers_all and 0 < tokens <= MAX_ROWS
+
+    def logits(self, x: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the rows `logits_indices`, from the embeddings x [tokens, hidden]
+        (overwritten with the residual stream)."""
+        assert ctx.rope is not None and ctx.attention.cpu is not None
+        tokens = x.shape[0]
+        x = x if x.is_contiguous() else x.contiguous()
+        cos, signed_sin = (t.reshape(tokens, -1) for t in ctx.rope)
+        cache = ctx.kv_cache
+        caches = (ctypes.c_int64 * (2 * self.num_layers))(
+            *(t.data_ptr() for layer in range(self.num_layers) for t in (cache.k[layer], cache.v[layer])))
+        k0, meta = cache.k[0], ctx.attention.cpu
+        index, rows = (_int64(t) for t in (ctx.token_index, logits_indices))
+        logits = torch.empty(rows.shape[0], self.vocab)
+        status = _load().decode_stack_f32(
+            x.data_ptr(), tokens, self.hidden, self.num_layers, self.pointers.data_ptr(), caches, k0.stride(0),
+            k0.stride(1), k0.stride(2), cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), index.data_ptr(),
+            meta.tables.data_ptr(), meta.tables.shape[1], meta.starts.data_ptr(), meta.offsets.data_ptr(),
+            meta.lengths.data_ptr(), meta.tables.shape[0], self.heads, self.kv_heads, self.head_dim, k0.shape[2],
+            self.intermediate, self.eps, self.scale, rows.data_ptr(), rows.shape[0], self.final_norm.data_ptr(),
+            self.lm_head.data_ptr(), self.vocab, logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("decode stack: no memory for its scratch rows")
+        return logits
+
+    def _layer_pointers(self, layer: torch.nn.Module) -> list[int]:
+        attn, mlp = layer.self_attn, layer.mlp
+        tensors = [layer.input_layernorm.weight, _transposed(attn.qkv_proj), attn.qkv_proj.bias,
+                   attn.q_norm.weight if attn.q_norm is not None else None,
+                   attn.k_norm.weight if attn.k_norm is not None else None,
+                   _transposed(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                   _transposed(mlp.gate_up_proj), mlp.gate_up_proj.bias, _transposed(mlp.down_proj),
+                   mlp.down_proj.bias]  # fmt: skip
+        assert len(tensors) == _WEIGHTS_PER_LAYER
+        pointers = []
+        for tensor in tensors:
+            if tensor is None:
+                pointers.append(0)
+                continue
+            tensor = tensor.detach().contiguous()
+            self._kept.append(tensor)
+            pointers.append(tensor.data_ptr())
+        return pointers
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype is torch.int64 else t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _transposed(linear: torch.nn.Module) -> torch.Tensor:
+    return linear.dense_weight().t().contiguous()
+
+
+def _unsupported(model: CausalLM) -> str | None:
+    """Why the model's layers cannot run in decode_stack.c, or None."""
+    decoder = model.model
+    first = decoder.layers[0].self_attn
+    linears = [m for layer in decoder.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      getattr(layer.mlp, "gate_up_proj", None),
+                                                      getattr(layer.mlp, "down_proj", None))]  # fmt: skip
+    weight = decoder.norm.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"a float32 model on CPU, not {weight.dtype} on {weight.device.type}"
+    if not all(isinstance(layer.mlp, MLP) for layer in decoder.layers):
+        return "mixture-of-experts layers"
+    if any(m.tp.size > 1 or m.quantized is not None or m.lora is not None for m in linears):
+        return "tensor-parallel, quantized or LoRA layers"
+    if decoder.aux_layers:
+        return "an EAGLE head reads its hidden states"
+    if first.head_dim % 16:
+        return f"head_dim {first.head_dim} (the attention kernel needs a multiple of 16)"
+    return None
+
+
+def _load() -> ctypes.CDLL:
+    return cpu_kernels.library("decode_stack.c", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.decode_stack_f32.restype = ctypes.c_int
+    lib.decode_stack_f32.argtypes = [ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr,
+                                     ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr, i64, ptr,
+                                     i32]  # fmt: skip

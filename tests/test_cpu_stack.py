@@ -1,0 +1,117 @@
+"""The draft's decode forward as one C call (model/cpu_stack.py, model/decode_stack.c) against the same model's
+layers run one by one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minedraft.config import BUNDLED_DRAFT, EngineConfig, SpeculativeConfig
+from minedraft.engine.local_executor import draft_runner
+from minedraft.model.cpu_stack import MAX_ROWS, DecodeStack
+from minedraft.model.runner import ModelRunner, SeqInput
+
+from tiny_models import make_tiny_checkpoint
+
+
+def _pair(path, **settings) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners of one checkpoint: with the one-call stack and without."""
+    return (ModelRunner(path, max_seq_len=256, num_slots=8, decode_stack=True, **settings),
+            ModelRunner(path, max_seq_len=256, num_slots=8, **settings))  # fmt: skip
+
+
+def _run_both(runners: tuple[ModelRunner, ModelRunner], step: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    return runners[0].forward(step), runners[1].forward(step)
+
+
+# llama (head_dim 16), qwen2 (qkv bias), qwen3 (q/k norm, tied embeddings), and a ragged shape: 3 heads of 16 over
+# one kv head, so that the QKV, output and LM head widths (80, 48, 330) end in partial tiles of the GEMM.
+SHAPES = {
+    "llama": {"arch": "llama"},
+    "qwen2": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3"},
+    "ragged": {"arch": "llama", "hidden_size": 48, "num_heads": 3, "num_kv_heads": 1, "vocab_size": 330},
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_stack_matches_the_layers_one_by_one(tmp_path, shape: str) -> None:
+    """Prefill (the layers as they are), then decode steps, verification windows and ragged windows of several
+    sequences through the one call, the caches it writes read by the next steps: logits within float32 noise."""
+    settings = {"hidden_size": 64, "num_layers": 2, "seed": 3, **SHAPES[shape]}
+    runners = _pair(make_tiny_checkpoint(tmp_path / shape, **settings))
+    assert runners[0].decode_stack and not runners[1].decode_stack
+    vocab = settings.get("vocab_size", 320)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 17, 40, 90)]
+    for runner in runners:
+        for _ in prompts:
+            runner.allocate_slot()
+    _run_both(runners, [SeqInput(i, p, 0) for i, p in enumerate(prompts)])
+    lengths = [len(p) for p in prompts]
+    for window in ([1, 1, 1, 1], [5, 5, 5, 5], [1, 3, 2, 7], [1, 0, 4, 0]):
+        step = [SeqInput(i, [rng.randrange(vocab) for _ in range(n)], lengths[i], num_logits=n)
+                for i, n in enumerate(window) if n]  # fmt: skip
+        with_stack, without = _run_both(runners, step)
+        torch.testing.assert_close(with_stack, without, atol=1e-4, rtol=1e-4)
+        for seq in step:
+            lengths[seq.slot] += len(seq.token_ids)
+
+
+def test_a_rows_logits_are_the_same_alone_and_in_any_batch(tmp_path) -> None:
+    """Every output is one sum in a fixed order, whoever shares the call (and however many threads split it):
+    a sequence's draft does not depend on the batch around it."""
+    path = make_tiny_checkpoint(tmp_path / "m", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
+    alone, batched = (ModelRunner(path, max_seq_len=256, num_slots=8, decode_stack=True) for _ in range(2))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(320) for _ in range(20 + 7 * i)] for i in range(8)]
+    for runner in (alone, batched):
+        for i, prompt in enumerate(prompts):
+            runner.forward([SeqInput(runner.allocate_slot(), prompt, 0)])
+    window = [5, 9, 2, 6]
+    mine = alone.forward([SeqInput(0, window, len(prompts[0]), num_logits=4)])
+    # 8 sequences of 8 tokens: MAX_ROWS rows, enough multiply-adds for the GEMMs to split between threads
+    others = [SeqInput(i, [rng.randrange(320) for _ in range(8)], len(p), num_logits=8)
+              for i, p in enumerate(prompts) if i]  # fmt: skip
+    assert sum(len(s.token_ids) for s in others) + len(window) <= MAX_ROWS
+    together = batched.forward([*others[:3], SeqInput(0, window, len(prompts[0]), num_logits=4), *others[3:]])
+    assert torch.equal(together[24:28], mine)
+
+
+def test_steps_the_call_does_not_take_run_the_layers(tmp_path) -> None:
+    """A prompt (longer than the attention kernel's short queries) riding along, or more rows than MAX_ROWS: the
+    layers one by one, the same logits as a runner without the stack bit for bit."""
+    runners = _pair(make_tiny_checkpoint(tmp_path / "m", arch="llama", hidden_size=64, num_layers=2, seed=2))
+    for runner in runners:
+        for _ in range(3):
+            runner.allocate_slot()
+    with_stack, without = _run_both(runners, [SeqInput(0, list(range(3, 40)), 0), SeqInput(2, [4] * 50, 0)])
+    assert torch.equal(with_stack, without)
+    with_stack, without = _run_both(runners, [SeqInput(0, [5], 37), SeqInput(1, list(range(3, 43)), 0)])
+    assert torch.equal(with_stack, without)
+    windows = [(0, 38, 22), (1, 40, 22), (2, 50, MAX_ROWS - 43)]  # (slot, start, tokens): one more row than MAX_ROWS
+    step = [SeqInput(slot, [7] * n, start, num_logits=n) for slot, start, n in windows]
+    with_stack, without = _run_both(runners, step)
+    assert torch.equal(with_stack, without)
+
+
+def test_the_stack_says_why_it_does_not_take_a_model(tmp_path) -> None:
+    moe = ModelRunner(make_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", hidden_size=64), max_seq_len=64,
+                      num_slots=1, decode_stack=True)  # fmt: skip
+    assert not moe.decode_stack
+    assert DecodeStack.build(moe.model) == (None, "mixture-of-experts layers")
+    bf16 = ModelRunner(make_tiny_checkpoint(tmp_path / "bf16", arch="llama"), max_seq_len=64, num_slots=1,
+                       dtype="bfloat16", decode_stack=True)  # fmt: skip
+    assert not bf16.decode_stack
+    assert "a float32 model on CPU, not torch.bfloat16" in DecodeStack.build(bf16.model)[1]
+
+
+def test_the_engine_runs_its_draft_not_its_target_through_the_stack() -> None:
+    """The draft's logits need not equal anything bit for bit; the target's must equal plain decoding's."""
+    config = EngineConfig(speculative_config=SpeculativeConfig(num_speculative_tokens=4), device="cpu")
+    draft = draft_runner(config, num_slots=2, max_len=128, device="cpu")
+    assert draft.path == BUNDLED_DRAFT.resolve() or draft.path == BUNDLED_DRAFT
+    assert draft.decode_stack
+    assert not ModelRunner(config.target_path, max_seq_len=128, num_slots=2).decode_stack
