@@ -1,4 +1,4 @@
-"""The draft's decode forward as one C call (model/cpu_stack.py, model/decode_stack.c) against the same model's
+"""A decode step's forward as one C call (model/cpu_stack.py, model/decode_stack.c) against the same model's
 layers run one by one."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from minedraft.model.runner import ModelRunner, SeqInput
 from tiny_models import make_tiny_checkpoint
 
 
-def _pair(path, **settings) -> tuple[ModelRunner, ModelRunner]:
-    """Two runners of one checkpoint: with the one-call stack and without."""
-    return (ModelRunner(path, max_seq_len=256, num_slots=8, decode_stack=True, **settings),
-            ModelRunner(path, max_seq_len=256, num_slots=8, **settings))  # fmt: skip
+def _pair(path) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners of one checkpoint with the C fused kernels: with the one-call stack and without."""
+    with_stack, without = (ModelRunner(path, max_seq_len=256, num_slots=8) for _ in range(2))
+    without.model.model.decode_stack = None
+    return with_stack, without
 
 
 def _run_both(runners: tuple[ModelRunner, ModelRunner], step: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,7 @@ def test_the_stack_matches_the_layers_one_by_one(tmp_path, shape: str) -> None:
     sequences through the one call, the caches it writes read by the next steps: logits within float32 noise."""
     settings = {"hidden_size": 64, "num_layers": 2, "seed": 3, **SHAPES[shape]}
     runners = _pair(make_tiny_checkpoint(tmp_path / shape, **settings))
-    assert runners[0].decode_stack and not runners[1].decode_stack
+    assert runners[0].decode_stack and runners[0].fused_kernels == "cpu"
     vocab = settings.get("vocab_size", 320)
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 17, 40, 90)]
@@ -64,11 +65,11 @@ def test_a_rows_logits_are_the_same_alone_and_in_any_batch(tmp_path) -> None:
     """Every output is one sum in a fixed order, whoever shares the call (and however many threads split it):
     a sequence's draft does not depend on the batch around it."""
     path = make_tiny_checkpoint(tmp_path / "m", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
-    alone, batched = (ModelRunner(path, max_seq_len=256, num_slots=8, decode_stack=True) for _ in range(2))
+    alone, batched = (ModelRunner(path, max_seq_len=256, num_slots=8) for _ in range(2))
     rng = random.Random(1)
     prompts = [[rng.randrange(320) for _ in range(20 + 7 * i)] for i in range(8)]
     for runner in (alone, batched):
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             runner.forward([SeqInput(runner.allocate_slot(), prompt, 0)])
     window = [5, 9, 2, 6]
     mine = alone.forward([SeqInput(0, window, len(prompts[0]), num_logits=4)])
@@ -99,19 +100,24 @@ def test_steps_the_call_does_not_take_run_the_layers(tmp_path) -> None:
 
 def test_the_stack_says_why_it_does_not_take_a_model(tmp_path) -> None:
     moe = ModelRunner(make_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", hidden_size=64), max_seq_len=64,
-                      num_slots=1, decode_stack=True)  # fmt: skip
-    assert not moe.decode_stack
+                      num_slots=1)  # fmt: skip
+    assert moe.fused_kernels == "cpu" and not moe.decode_stack
     assert DecodeStack.build(moe.model) == (None, "mixture-of-experts layers")
     bf16 = ModelRunner(make_tiny_checkpoint(tmp_path / "bf16", arch="llama"), max_seq_len=64, num_slots=1,
-                       dtype="bfloat16", decode_stack=True)  # fmt: skip
+                       dtype="bfloat16", fused_kernels="off")  # fmt: skip
     assert not bf16.decode_stack
     assert "a float32 model on CPU, not torch.bfloat16" in DecodeStack.build(bf16.model)[1]
 
 
-def test_the_engine_runs_its_draft_not_its_target_through_the_stack() -> None:
-    """The draft's logits need not equal anything bit for bit; the target's must equal plain decoding's."""
-    config = EngineConfig(speculative_config=SpeculativeConfig(num_speculative_tokens=4), device="cpu")
-    draft = draft_runner(config, num_slots=2, max_len=128, device="cpu")
-    assert draft.path == BUNDLED_DRAFT.resolve() or draft.path == BUNDLED_DRAFT
-    assert draft.decode_stack
-    assert not ModelRunner(config.target_path, max_seq_len=128, num_slots=2).decode_stack
+def test_the_stack_runs_with_the_c_fused_kernels_only() -> None:
+    """The default mode's draft and target run it; the strict mode's target keeps torch's ops (its GEMMs of fixed
+    shapes are what makes a prompt's tokens and a decode step's agree bit for bit), its draft runs it (whatever
+    the draft proposes, the output is exactly the target's)."""
+    for strict in (False, True):
+        config = EngineConfig(speculative_config=SpeculativeConfig(num_speculative_tokens=4), device="cpu",
+                              batch_invariant=strict)  # fmt: skip
+        draft = draft_runner(config, num_slots=2, max_len=128, device="cpu")
+        assert draft.config.num_hidden_layers == 2 and draft.decode_stack
+        target = ModelRunner(config.target_path, max_seq_len=128, num_slots=2, batch_invariant=strict)
+        assert target.decode_stack is not strict
+    assert not ModelRunner(BUNDLED_DRAFT, max_seq_len=64, num_slots=1, fused_kernels="off").decode_stack

@@ -196,7 +196,7 @@ def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str
     tokenizer and embedding (an EAGLE-1 head: and LM head), and keeps no prefix cache: it writes each
     position from the target's features, which the verifier hands on for every position, those of a prefix
     it took from its cache included."""
-    options = {**runner_options(config), "decode_stack": True}  # the draft's numerics need not match anything
+    options = runner_options(config)
     if config.uses_eagle_head:
         check_eagle_head(config)
         options.update(target_path=config.target_path, enable_prefix_caching=False)

@@ -82,12 +82,9 @@ class RunnerOptions:
     # the layers' norms (with the residual add), rotary embedding (with the KV write) and SiLU-and-mul as fused
     # kernels: triton (model/triton_fused.py), cpu (C, model/cpu_fused.py: float32 on CPU), off, or auto (triton
     # with CUDA where triton is installed, cpu on CPU for float32 models where a C compiler builds it; in the
-    # default mode only, never in the strict mode, nor for an EAGLE head)
+    # default mode only, never in the strict mode, nor for an EAGLE head); with cpu, a step of short queries runs
+    # every layer in one C call where the model allows it (model/cpu_stack.py)
     fused_kernels: str = "auto"
-    # a step of short queries through every layer in one C call (model/cpu_stack.py), where the model allows it (a
-    # dense float32 model on CPU with the C fused and attention kernels, without LoRA): for a model whose logits need
-    # not equal another's bit for bit, the draft (engine/local_executor.draft_runner turns it on)
-    decode_stack: bool = False
     # auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as vLLM's
     # --load-format dummy: for timing a model's shape without its weights)
     load_format: str = "auto"
@@ -168,7 +165,7 @@ class ModelRunner:
         self.fused_kernels = self._use_fused(options.fused_kernels)  # the kernels' name, None: torch's ops
         if self.fused_kernels is not None:  # before the graphs capture the forward
             self.model.model.fused_kernels = importlib.import_module(f"minedraft.model.{self.fused_kernels}_fused")
-        self.decode_stack = options.decode_stack and self._use_decode_stack()
+        self.decode_stack = self._use_decode_stack()  # whether short-query steps run as one C call
         eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
 
@@ -254,12 +251,12 @@ class ModelRunner:
         return "triton"
 
     def _use_decode_stack(self) -> bool:
-        """Put the layers' one-call form in place where the model and the kernels allow it (decode_stack)."""
+        """Put the layers' one-call form in place where the C kernels run and the model allows it."""
         if self.fused_kernels != "cpu" or not self.cpu_kernel or self.lora is not None:
             return False
         stack, reason = DecodeStack.build(self.model)
         if stack is None:
-            log.info("the draft's layers run one by one (%s)", reason)
+            log.info("decode steps run the layers one by one (%s)", reason)
             return False
         self.model.model.decode_stack = stack
         return True

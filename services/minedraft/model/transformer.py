@@ -163,7 +163,7 @@ class DecoderModel(nn.Module):
         # model/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
         self.fused_kernels: ModuleType | None = None
         # A step of short queries through the layers, final norm and LM head as one C call (CausalLM.forward,
-        # model/cpu_stack.DecodeStack): a draft model on CPU, where the runner sets it (decode_stack). None: as below.
+        # model/cpu_stack.DecodeStack), where the runner runs the C fused kernels. None: the layers as below.
         self.decode_stack: Any = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
