@@ -23,8 +23,9 @@ import torch
 from minedraft.model import cpu_kernels
 from minedraft.model.transformer import MLP, CausalLM, ForwardContext
 
-# Rows (tokens) of the step up to which the one call runs it: the bundled target's steps ran 2.7x faster at one
-# row, 1.4x at 32, level at 64 and 0.8x at 160, where torch's GEMMs pay (2 threads, an AVX-512 Xeon).
+# Rows (tokens) of the step up to which the one call runs it: the bundled target's steps took 0.52-0.71x the time
+# at one row, 0.74-0.82x at 32, 0.93x at 64 and 1.0-1.14x at 160, where torch's GEMMs reuse each weight over more
+# rows (benchmarks/decode_stack.py, 1 and 2 threads, an AVX-512 Xeon).
 MAX_ROWS = 64
 _WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
 
