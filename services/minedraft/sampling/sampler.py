@@ -197,15 +197,15 @@ def draft_sample(
     device = logits.device
     width = min(support_size, vocab)
     argmax = logits.argmax(dim=-1)
+    if all(p.greedy for p in params_list):  # the common draft step: no row index nor gather (44 against 128 us)
+        return argmax.tolist(), logits.float().softmax(dim=-1).amax(dim=-1).tolist(), _one_hot(argmax, support_size)
     token_probs = torch.zeros(batch, device=device)
     greedy = [i for i, p in enumerate(params_list) if p.greedy]
     if greedy:
         index = torch.tensor(greedy, device=device)
         token_probs[index] = logits[index].float().softmax(dim=-1).amax(dim=-1)  # = softmax at the argmax
-    # Greedy layout: the argmax in column 0 with all the mass; the rest is padding.
-    ids = argmax[:, None].repeat(1, support_size)
-    probs = torch.zeros(batch, support_size, device=device)
-    probs[:, 0] = 1.0
+    greedy_layout = _one_hot(argmax, support_size)
+    ids, probs = greedy_layout.token_ids, greedy_layout.probs
     tokens = argmax.clone()
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
@@ -218,3 +218,10 @@ def draft_sample(
         ids[index, :width] = top.indices
         probs[index] = torch.nn.functional.pad(q, (0, support_size - width))
     return tokens.tolist(), token_probs.tolist(), SparseProbs(ids, probs)
+
+
+def _one_hot(argmax: Tensor, support_size: int) -> SparseProbs:
+    """Greedy rows' layout: the argmax in column 0 with all the mass; the rest is padding."""
+    probs = torch.zeros(argmax.shape[0], support_size, device=argmax.device)
+    probs[:, 0] = 1.0
+    return SparseProbs(argmax[:, None].repeat(1, support_size), probs)
