@@ -35,10 +35,10 @@ class DecodeStack:
 
     def __init__(self, model: CausalLM) -> None:
         decoder = model.model
-        config = decoder.layers[0].self_attn
+        attn = decoder.layers[0].self_attn
         self.hidden = decoder.norm.weight.shape[0]
-        self.heads, self.kv_heads = config.qkv_proj.num_heads, config.qkv_proj.num_kv_heads
-        self.head_dim, self.scale = config.head_dim, config.scale
+        self.heads, self.kv_heads = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scale
         self.eps = decoder.norm.eps
         self.intermediate = decoder.layers[0].mlp.down_proj.dense_weight().shape[1]
         self._kept: list[torch.Tensor] = []  # the tensors the pointer table points into
@@ -80,6 +80,8 @@ class DecodeStack:
             self.intermediate, self.eps, self.scale, rows.data_ptr(), rows.shape[0], self.final_norm.data_ptr(),
             self.lm_head.data_ptr(), self.vocab, logits.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if status == -2:
+            raise ValueError(f"decode stack: {rows.shape[0]} logits rows asked of a step of {tokens} tokens")
         if status != 0:
             raise MemoryError("decode stack: no memory for its scratch rows")
         return logits

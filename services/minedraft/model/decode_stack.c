@@ -1,8 +1,9 @@
-/* A decoder's whole layer stack for a step of short queries on CPU, in one call: the draft model's forward.
+/* A decoder's whole layer stack for a step of short queries on CPU, in one call (decode, verification, drafting).
  *
  * A draft step of one sequence runs two layers of 128 features: some thirty thousand multiply-adds per layer,
  * which one core does in microseconds, while the layers' forty-odd torch operators (the GEMMs among them),
- * each dispatched from Python, took a millisecond. Here every layer runs as loops over the weights held
+ * each dispatched from Python, took a millisecond; the bundled target's step likewise cost its dispatch more
+ * than reading its weights. Here every layer runs as loops over the weights held
  * transposed ([in, out]): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
  * paged attention (the kernels of model/fused_layers.c and model/paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the

@@ -166,9 +166,13 @@ class DecoderModel(nn.Module):
         # model/cpu_stack.DecodeStack), where the runner runs the C fused kernels. None: the layers as below.
         self.decode_stack: Any = None
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def inputs(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ForwardContext]:
+        """The embeddings, and the context with its tokens' rotary table (computed once per forward)."""
         x = self.embed_tokens(input_ids)
-        ctx = replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
+        return x, replace(ctx, rope=self.rotary.table(ctx.positions, x.dtype))
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, ctx = self.inputs(input_ids, ctx)
         captured: dict[int, torch.Tensor] = {}
         x = self._layers(x, ctx, captured) if self.fused_kernels is None else self._fused_layers(x, ctx, captured)
         if self.aux_layers:
@@ -209,8 +213,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
         stack = self.model.decode_stack
         if stack is not None and not self.model.aux_layers and stack.takes(len(input_ids), ctx):
-            x = self.model.embed_tokens(input_ids)
-            return stack.logits(x, replace(ctx, rope=self.model.rotary.table(ctx.positions, x.dtype)), logits_indices)
+            return stack.logits(*self.model.inputs(input_ids, ctx), logits_indices)
         hidden = self.model(input_ids, ctx)[logits_indices]
         return self.lm_head(self.model.final_norm(hidden))
 
