@@ -484,8 +484,9 @@ def _floor_decode_step(torch, device, context: int, fused_kernels: str) -> dict:
     return result
 
 
-def _top_kernels(torch, step: Callable[[], object], steps: int = 5, top: int = 10) -> dict[str, float]:
-    """GPU time per step of the kernels that take most of it (torch's profiler over a few steps)."""
+def _top_kernels(torch, step: Callable[[], object], steps: int = 5, top: int = 20) -> dict[str, float]:
+    """GPU time per step of the kernels that take most of it, each named with its launches per step, and of all
+    kernels together (torch's profiler over a few steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -494,7 +495,11 @@ def _top_kernels(torch, step: Callable[[], object], steps: int = 5, top: int = 1
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return {e.key[:80]: round(e.self_device_time_total / steps / 1e3, 3) for e in events[:top]}
+    table = {f"{e.key[:72]} x{e.count // steps}": round(e.self_device_time_total / steps / 1e3, 3)
+             for e in events[:top]}
+    launches = sum(e.count for e in events) // steps
+    table[f"all kernels x{launches}"] = round(sum(e.self_device_time_total for e in events) / steps / 1e3, 3)
+    return table
 
 
 def _copy_bandwidth(torch, device) -> float:

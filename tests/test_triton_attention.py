@@ -87,6 +87,23 @@ def test_partitions_of_a_long_context_merge_to_the_reference(partition: int) -> 
     torch.testing.assert_close(got.float(), one_partition.float(), atol=2e-2, rtol=2e-2)  # bf16 rounding
 
 
+def test_a_rows_merge_does_not_depend_on_the_longest_sequence_beside_it() -> None:
+    """A batch's longest sequence sets how many partitions every sequence is merged over (the extra ones
+    empty for the shorter): a decode row and a k + 1 window give the same bits alone and beside a sequence
+    of four times their partitions."""
+    heads, kv_heads, partition = 8, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(kv_heads, 64, BLOCK_SIZE, HEAD_DIM, generator=gen) for _ in range(2))
+    short = ([70, 60], [1, 5], [list(range(1, 6)), list(range(6, 11))])
+    q_short = torch.randn(6, heads, HEAD_DIM, generator=gen)
+    alone = paged_attention(q_short, k_cache, v_cache, paged_meta(*short, NULL_BLOCK, CPU), 0.2, partition=partition)
+    starts, lengths, tables = short[0] + [400], short[1] + [1], short[2] + [list(range(11, 37))]
+    q = torch.cat((q_short, torch.randn(1, heads, HEAD_DIM, generator=gen)))
+    beside = paged_attention(q, k_cache, v_cache, paged_meta(starts, lengths, tables, NULL_BLOCK, CPU), 0.2,
+                             partition=partition)  # fmt: skip
+    assert torch.equal(beside[:6], alone)
+
+
 def test_nothing_past_a_sequence_is_read() -> None:
     """Poison every cache slot outside the sequences (other blocks, and the tail of each last block, where
     an earlier sequence's keys may linger): no output may change."""
