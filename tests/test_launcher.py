@@ -40,10 +40,16 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
         forward, cycle = {1: 3e-3, 2: 2.5e-3, 4: 2e-3}, {1: 3.5e-3, 2: 3e-3, 4: 4.5e-3}
         for _ in range(20):
             threads.use(together=False, requests=1)
+            # A part on a count other than the best known is a try of that count (its step says so: the
+            # engine does not judge the step's shape by it).
+            assert threads.trying == (torch.get_num_threads() != threads._counts.best(("", 1, 0, False)))
             threads.done(forward[torch.get_num_threads()])
             clock[0] += cycle[torch.get_num_threads()]
         threads.use(together=False, requests=1)
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2 and not threads.trying
+        threads.use(together=True)
+        assert not threads.trying
+        threads.use(together=False, requests=1)
         threads.done(forward[2])
         clock[0] += 1.0  # idle: no request for a second, which is not the step's
         threads.use(together=False, requests=1)

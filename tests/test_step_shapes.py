@@ -167,6 +167,33 @@ def test_the_shape_the_machine_makes_fastest_is_chosen(machine: Machine, shapes,
     assert share[expected] >= 0.85, (share, controller.describe())
 
 
+def test_steps_on_a_thread_count_being_tried_do_not_judge_their_shape() -> None:
+    """A worker tries another intra-op thread count for a run of six steps of a kind now and then (engine/threads.py):
+    here every 64th plain step starts a run 40% slower, and the step says so (StepResult.thread_trial). Plain steps
+    win on this machine (drafts accepted 40% of the time); read as what plain steps cost, those runs sent the
+    controller to one-batch steps for most of the decisions (16% plain)."""
+    machine = Machine(verify_step=2 * MS, verify_token=0.1 * MS, draft_forward=0.3 * MS, draft_token=0.02 * MS,
+                      beside=1.0, acceptance=0.4)  # fmt: skip
+    clock = Clock()
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    everyone = _requests(PER_BATCH)
+    rng, plain_steps, late = random.Random(0), 0, []
+    for step in range(800):
+        decision = controller.decide({Shape.SPECULATE: (everyone, [K] * len(everyone))}, everyone=len(everyone))
+        plain = decision.shape is Shape.PLAIN
+        plain_steps += plain
+        trial = plain and plain_steps % 64 < 6
+        for result, seconds in _steps(machine, decision.shape, everyone if not plain else [], decision.windows,
+                                      everyone, rng):  # fmt: skip
+            if trial:
+                result.thread_trial, result.verify_seconds, seconds = True, 1.4 * result.verify_seconds, 1.4 * seconds
+            clock.now += seconds
+            controller.observe(result, decision.shape)
+        if step >= 400:
+            late.append(decision.shape)
+    assert late.count(Shape.PLAIN) / len(late) >= 0.95, controller.describe()
+
+
 def test_one_batch_steps_draft_the_most_when_tokens_are_nearly_free() -> None:
     good_drafts = Machine(**CHEAP_TOKENS, draft_forward=0.1 * MS, draft_token=0.01 * MS, beside=2.2, acceptance=0.95)
     controller, share = _settle(good_drafts, BOTH)

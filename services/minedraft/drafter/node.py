@@ -83,6 +83,7 @@ class DrafterNode:
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start
             self.threads.done(reply.draft_seconds)
+            reply.thread_trial = self.threads.trying
             reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
         if verify is not None and draft is None and defers_results(self.config):
             self.missed.add(t.request_id for t in verify.tasks)

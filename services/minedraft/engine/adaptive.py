@@ -279,7 +279,10 @@ class SpeculationController:
                       "%d new tokens", shape.value, result.verify_seconds * 1e3, len(result.verified),
                       result.verify_tokens, result.draft_seconds * 1e3, result.draft_tokens, between * 1e3,
                       sum(len(v.token_ids) for v in result.verified))  # fmt: skip
-        self._measure(shape, result, between, decoding and self._warm(shape), together)
+        # A step whose part ran on a thread count being tried (engine/threads.py) measures the count, not the
+        # shape: six such plain steps at 8 requests (one thread of two, 30% slower) once sent a served default
+        # to one-batch steps for a hundred decisions.
+        self._measure(shape, result, between, decoding and self._warm(shape) and not result.thread_trial, together)
 
     def idle(self) -> None:
         """The engine ran out of work: the time until its next step is waiting for requests, not the overhead of

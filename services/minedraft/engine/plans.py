@@ -142,6 +142,9 @@ class StepResult:
 
     # Each adapter this step's plan loaded: "" when every worker holds it now, else why one could not.
     lora_loaded: dict[str, str] = field(default_factory=dict)
+    # A part ran on a thread count being tried, not the best known (engine/threads.py): a slower count's step
+    # says nothing of its shape (the adaptive controller does not judge shapes by it).
+    thread_trial: bool = False
 
     def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
         self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats

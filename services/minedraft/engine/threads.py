@@ -38,6 +38,9 @@ class StepThreads:
         # The part running alone: its kind of step, thread count and start; and its own seconds (`done`).
         self._measuring: tuple[tuple, int, float] | None = None
         self._part_seconds: float | None = None
+        # The last part runs on a count being tried, not the best known for its kind: its step is slower or
+        # faster for the count, which the engine must not read as what the step's shape costs.
+        self.trying = False
 
     def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "", tokens: int = 0) -> None:
         """Set this thread's intra-op threads for a part of `requests` (and prompt chunks, if `prefill`) that
@@ -48,13 +51,14 @@ class StepThreads:
         k changes them every step) were compared on their windows, not on their threads."""
         now = self._clock()
         self._finish_cycle(now)
-        count = self.beside
+        count, self.trying = self.beside, False
         if not together:
             count = self.alone
             if self._counts is not None:
                 kind = (part, _bucket(requests), _bucket(tokens), prefill)
                 count = self._counts.pick(kind)
                 self._measuring = (kind, count, now)
+                self.trying = count != self._counts.best(kind)
         if count != self._current:
             torch.set_num_threads(count)
             self._current = count

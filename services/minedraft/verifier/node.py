@@ -136,6 +136,7 @@ class VerifierNode:
             results = self.worker.sample(batch) if self.is_leader else None
             reply.verify_seconds = time.perf_counter() - start
             self.threads.done(reply.verify_seconds)
+            reply.thread_trial = self.threads.trying
             reply.verify_tokens = self.worker.runner.take_work()[1]
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:

@@ -63,7 +63,9 @@ class PairNode:
         result = self.executor.step(draft, verify)
         if alone:
             self.threads.done(time.perf_counter() - start)
-        return _reply(plan.step_id, result)
+        reply = _reply(plan.step_id, result)
+        reply.thread_trial = alone and self.threads.trying
+        return reply
 
     def info(self) -> worker_pb2.WorkerInfo:
         info = worker_info("verifier", str(self.config.target_path), self.executor.verifier, 0, self.config,
