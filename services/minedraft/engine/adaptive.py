@@ -146,7 +146,10 @@ class _LoadModel:
     window), draft e + c' x forwards + d x tokens (e: what a draft part costs whatever it drafts, sampling and the
     windows' bookkeeping); a part beside the other = the part alone x a measured slowdown;
     per shape, the decayed sum of its steps' overhead samples and their decayed count (per shape, not per kind
-    of step: served, an sd half hands its windows from one process to the other, which a plain step does not).
+    of step: served, an sd half hands its windows from one process to the other, which a plain step does not);
+    the drafter's work beyond drafting windows (prompts, and the tokens decoded by plain steps, which it feeds
+    when drafting resumes), decayed seconds against the decayed tokens speculative steps made: speculation's
+    own cost per token, which plain decoding never pays (the drafter then sits idle).
 
     A verify part alone is fitted on two sets of sums solved together: plain steps' and windows', each forgetting
     only as steps of its own kind come, so that a long run of plain steps does not wear away what windows cost
@@ -158,6 +161,7 @@ class _LoadModel:
         self.draft = {False: OnlineFit(3), True: OnlineFit(3)}
         self.slowdown = {"verify": Ratio(3), "draft": Ratio(3)}
         self.overhead_sums: dict[Shape, tuple[float, float]] = {}
+        self.drafter_extra: tuple[float, float] = (0.0, 0.0)
 
     def learn(self, part: str, together: bool, x: Sequence[float], seconds: float, plain: bool = False) -> None:
         fits = self.verify if part == "verify" else self.draft
@@ -261,6 +265,8 @@ class SpeculationController:
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
             x = (1.0, result.draft_forwards, result.draft_tokens)
             self._model.learn("draft", together, x, result.draft_seconds)
+        if shape is not Shape.PLAIN:
+            self._charge_drafter(result, together, decoding_draft)
         now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
@@ -283,6 +289,25 @@ class SpeculationController:
         # shape: six such plain steps at 8 requests (one thread of two, 30% slower) once sent a served default
         # to one-batch steps for a hundred decisions.
         self._measure(shape, result, between, decoding and self._warm(shape) and not result.thread_trial, together)
+
+    def _charge_drafter(self, result: StepResult, together: bool, decoding: bool) -> None:
+        """Speculation's cost beyond its windows: a draft part that fed prompts or caught up on tokens decoded
+        by plain steps took longer than drafting its windows would have; the difference, against the tokens
+        speculative steps make. Left out of the fits and the shape factors (it is not what a window costs), it
+        made one-batch steps look 20% cheaper than they served at 8 requests, where a new request arrives every
+        other step and the drafter reads its prompt."""
+        seconds, tokens = self._model.drafter_extra
+        extra = 0.0
+        if result.draft_seconds > 0 and not decoding and self._trusted("draft", together):
+            part = self._costs().together if together else self._costs().alone
+            windows = list(result.drafted.values()) or [0]
+            extra = max(0.0, result.draft_seconds - part.draft_seconds(windows, self._one_forward))
+        made = sum(len(v.token_ids) for v in result.verified)
+        self._model.drafter_extra = (seconds * DECAY + extra, tokens * DECAY + made)
+
+    def _drafter_extra_per_token(self) -> float:
+        seconds, tokens = self._model.drafter_extra
+        return seconds / tokens if tokens > 0 else 0.0
 
     def idle(self) -> None:
         """The engine ran out of work: the time until its next step is waiting for requests, not the overhead of
@@ -375,7 +400,7 @@ class SpeculationController:
             decision = self._as_it_is(cold[0], candidates)
         else:  # predicted now (this moment's requests and their acceptance) x what the shape costs beyond the model
             decisions = self._by_shape(candidates, shapes, everyone)
-            per_token = {s: 1.0 / max(1e-9, self.last_rates[s.value]) for s in allowed}
+            per_token = self._per_token(self.last_rates, allowed)
             shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
             decision = decisions[shape]
         if seeded:
@@ -388,9 +413,10 @@ class SpeculationController:
         self._held = (key, _HOLD - 1, decision) if holds else None
         if log.isEnabledFor(logging.DEBUG):
             factors = {s.value: round(f, 3) for s, f in self._trials.costs().get(self._load, {}).items()}
-            log.debug("decision at %d running: %s, windows %s; predicted tok/s %s; measured over predicted %s",
-                      everyone, decision.shape.value, decision.windows,
-                      {k: round(v) for k, v in self.last_rates.items()}, factors)  # fmt: skip
+            log.debug("decision at %d running: %s, windows %s; predicted tok/s %s; measured over predicted %s; "
+                      "drafter beyond windows %.3f ms a token", everyone, decision.shape.value, decision.windows,
+                      {k: round(v) for k, v in self.last_rates.items()}, factors,
+                      self._drafter_extra_per_token() * 1e3)  # fmt: skip
         return self._record(decision, everyone)
 
     def _held_decision(self, key: tuple) -> Decision | None:
@@ -408,10 +434,15 @@ class SpeculationController:
         take its own estimate. Asked again only once the requests or the acceptance changed."""
         if self._prior_check[:2] != (key, self.acceptance.samples):
             decisions, rates = self._predict(candidates, shapes, everyone, own_evidence=False)
-            per_token = {s: 1.0 / max(1e-9, rates[s.value]) for s in allowed}
+            per_token = self._per_token(rates, allowed)
             shape = self._trials.choice(self._load, allowed, chosen, per_token)
             self._prior_check = (key, self.acceptance.samples, not any(decisions[shape].windows))
         return self._prior_check[2]
+
+    def _per_token(self, rates: Mapping[str, float], allowed: list[Shape]) -> dict[Shape, float]:
+        """Each shape's predicted seconds per token, speculative ones with the drafter's work beyond windows."""
+        extra = self._drafter_extra_per_token()
+        return {s: 1.0 / max(1e-9, rates[s.value]) + (0.0 if s is Shape.PLAIN else extra) for s in allowed}
 
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
         """The shape with every request at its cap (k, or less where the request asks or ends sooner)."""
@@ -552,6 +583,9 @@ class SpeculationController:
             },
             "cost_terms": {"verify": ["step", "request", "token"], "draft": ["step", "forward", "token"]},
             "slowdown_beside": {part: round(r, 3) for part, r in self._slowdowns(costs.alone).items()},
+            # The drafter's seconds beyond drafting windows (prompts, catching up after plain steps) per token
+            # speculative steps made, at the load of the last decision: added to speculative shapes' cost.
+            "drafter_extra_seconds_per_token": round(self._drafter_extra_per_token(), 6),
             # Per load (load_kind: running requests 1, 2-4, 5-16, 17-64, ... for keys 0, 1, 2, 3, ...): each shape's
             # steps' wall time over the model's prediction for the same work.
             "measured_over_predicted": {

@@ -379,7 +379,10 @@ class DraftWorker(_Worker):
 
     def _window_draws(self, seqs: list[_Sequence], bases: list[list[int]], width: int) -> torch.Tensor:
         """[tasks, width] uniforms for the whole window at once, keyed by the output position and by where
-        the window starts: a window redrafted after a rejection draws afresh, a re-admitted request the same."""
+        the window starts: a window redrafted after a rejection draws afresh, a re-admitted request the same.
+        Greedy drafts draw nothing: zeros, without hashing the keys."""
+        if all(seq.params.greedy for seq in seqs):
+            return torch.zeros(len(seqs), width, device=self.device)
         seeds = seed_tensor([seq.seed for seq in seqs], self.device)[:, None]
         starts = torch.tensor([len(base) for base in bases], dtype=torch.int64, device=self.device)[:, None]
         return uniforms(seeds, DRAFT, starts + torch.arange(width, device=self.device)[None, :], starts)
