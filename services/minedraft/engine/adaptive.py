@@ -228,6 +228,7 @@ class SpeculationController:
         # The last decision that drafted nothing where nobody would draft: its requests, the steps it may still
         # serve, the decision (see `decide`).
         self._held: tuple[tuple, int, Decision] | None = None
+        self._prior_check: tuple = (None, -1, False)  # the requests, the acceptance's samples, the answer
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
@@ -378,10 +379,10 @@ class SpeculationController:
         allows is first tried in a few interleaved runs of a few decisions (in the order predicted), and another
         one runs now and then.
 
-        A decision that drafts nothing stands for _HOLD steps of the same requests, unless a try or probe is due:
-        until a step drafts, plain steps move nothing a prediction reads but each request's own estimate (a little
-        a step) and the plain factor (which the next decision reads), and predicting every shape at every k for
-        every request took 0.23 ms a step at 8 requests and 0.6 at 32, on the cores the workers compute on."""
+        Where nobody would draft even at the global acceptance (a useless draft), a decision that drafts nothing
+        stands for _HOLD steps of the same requests, unless a try or probe is due: until a step drafts, plain
+        steps move nothing a prediction reads but each request's own estimate, towards that acceptance, and
+        predicting every shape at every k for every step cost a plain step at one request 2%."""
         shapes = [s for s in self.shapes if s in candidates]
         key = (everyone, tuple(tuple((r.request_id, r.arrival_time) for r in candidates[s][0]) for s in shapes))
         held = self._held_decision(key)
@@ -410,7 +411,8 @@ class SpeculationController:
             decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
                                                   for r, w, cap in zip(requests, decision.windows, caps)])
         # Never with a seeded request: its windows are its caps, whatever the prediction (its text depends on them).
-        holds = not cold and not seeded and not any(decision.windows)
+        holds = not cold and not seeded and not any(decision.windows) and self._nobody_drafts_at_the_prior(
+            candidates, shapes, allowed, everyone, key, decision.shape)
         self._held = (key, _HOLD - 1, decision) if holds else None
         if log.isEnabledFor(logging.DEBUG):
             factors = {s.value: round(f, 3) for s, f in self._trials.costs().get(self._load, {}).items()}
@@ -428,6 +430,17 @@ class SpeculationController:
             return None
         self._held = (key, held[1] - 1, held[2])
         return held[2]
+
+    def _nobody_drafts_at_the_prior(self, candidates: Candidates, shapes: list[Shape], allowed: list[Shape],
+                                    everyone: int, key: tuple, chosen: Shape) -> bool:
+        """Whether the decision would draft nothing with each request at the global acceptance, where plain steps
+        take its own estimate. Asked again only once the requests or the acceptance changed."""
+        if self._prior_check[:2] != (key, self.acceptance.samples):
+            decisions, rates = self._predict(candidates, shapes, everyone, own_evidence=False)
+            per_token = self._per_token(rates, allowed)
+            shape = self._trials.choice(self._load, allowed, chosen, per_token)
+            self._prior_check = (key, self.acceptance.samples, not any(decisions[shape].windows))
+        return self._prior_check[2]
 
     def _per_token(self, rates: Mapping[str, float], allowed: list[Shape]) -> dict[Shape, float]:
         """Each shape's predicted seconds per token, speculative ones with the drafter's work beyond windows."""
