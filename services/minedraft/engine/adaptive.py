@@ -286,8 +286,8 @@ class SpeculationController:
                       result.verify_tokens, result.draft_seconds * 1e3, result.draft_tokens, between * 1e3,
                       sum(len(v.token_ids) for v in result.verified))  # fmt: skip
         # A step whose part ran on a thread count being tried (engine/threads.py) measures the count, not the
-        # shape: six such plain steps at 8 requests (one thread of two, 30% slower) once sent a served default
-        # to one-batch steps for a hundred decisions.
+        # shape: a run of seven plain steps 30% slower than the steps around them (a try's length; the log did not
+        # name the count) once sent a served default at 8 requests to one-batch steps for a hundred decisions.
         self._measure(shape, result, between, decoding and self._warm(shape) and not result.thread_trial, together)
 
     def _charge_drafter(self, result: StepResult, together: bool, decoding: bool) -> None:
