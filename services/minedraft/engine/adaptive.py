@@ -299,7 +299,8 @@ class SpeculationController:
         seconds, tokens = self._model.drafter_extra
         extra = 0.0
         if result.draft_seconds > 0 and not decoding and self._trusted("draft", together):
-            part = self._costs().together if together else self._costs().alone
+            costs = self._costs()
+            part = costs.together if together else costs.alone
             windows = list(result.drafted.values()) or [0]
             extra = max(0.0, result.draft_seconds - part.draft_seconds(windows, self._one_forward))
         made = sum(len(v.token_ids) for v in result.verified)

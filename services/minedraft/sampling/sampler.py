@@ -206,8 +206,8 @@ def draft_sample(
     if greedy:
         index = torch.tensor(greedy, device=device)
         token_probs[index] = logits[index].float().softmax(dim=-1).amax(dim=-1)  # = softmax at the argmax
-    greedy_layout = _one_hot(argmax, support_size)
-    ids, probs = greedy_layout.token_ids, greedy_layout.probs
+    greedy_layout = _greedy_layout(argmax, support_size)  # copied below: the random rows are written into it
+    ids, probs = greedy_layout.token_ids.clone(), greedy_layout.probs.clone()
     tokens = argmax.clone()
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if rows:
@@ -223,8 +223,9 @@ def draft_sample(
 
 
 def _greedy_layout(argmax: Tensor, support_size: int) -> SparseProbs:
-    """`_one_hot`'s layout as views that copy nothing: each row's ids repeat its argmax, and every row's
-    probabilities are one shared row (1, 0, ...). Read-only: writing into an expanded view raises."""
+    """Greedy rows' layout, the argmax in column 0 with all the mass (the rest is padding), as views that copy
+    nothing: each row's ids repeat its argmax, and every row's probabilities are one shared row (1, 0, ...).
+    Read-only: writing into an expanded view raises."""
     row = _first_column(support_size, argmax.device)
     return SparseProbs(argmax[:, None].expand(-1, support_size), row.expand(argmax.shape[0], -1))
 
@@ -235,10 +236,3 @@ def _first_column(support_size: int, device: torch.device) -> Tensor:
     row = torch.zeros(1, support_size, device=device)
     row[0, 0] = 1.0
     return row
-
-
-def _one_hot(argmax: Tensor, support_size: int) -> SparseProbs:
-    """Greedy rows' layout: the argmax in column 0 with all the mass; the rest is padding."""
-    probs = torch.zeros(argmax.shape[0], support_size, device=argmax.device)
-    probs[:, 0] = 1.0
-    return SparseProbs(argmax[:, None].repeat(1, support_size), probs)
