@@ -52,7 +52,8 @@ def test_the_stack_matches_the_layers_one_by_one(tmp_path, shape: str) -> None:
             runner.allocate_slot()
     _run_both(runners, [SeqInput(i, p, 0) for i, p in enumerate(prompts)])
     lengths = [len(p) for p in prompts]
-    for window in ([1, 1, 1, 1], [5, 5, 5, 5], [1, 3, 2, 7], [1, 0, 4, 0]):
+    # Rows 4, 20, 13, 5, 15 and 6: every row block of the GEMM, one pass (up to 6 rows) and two halves (7, 8).
+    for window in ([1, 1, 1, 1], [5, 5, 5, 5], [1, 3, 2, 7], [1, 0, 4, 0], [6, 7, 1, 1], [0, 6, 0, 0]):
         step = [SeqInput(i, [rng.randrange(vocab) for _ in range(n)], lengths[i], num_logits=n)
                 for i, n in enumerate(window) if n]  # fmt: skip
         with_stack, without = _run_both(runners, step)

@@ -4,8 +4,8 @@ head of a step whose queries are all short (decode steps, verification windows, 
 On CPU a small model's step costs what dispatching its operators costs: the bundled draft (two layers of 128
 features) ran some 230 operators per forward, about a millisecond, for arithmetic one core does in tens of
 microseconds, and the bundled target's decode step of one sequence took 3.5 ms where its weights take about one
-to read. `DecodeStack` holds each layer's weights and the LM head transposed ([in, out]: a copy, as oneDNN's
-packed weights are one) and runs them in one call; the embedding stays torch's.
+to read. `DecodeStack` holds each layer's weights and the LM head transposed and packed by tiles of the GEMM's
+outputs (a copy, as oneDNN's packed weights are one) and runs them in one call; the embedding stays torch's.
 
 Each row's result depends on that row alone (every output one sum in a fixed order), so in the default mode a
 token's logits are the same in a decode step and in a verification window of any batch up to MAX_ROWS rows; above
@@ -23,11 +23,12 @@ import torch
 from minedraft.model import cpu_kernels
 from minedraft.model.transformer import MLP, CausalLM, ForwardContext
 
-# Rows (tokens) of the step up to which the one call runs it: the bundled target's steps took 0.52-0.71x the time
-# at one row, 0.74-0.82x at 32, 0.93x at 64 and 1.0-1.14x at 160, where torch's GEMMs reuse each weight over more
-# rows (benchmarks/decode_stack.py, 1 and 2 threads, an AVX-512 Xeon).
+# Rows (tokens) of the step up to which the one call runs it: the bundled models' steps took 0.44-0.61x the time
+# at one row, 0.76-0.82x at 32, 0.83-1.0x at 64 and 0.88-1.06x at 160, where torch's GEMMs reuse each weight over
+# more rows (benchmarks/decode_stack.py, 1 and 2 threads, an AVX-512 Xeon).
 MAX_ROWS = 64
 _WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
+_TILE = 64  # decode_stack.c's TILE: the outputs one tile of its GEMM covers (COL_VECS x LANES floats)
 
 
 class DecodeStack:
@@ -47,7 +48,7 @@ class DecodeStack:
         self.pointers = torch.tensor(pointers, dtype=torch.int64)
         self.final_norm = decoder.norm.weight.detach().contiguous()
         self.vocab = model.lm_head.vocab_size
-        self.lm_head = model.lm_head.weight.detach()[: self.vocab].t().contiguous()  # [hidden, vocab]
+        self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab])  # [hidden, vocab], packed
 
     @staticmethod
     def build(model: CausalLM) -> tuple[DecodeStack | None, str | None]:
@@ -112,7 +113,19 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed(linear: torch.nn.Module) -> torch.Tensor:
-    return linear.dense_weight().t().contiguous()
+    return _packed(linear.dense_weight())
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight [out, in] as decode_stack.c's gemm reads it: transposed ([in, out]) and cut into
+    tiles of _TILE columns, each [in, _TILE] contiguous, then the last out % _TILE columns as [in, out % _TILE].
+    One tile's weights are then one run of memory that the hardware prefetcher streams, where rows `out` floats
+    apart were not."""
+    columns = weight.t()
+    fan_in, out = columns.shape
+    whole = out - out % _TILE
+    tiles = columns[:, :whole].reshape(fan_in, whole // _TILE, _TILE).transpose(0, 1)
+    return torch.cat((tiles.reshape(-1), columns[:, whole:].reshape(-1))).contiguous()
 
 
 def _unsupported(model: CausalLM) -> str | None:

@@ -4,7 +4,7 @@
  * which one core does in microseconds, while the layers' forty-odd torch operators (the GEMMs among them),
  * each dispatched from Python, took a millisecond; the bundled target's step likewise cost its dispatch more
  * than reading its weights. Here every layer runs as loops over the weights held
- * transposed ([in, out]): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
+ * transposed and packed by tiles of 64 outputs (gemm): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
  * paged attention (the kernels of model/fused_layers.c and model/paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the
  * stream; then the final norm and the LM head for the rows that need logits. Built once per machine by
@@ -18,60 +18,82 @@
 
 #include <stdlib.h>
 
-#define ROW_BLOCK 4        /* rows that share each loaded weight vector */
-#define COL_VECS 4         /* output vectors (of LANES) each row accumulates at once */
-#define PARALLEL_MACS (1 << 20) /* a GEMM with fewer multiply-adds runs on the calling thread */
+#define ROW_BLOCK 8        /* rows that share each loaded weight vector (a verification window of k = 4 is 5) */
+#define COL_VECS 4         /* output vectors (of LANES) a tile covers */
+#define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as model/cpu_stack.py packs the weights */
+#define PARALLEL_MACS (1 << 16) /* a GEMM with fewer multiply-adds runs on the calling thread */
 
-/* y[r][o0 .. o0 + COL_VECS * LANES) (+)= x[r] . wt[:, o] for `rows` <= ROW_BLOCK rows. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t in, const float *wt,
-                                                            int64_t out, int64_t o0, float *y, int64_t stride_y,
-                                                            int rows, int accumulate) {
+/* y[r][o0 .. o0 + cols * LANES) (+)= x[r] . w[i][c0 ..] for `rows` rows, w one tile's weights ([in][TILE]) and
+ * c0 the block's first column in it; rows x cols accumulators stay in registers (AVX-512 has 32: up to 6 rows
+ * of 4 vectors, 8 of 2). */
+static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t in, const float *wtile,
+                                                             int64_t c0, float *y, int64_t stride_y, int rows,
+                                                             int cols, int accumulate) {
     vec acc[ROW_BLOCK][COL_VECS] = {{{0}}};
     for (int64_t i = 0; i < in; i++) {
-        const float *w = wt + i * out + o0;
+        const float *w = wtile + i * TILE + c0;
         vec wv[COL_VECS];
-        for (int c = 0; c < COL_VECS; c++) wv[c] = *(const vec *)(w + c * LANES);
+        for (int c = 0; c < cols; c++) wv[c] = *(const vec *)(w + c * LANES);
         for (int r = 0; r < rows; r++) {
             float xi = x[r * in + i];
-            for (int c = 0; c < COL_VECS; c++) acc[r][c] += xi * wv[c];
+            for (int c = 0; c < cols; c++) acc[r][c] += xi * wv[c];
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < COL_VECS; c++) {
-            vec *dst = (vec *)(y + r * stride_y + o0 + c * LANES);
+        for (int c = 0; c < cols; c++) {
+            vec *dst = (vec *)(y + r * stride_y + c0 + c * LANES);
             *dst = accumulate ? *dst + acc[r][c] : acc[r][c];
         }
 }
 
-/* The outputs past the last full tile, one at a time (same order of sums). */
-static void gemm_tail(const float *x, int64_t in, const float *wt, int64_t out, int64_t o0, float *y,
-                      int64_t stride_y, int rows, int accumulate) {
+/* One tile (TILE outputs; y its first output of row 0) for `rows` <= ROW_BLOCK rows: every weight vector is
+ * loaded once for all of them. Past 6 rows the tile runs as two halves, which sum each output as one pass would. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t in, const float *wtile,
+                                                            float *y, int64_t stride_y, int rows, int accumulate) {
+    if (rows <= 6) {
+        gemm_block(x, in, wtile, 0, y, stride_y, rows, COL_VECS, accumulate);
+        return;
+    }
+    for (int half = 0; half < 2; half++)
+        gemm_block(x, in, wtile, half * (TILE / 2), y, stride_y, rows, COL_VECS / 2, accumulate);
+}
+
+/* The `width` outputs past the last full tile (weights [in][width]), one at a time (same order of sums). */
+static void gemm_tail(const float *x, int64_t in, const float *wtail, int64_t width, float *y, int64_t stride_y,
+                      int rows, int accumulate) {
     for (int r = 0; r < rows; r++)
-        for (int64_t o = o0; o < out; o++) {
+        for (int64_t o = 0; o < width; o++) {
             float sum = 0.0f;
-            for (int64_t i = 0; i < in; i++) sum += x[r * in + i] * wt[i * out + o];
+            for (int64_t i = 0; i < in; i++) sum += x[r * in + i] * wtail[i * width + o];
             y[r * stride_y + o] = accumulate ? y[r * stride_y + o] + sum : sum;
         }
 }
 
-/* y (+)= x @ wt (+ bias): x [rows, in] contiguous, wt [in, out], y rows `stride_y` apart. */
+/* y (+)= x @ W (+ bias): x [rows, in] contiguous, y rows `stride_y` apart; wt: W [in, out] packed by tiles of
+ * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/cpu_stack.py
+ * packs them): a tile's weights stream from memory in order. */
 static void gemm(const float *x, int64_t rows, int64_t in, const float *wt, const float *bias, int64_t out,
                  float *y, int64_t stride_y, int accumulate, int threads) {
-    const int64_t tile = COL_VECS * LANES, tiles = out / tile;
+    const int64_t tiles = out / TILE;
     int parallel = threads > 1 && rows * in * out >= PARALLEL_MACS;
 #pragma omp parallel for num_threads(threads) if (parallel) collapse(2)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-            const float *xr = x + r0 * in;
-            float *yr = y + r0 * stride_y;
+            const float *xr = x + r0 * in, *wtile = wt + t * in * TILE;
+            float *yr = y + r0 * stride_y + t * TILE;
             switch (rows - r0 >= ROW_BLOCK ? ROW_BLOCK : rows - r0) { /* constant row counts: registers */
-            case 4: gemm_tile(xr, in, wt, out, t * tile, yr, stride_y, 4, accumulate); break;
-            case 3: gemm_tile(xr, in, wt, out, t * tile, yr, stride_y, 3, accumulate); break;
-            case 2: gemm_tile(xr, in, wt, out, t * tile, yr, stride_y, 2, accumulate); break;
-            default: gemm_tile(xr, in, wt, out, t * tile, yr, stride_y, 1, accumulate); break;
+            case 8: gemm_tile(xr, in, wtile, yr, stride_y, 8, accumulate); break;
+            case 7: gemm_tile(xr, in, wtile, yr, stride_y, 7, accumulate); break;
+            case 6: gemm_tile(xr, in, wtile, yr, stride_y, 6, accumulate); break;
+            case 5: gemm_tile(xr, in, wtile, yr, stride_y, 5, accumulate); break;
+            case 4: gemm_tile(xr, in, wtile, yr, stride_y, 4, accumulate); break;
+            case 3: gemm_tile(xr, in, wtile, yr, stride_y, 3, accumulate); break;
+            case 2: gemm_tile(xr, in, wtile, yr, stride_y, 2, accumulate); break;
+            default: gemm_tile(xr, in, wtile, yr, stride_y, 1, accumulate); break;
             }
         }
-    if (tiles * tile < out) gemm_tail(x, in, wt, out, tiles * tile, y, stride_y, (int)rows, accumulate);
+    if (tiles * TILE < out)
+        gemm_tail(x, in, wt + tiles * in * TILE, out - tiles * TILE, y + tiles * TILE, stride_y, (int)rows, accumulate);
     if (bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < out; o++) y[r * stride_y + o] += bias[o];
