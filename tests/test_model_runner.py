@@ -148,7 +148,8 @@ def test_output_shape_and_empty_batch(runner):
 
 
 def test_prepared_batch_executes_on_another_runner(path):
-    a, b = ModelRunner(path, num_slots=2, max_seq_len=32), ModelRunner(path, num_slots=2, max_seq_len=32)
+    # The layers' ops, as under tensor parallelism (the one-call CPU stack runs from the host lists, on one rank).
+    a, b = (ModelRunner(path, num_slots=2, max_seq_len=32, fused_kernels="off") for _ in range(2))
     seqs = [SeqInput(a.allocate_slot(), [5, 6, 7, 8], 0, num_logits=2), SeqInput(a.allocate_slot(), [9], 0)]
     batch = a.prepare(seqs)
     assert batch.positions.tolist() == [0, 1, 2, 3, 0] and batch.logits_indices.tolist() == [2, 3, 4]

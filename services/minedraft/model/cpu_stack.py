@@ -21,7 +21,9 @@ import ctypes
 import torch
 
 from minedraft.model import cpu_kernels
-from minedraft.model.transformer import MLP, CausalLM, ForwardContext
+from minedraft.model.attention import PADDED_MAX_QUERY
+from minedraft.model.kv_cache import NULL_BLOCK, KVCache
+from minedraft.model.transformer import MLP, CausalLM
 
 # Rows (tokens) of the step up to which the one call runs it: the bundled models' steps took 0.44-0.61x the time
 # at one row, 0.76-0.82x at 32, 0.83-1.0x at 64 and 0.88-1.06x at 160, where torch's GEMMs reuse each weight over
@@ -29,6 +31,29 @@ from minedraft.model.transformer import MLP, CausalLM, ForwardContext
 MAX_ROWS = 64
 _WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
 _TILE = 64  # decode_stack.c's TILE: the outputs one tile of its GEMM covers (COL_VECS x LANES floats)
+
+
+class StackStep:
+    """A step as the call reads it: its token rows (ids, positions, cache slots, logits rows) in one int64
+    tensor and its sequences (block tables, starts, offsets, query lengths) in one int32 tensor, built from the
+    host lists in two conversions (the general path's batch and attention plan take about fifteen), and the
+    addresses of each part."""
+
+    def __init__(self, ids: list[int], positions: list[int], token_index: list[int], logits_rows: list[int],
+                 tables: list[list[int]], starts: list[int], query_lens: list[int]) -> None:
+        self.tokens, self.num_logits, self.seqs = len(ids), len(logits_rows), len(tables)
+        self.table_width = max(map(len, tables))
+        offsets = [0] * self.seqs
+        for i in range(1, self.seqs):
+            offsets[i] = offsets[i - 1] + query_lens[i - 1]
+        padded = [b for table in tables for b in (*table, *[NULL_BLOCK] * (self.table_width - len(table)))]
+        self._rows = torch.tensor(ids + positions + token_index + logits_rows, dtype=torch.int64)
+        self._seqs = torch.tensor(padded + starts + offsets + query_lens, dtype=torch.int32)
+        row, seq = self._rows.data_ptr(), self._seqs.data_ptr()
+        n, s = self.tokens, self.seqs
+        self.ids, self.positions, self.token_index, self.logits_rows = (row + 8 * i * n for i in range(4))
+        self.tables = seq
+        self.starts, self.offsets, self.lengths = (seq + 4 * (len(padded) + i * s) for i in range(3))
 
 
 class DecodeStack:
@@ -49,6 +74,9 @@ class DecodeStack:
         self.final_norm = decoder.norm.weight.detach().contiguous()
         self.vocab = model.lm_head.vocab_size
         self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab])  # [hidden, vocab], packed
+        self.embed = decoder.embed_tokens.weight.detach().contiguous()  # [vocab, hidden]
+        self.cos, self.signed_sin = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
+        self._caches: tuple[tuple[int, int], ctypes.Array] | None = None
 
     @staticmethod
     def build(model: CausalLM) -> tuple[DecodeStack | None, str | None]:
@@ -56,36 +84,38 @@ class DecodeStack:
         reason = _unsupported(model) or cpu_kernels.unavailable(_load)
         return (None, reason) if reason else (DecodeStack(model), None)
 
-    def takes(self, tokens: int, ctx: ForwardContext) -> bool:
-        """Whether the step is one the call runs: every token a short query of the C attention kernel's."""
-        return ctx.attention.cpu_covers_all and 0 < tokens <= MAX_ROWS
+    @staticmethod
+    def takes(query_lens: list[int]) -> bool:
+        """Whether the call runs a step of sequences with these new tokens: every one a short query of the C
+        attention kernel's, at most MAX_ROWS in all."""
+        return all(0 < n <= PADDED_MAX_QUERY for n in query_lens) and 0 < sum(query_lens) <= MAX_ROWS
 
-    def logits(self, x: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] of the rows `logits_indices`, from the embeddings x [tokens, hidden]
-        (overwritten with the residual stream)."""
-        assert ctx.rope is not None and ctx.attention.cpu is not None
-        tokens = x.shape[0]
-        x = x if x.is_contiguous() else x.contiguous()
-        cos, signed_sin = (t.reshape(tokens, -1) for t in ctx.rope)
-        cache = ctx.kv_cache
-        caches = (ctypes.c_int64 * (2 * self.num_layers))(
-            *(t.data_ptr() for layer in range(self.num_layers) for t in (cache.k[layer], cache.v[layer])))
-        k0, meta = cache.k[0], ctx.attention.cpu
-        index, rows = (_int64(t) for t in (ctx.token_index, logits_indices))
-        logits = torch.empty(rows.shape[0], self.vocab)
+    def logits(self, step: StackStep, cache: KVCache) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the step's logits rows; writes its tokens' keys and values."""
+        k0 = cache.k[0]
+        logits = torch.empty(step.num_logits, self.vocab)
         status = _load().decode_stack_f32(
-            x.data_ptr(), tokens, self.hidden, self.num_layers, self.pointers.data_ptr(), caches, k0.stride(0),
-            k0.stride(1), k0.stride(2), cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), index.data_ptr(),
-            meta.tables.data_ptr(), meta.tables.shape[1], meta.starts.data_ptr(), meta.offsets.data_ptr(),
-            meta.lengths.data_ptr(), meta.tables.shape[0], self.heads, self.kv_heads, self.head_dim, k0.shape[2],
-            self.intermediate, self.eps, self.scale, rows.data_ptr(), rows.shape[0], self.final_norm.data_ptr(),
-            self.lm_head.data_ptr(), self.vocab, logits.data_ptr(), torch.get_num_threads(),
+            step.ids, self.embed.data_ptr(), step.positions, step.tokens, self.hidden, self.num_layers,
+            self.pointers.data_ptr(), self._cache_pointers(cache), k0.stride(0), k0.stride(1), k0.stride(2),
+            self.cos.data_ptr(), self.signed_sin.data_ptr(), self.cos.stride(0), step.token_index, step.tables,
+            step.table_width, step.starts, step.offsets, step.lengths, step.seqs, self.heads, self.kv_heads,
+            self.head_dim, k0.shape[2], self.intermediate, self.eps, self.scale, step.logits_rows, step.num_logits,
+            self.final_norm.data_ptr(), self.lm_head.data_ptr(), self.vocab, logits.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
-            raise ValueError(f"decode stack: {rows.shape[0]} logits rows asked of a step of {tokens} tokens")
+            raise ValueError(f"decode stack: {step.num_logits} logits rows asked of a step of {step.tokens} tokens")
         if status != 0:
             raise MemoryError("decode stack: no memory for its scratch rows")
         return logits
+
+    def _cache_pointers(self, cache: KVCache) -> ctypes.Array:
+        """Each layer's k and v pool as the call reads them (built once per pool)."""
+        key = (cache.k[0].data_ptr(), self.num_layers)
+        if self._caches is None or self._caches[0] != key:
+            pools = (t.data_ptr() for layer in range(self.num_layers) for t in (cache.k[layer], cache.v[layer]))
+            self._caches = (key, (ctypes.c_int64 * (2 * self.num_layers))(*pools))
+        return self._caches[1]
 
     def _layer_pointers(self, layer: torch.nn.Module) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp
@@ -105,11 +135,6 @@ class DecodeStack:
             self._kept.append(tensor)
             pointers.append(tensor.data_ptr())
         return pointers
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    t = t if t.dtype is torch.int64 else t.to(torch.int64)
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def _transposed(linear: torch.nn.Module) -> torch.Tensor:
@@ -156,6 +181,6 @@ def _load() -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.decode_stack_f32.restype = ctypes.c_int
-    lib.decode_stack_f32.argtypes = [ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr,
-                                     ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr, i64, ptr,
-                                     i32]  # fmt: skip
+    lib.decode_stack_f32.argtypes = [ptr, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                                     i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr,
+                                     i64, ptr, i32]  # fmt: skip

@@ -17,6 +17,7 @@
 #include "paged_attention.c"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define ROW_BLOCK 8        /* rows that share each loaded weight vector (a verification window of k = 4 is 5) */
 #define COL_VECS 4         /* output vectors (of LANES) a tile covers */
@@ -103,38 +104,45 @@ static void gemm(const float *x, int64_t rows, int64_t in, const float *wt, cons
 enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
        WEIGHTS_PER_LAYER };
 
-/* x: [tokens, hidden], the embeddings in, the residual stream after the last layer out; logits: [num_logits,
- * vocab], of the rows logits_rows of x (each < tokens), after the final norm. weights: [layers][
- * WEIGHTS_PER_LAYER] pointers; caches: [layers][2] pointers to k and v ([kv_heads, blocks, block_size, dim],
- * contiguous). cos, signed_sin: [tokens, dim] rows `stride_rope` apart; token_index: each token's flat cache
- * slot; tables .. lengths: the sequences as paged_attention_f32 reads them (every token one of theirs).
- * Returns 0, -1 when scratch memory ran out, -2 for more logits rows than tokens. */
-int decode_stack_f32(float *x, int64_t tokens, int64_t hidden, int layers, const int64_t *weights,
-                     const int64_t *caches, int64_t kv_stride_h, int64_t kv_stride_b, int64_t kv_stride_t,
-                     const float *cos, const float *signed_sin, int64_t stride_rope, const int64_t *token_index,
-                     const int32_t *tables, int64_t table_width, const int32_t *starts, const int32_t *offsets,
-                     const int32_t *lengths, int seqs, int heads, int kv_heads, int dim, int block_size,
-                     int64_t intermediate, float eps, float scale, const int64_t *logits_rows,
-                     int64_t num_logits, const float *final_norm, const float *lm_head, int64_t vocab,
-                     float *logits, int threads) {
+/* ids: the step's tokens, embedded from embed [vocab, hidden] into the residual stream; positions: each token's
+ * position, its rotary rows read from cos_table and sin_table ([positions, dim] rows `stride_rope` apart; the sin
+ * signed). logits: [num_logits, vocab], of the rows logits_rows (each < tokens), after the final norm. weights:
+ * [layers][WEIGHTS_PER_LAYER] pointers; caches: [layers][2] pointers to k and v ([kv_heads, blocks, block_size,
+ * dim], contiguous). token_index: each token's flat cache slot; tables .. lengths: the sequences as
+ * paged_attention_f32 reads them (every token one of theirs). Returns 0, -1 when scratch memory ran out, -2 for
+ * more logits rows than tokens. */
+int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
+                     int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
+                     int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
+                     int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
+                     const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
+                     int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
+                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const float *lm_head,
+                     int64_t vocab, float *logits, int threads) {
     int64_t q_width = (int64_t)heads * dim, qkv_width = q_width + 2 * (int64_t)kv_heads * dim;
-    size_t floats = (size_t)tokens * (hidden + qkv_width + 2 * q_width + 3 * intermediate);
+    size_t floats = (size_t)tokens * (2 * hidden + 2 * dim + qkv_width + 2 * q_width + 3 * intermediate);
     if (num_logits > tokens) return -2;
-    float *h = malloc(sizeof(float) * floats);
-    if (!h) return -1;
-    float *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_width, *attn = q + tokens * q_width;
+    float *x = malloc(sizeof(float) * floats);
+    if (!x) return -1;
+    float *h = x + tokens * hidden, *cos = h + tokens * hidden, *signed_sin = cos + tokens * dim;
+    float *qkv = signed_sin + tokens * dim, *q = qkv + tokens * qkv_width, *attn = q + tokens * q_width;
     float *gate_up = attn + tokens * q_width, *act = gate_up + tokens * 2 * intermediate;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(x + t * hidden, embed + ids[t] * hidden, sizeof(float) * hidden);
+        memcpy(cos + t * dim, cos_table + positions[t] * stride_rope, sizeof(float) * dim);
+        memcpy(signed_sin + t * dim, sin_table + positions[t] * stride_rope, sizeof(float) * dim);
+    }
     for (int l = 0; l < layers; l++) {
         const float *const *w = (const float *const *)(weights + (int64_t)l * WEIGHTS_PER_LAYER);
         float *k_cache = (float *)caches[2 * l], *v_cache = (float *)caches[2 * l + 1];
         add_rms_norm_f32(x, hidden, NULL, 0, w[IN_NORM], h, NULL, tokens, hidden, eps, 1);
         gemm(h, tokens, hidden, w[QKV], w[QKV_BIAS], qkv_width, qkv, qkv_width, 0, threads);
-        rope_write_kv_f32(qkv, qkv_width, cos, signed_sin, stride_rope, token_index, q, k_cache, v_cache,
+        rope_write_kv_f32(qkv, qkv_width, cos, signed_sin, dim, token_index, q, k_cache, v_cache,
                           kv_stride_h, w[Q_NORM], w[K_NORM], eps, tokens, heads, kv_heads, dim, 1);
         if (paged_attention_f32(q, q_width, dim, k_cache, v_cache, kv_stride_h, kv_stride_b, kv_stride_t, attn,
                                 q_width, dim, tables, table_width, starts, offsets, lengths, seqs, heads, kv_heads,
                                 dim, block_size, scale, threads) != 0) {
-            free(h);
+            free(x);
             return -1;
         }
         gemm(attn, tokens, q_width, w[O], w[O_BIAS], hidden, x, hidden, 1, threads);
@@ -153,6 +161,6 @@ int decode_stack_f32(float *x, int64_t tokens, int64_t hidden, int layers, const
         add_rms_norm_f32(x + logits_rows[r] * hidden, hidden, NULL, 0, final_norm, h + r * hidden, NULL, 1, hidden,
                          eps, 1);
     gemm(h, num_logits, hidden, lm_head, NULL, vocab, logits, vocab, 0, threads);
-    free(h);
+    free(x);
     return 0;
 }

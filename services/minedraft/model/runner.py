@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from minedraft.config import check_fits_one_request
 from minedraft.extras import require
 from minedraft.model import cpu_attention, cpu_fused
 from minedraft.model.attention import plan_attention
-from minedraft.model.cpu_stack import DecodeStack
+from minedraft.model.cpu_stack import DecodeStack, StackStep
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
@@ -114,6 +114,18 @@ class SeqInput:
     start_pos: int  # tokens already valid in the cache; later ones are overwritten (rollback = smaller start_pos)
     num_logits: int = 1  # logits for the last num_logits tokens (k + 1 when verifying k drafts; 0: none)
     hidden: torch.Tensor | None = None  # an EAGLE head's hidden input, one row per token ([tokens, hidden])
+
+
+class _HostBatch(NamedTuple):
+    """A step flattened into host lists (ModelRunner._flatten): what prepare and the one-call stack read."""
+
+    ids: list[int]  # every sequence's new tokens, in batch order
+    positions: list[int]
+    token_index: list[int]  # each token's flat KV-cache index
+    logits_indices: list[int]  # rows of the flattened tokens that need logits
+    tables: list[list[int]]  # each sequence's blocks
+    starts: list[int]  # each sequence's start_pos
+    query_lens: list[int]  # each sequence's new tokens
 
 
 @dataclass
@@ -334,10 +346,14 @@ class ModelRunner:
 
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """float32 logits [sum(num_logits), vocab_size], rows in seqs order, on the runner's device."""
-        batch = self.prepare(seqs)
-        logits = self.execute(batch)
-        if self.kv_cache.features is not None and len(batch.token_index):
-            self.kv_cache.write_features(batch.token_index.to(self.device), self.aux_hidden)
+        stack = self._stack_for(seqs)
+        if stack is not None:  # the whole forward as one C call, from the host lists
+            logits = stack.logits(StackStep(*self._flatten(seqs)), self.kv_cache)
+        else:
+            batch = self.prepare(seqs)
+            logits = self.execute(batch)
+            if self.kv_cache.features is not None and len(batch.token_index):
+                self.kv_cache.write_features(batch.token_index.to(self.device), self.aux_hidden)
         for seq in seqs:
             self.kv_cache.lengths[seq.slot] = seq.start_pos + len(seq.token_ids)
         self._work = (self._work[0] + 1, self._work[1] + sum(len(seq.token_ids) for seq in seqs))
@@ -350,6 +366,16 @@ class ModelRunner:
 
     def prepare(self, seqs: list[SeqInput]) -> ForwardBatch:
         """Validate the batch, fit each sequence's blocks to what it will hold, flatten into host tensors."""
+        ids, positions, index, logits_indices, tables, starts, lens = self._flatten(seqs)
+        width = max((len(t) for t in tables), default=0)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+        return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(index), as_tensor(starts),
+                            as_tensor(lens), as_tensor(logits_indices),
+                            as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width),
+                            self._head_inputs(seqs), self._lora_slots(seqs, lens))  # fmt: skip
+
+    def _flatten(self, seqs: list[SeqInput]) -> _HostBatch:
+        """Validate the batch, fit each sequence's blocks to what it will hold, flatten into host lists."""
         seen: set[int] = set()
         for seq in seqs:
             self._validate(seq, seen)
@@ -364,12 +390,14 @@ class ModelRunner:
             end += n
             logits_indices.extend(range(end - seq.num_logits, end))
         tables = [self.kv_cache.block_tables[seq.slot] for seq in seqs]
-        width = max((len(t) for t in tables), default=0)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-        return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(index),
-                            as_tensor([s.start_pos for s in seqs]), as_tensor(lens), as_tensor(logits_indices),
-                            as_tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables]).view(len(seqs), width),
-                            self._head_inputs(seqs), self._lora_slots(seqs, lens))  # fmt: skip
+        return _HostBatch(ids, positions, index, logits_indices, tables, [s.start_pos for s in seqs], lens)
+
+    def _stack_for(self, seqs: list[SeqInput]) -> DecodeStack | None:
+        """The one-call stack where it runs this step (short queries only, no EAGLE features), else None."""
+        stack = self.model.model.decode_stack if self.decode_stack else None
+        if stack is None or self.model.model.aux_layers or self.kv_cache.features is not None:
+            return None
+        return stack if DecodeStack.takes([len(seq.token_ids) for seq in seqs]) else None
 
     def _lora_slots(self, seqs: list[SeqInput], lens: list[int]) -> torch.Tensor | None:
         """Each token's adapter slot, the batch's adapters loaded into slots first (None: no adapter)."""

@@ -162,8 +162,8 @@ class DecoderModel(nn.Module):
         # The fused kernels for the norms, rotary + KV write and SiLU-and-mul: model/triton_fused.py on CUDA,
         # model/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
         self.fused_kernels: ModuleType | None = None
-        # A step of short queries through the layers, final norm and LM head as one C call (CausalLM.forward,
-        # model/cpu_stack.DecodeStack), where the runner runs the C fused kernels. None: the layers as below.
+        # A step of short queries through the layers, final norm and LM head as one C call (model/cpu_stack.py;
+        # ModelRunner.forward runs it), where the runner runs the C fused kernels. None: the layers as below.
         self.decode_stack: Any = None
 
     def inputs(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ForwardContext]:
@@ -211,9 +211,6 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor) -> torch.Tensor:
-        stack = self.model.decode_stack
-        if stack is not None and not self.model.aux_layers and stack.takes(len(input_ids), ctx):
-            return stack.logits(*self.model.inputs(input_ids, ctx), logits_indices)
         hidden = self.model(input_ids, ctx)[logits_indices]
         return self.lm_head(self.model.final_norm(hidden))
 
