@@ -13,6 +13,7 @@ from minedraft.sampling.sampler import (
     SparseProbs,
     draft_sample,
     processed_probs,
+    row_argmax,
 )
 from minedraft.sampling.streams import DRAFT, FINAL, RowKeys, seed_tensor, uniforms
 
@@ -213,3 +214,17 @@ def test_keyed_uniforms_match_the_reference_and_are_uniform() -> None:
         assert stats.kstest(sample.numpy(), "uniform").pvalue > 1e-4
     # Streams of one key are not the same numbers.
     assert not torch.equal(along, uniforms(seed_tensor([42]), DRAFT, torch.arange(50_000)))
+
+
+def test_row_argmax_is_torchs_argmax() -> None:
+    """The numpy path on CPU picks what torch's argmax picks: the first of equal maxima, a NaN as the largest,
+    an all -inf row its first index; strided rows; other dtypes go to torch."""
+    rows = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 2.0], [float("-inf")] * 5, [2.0, 2.0, 1.0, 0.0, 2.0],
+                         [0.5, float("nan"), 9.0, float("nan"), 1.0]])  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    for logits in (rows, torch.randn(40, 4096, generator=generator), torch.randn(6, 300, generator=generator)[:, ::3],
+                   torch.randn(3, 50, generator=generator).double(), torch.randn(0, 9)):
+        assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+        assert row_argmax(logits).dtype == torch.int64
+    half = torch.randn(4, 33, generator=generator).to(torch.bfloat16)
+    assert torch.equal(row_argmax(half), half.argmax(dim=-1))

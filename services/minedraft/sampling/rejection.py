@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
-from minedraft.sampling.sampler import SparseProbs, processed_prob_of, processed_probs, sample_from
+from minedraft.sampling.sampler import SparseProbs, processed_prob_of, processed_probs, row_argmax, sample_from
 from minedraft.sampling.streams import ACCEPT, FINAL, RowKeys
 
 
@@ -133,7 +133,7 @@ def _greedy_verify(target_logits: Tensor, draft_tokens: list[list[int]], counts:
     """The rule above when every request is greedy (p one-hot at the argmax, q one-hot at each draft): accept
     drafts while each is its row's argmax, then emit the argmax of the next row. The same tokens as the
     general path, from one argmax and one host transfer; plain decoding takes this path on every step."""
-    argmax = target_logits.argmax(dim=-1).tolist()  # the first index among equal maxima, as processed_probs
+    argmax = row_argmax(target_logits).tolist()  # the first index among equal maxima, as processed_probs
     out, start = [], 0
     for drafts, count in zip(draft_tokens, counts):
         best = argmax[start : start + count]

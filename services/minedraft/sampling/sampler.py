@@ -19,10 +19,20 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from minedraft.sampling.params import SamplingParams
+
+
+def row_argmax(logits: Tensor) -> Tensor:
+    """Each row's argmax [rows] int64: the first index among equal maxima, a NaN counting as the largest (as
+    torch's). On CPU through numpy, whose argmax is vectorised: torch's took ~10 us a vocabulary row of 4,096
+    (208 us for a verification of 8 windows of 5), numpy's 13 us for those 40 rows."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
 def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -83,7 +93,7 @@ def processed_probs(logits: Tensor, params_list: Sequence[SamplingParams]) -> Te
     if greedy:
         index = torch.tensor(greedy, device=device)
         hot = torch.zeros(len(greedy), logits.shape[-1], device=device)
-        probs[index] = hot.scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
+        probs[index] = hot.scatter_(1, row_argmax(logits[index])[:, None], 1.0)
     return probs
 
 
@@ -104,7 +114,7 @@ def processed_prob_of(logits: Tensor, tokens: Tensor, params_list: Sequence[Samp
         out[index] = _log_softmax_at(rows, temps, tokens[index]).exp()
     if groups["greedy"]:
         index = torch.tensor(groups["greedy"], device=device)
-        out[index] = (logits[index].argmax(dim=-1) == tokens[index]).float()
+        out[index] = (row_argmax(logits[index]) == tokens[index]).float()
     if groups["filtered"]:
         index = torch.tensor(groups["filtered"], device=device)
         probs = processed_probs(logits[index], [params_list[i] for i in groups["filtered"]])
@@ -197,7 +207,7 @@ def draft_sample(
     batch, vocab = logits.shape
     device = logits.device
     width = min(support_size, vocab)
-    argmax = logits.argmax(dim=-1)
+    argmax = row_argmax(logits)
     if all(p.greedy for p in params_list):  # the common draft step: no row index nor gather (44 against 128 us)
         confidence = logits.float().softmax(dim=-1).amax(dim=-1)
         return argmax.tolist(), confidence.tolist(), _greedy_layout(argmax, support_size)
