@@ -17,6 +17,7 @@ model `DecodeStack.build` says why not and the layers run as they are. The stric
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -43,9 +44,7 @@ class StackStep:
                  tables: list[list[int]], starts: list[int], query_lens: list[int]) -> None:
         self.tokens, self.num_logits, self.seqs = len(ids), len(logits_rows), len(tables)
         self.table_width = max(map(len, tables))
-        offsets = [0] * self.seqs
-        for i in range(1, self.seqs):
-            offsets[i] = offsets[i - 1] + query_lens[i - 1]
+        offsets = [0, *itertools.accumulate(query_lens)][:-1]
         padded = [b for table in tables for b in (*table, *[NULL_BLOCK] * (self.table_width - len(table)))]
         self._rows = torch.tensor(ids + positions + token_index + logits_rows, dtype=torch.int64)
         self._seqs = torch.tensor(padded + starts + offsets + query_lens, dtype=torch.int32)
@@ -76,7 +75,7 @@ class DecodeStack:
         self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab])  # [hidden, vocab], packed
         self.embed = decoder.embed_tokens.weight.detach().contiguous()  # [vocab, hidden]
         self.cos, self.signed_sin = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
-        self._caches: tuple[tuple[int, int], ctypes.Array] | None = None
+        self._caches: tuple[int, ctypes.Array] | None = None
 
     @staticmethod
     def build(model: CausalLM) -> tuple[DecodeStack | None, str | None]:
@@ -111,7 +110,7 @@ class DecodeStack:
 
     def _cache_pointers(self, cache: KVCache) -> ctypes.Array:
         """Each layer's k and v pool as the call reads them (built once per pool)."""
-        key = (cache.k[0].data_ptr(), self.num_layers)
+        key = cache.k[0].data_ptr()
         if self._caches is None or self._caches[0] != key:
             pools = (t.data_ptr() for layer in range(self.num_layers) for t in (cache.k[layer], cache.v[layer]))
             self._caches = (key, (ctypes.c_int64 * (2 * self.num_layers))(*pools))

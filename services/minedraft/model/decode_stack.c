@@ -3,8 +3,8 @@
  * A draft step of one sequence runs two layers of 128 features: some thirty thousand multiply-adds per layer,
  * which one core does in microseconds, while the layers' forty-odd torch operators (the GEMMs among them),
  * each dispatched from Python, took a millisecond; the bundled target's step likewise cost its dispatch more
- * than reading its weights. Here every layer runs as loops over the weights held
- * transposed and packed by tiles of 64 outputs (gemm): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
+ * than reading its weights. Here every layer runs as loops over the weights held transposed and packed by tiles
+ * of 64 outputs (gemm): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
  * paged attention (the kernels of model/fused_layers.c and model/paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the
  * stream; then the final norm and the LM head for the rows that need logits. Built once per machine by
