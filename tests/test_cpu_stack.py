@@ -82,6 +82,34 @@ def test_a_rows_logits_are_the_same_alone_and_in_any_batch(tmp_path) -> None:
     assert torch.equal(together[24:28], mine)
 
 
+@pytest.mark.parametrize("shape", ["qwen2", "ragged"])
+def test_bfloat16_weights_are_held_as_bfloat16_with_the_same_logits(tmp_path, shape: str) -> None:
+    """A bfloat16 checkpoint run in float32: the stack holds its weights as bfloat16 (half the bytes) and widens
+    them to the very floats a float32 copy holds, so every logit is the same bit for bit, in the full tiles and
+    the ragged tails (and biases) alike. A float32 checkpoint keeps float32 copies."""
+    settings = {"hidden_size": 64, "num_layers": 2, "seed": 5, **SHAPES[shape]}
+    path = make_tiny_checkpoint(tmp_path / shape, dtype=torch.bfloat16, **settings)
+    narrow, wide = (ModelRunner(path, max_seq_len=256, num_slots=4) for _ in range(2))
+    assert narrow.decode_stack and narrow.model.model.decode_stack.bf16
+    wide.model.model.decode_stack = DecodeStack(wide.model, bf16=False)
+    vocab = settings.get("vocab_size", 320)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (9, 30)]
+    for runner in (narrow, wide):
+        for _ in prompts:
+            runner.allocate_slot()
+        runner.forward([SeqInput(i, p, 0) for i, p in enumerate(prompts)])
+    for window in ([1, 1], [5, 3], [8, 1]):
+        step = [SeqInput(i, [rng.randrange(vocab) for _ in range(n)], len(prompts[i]), num_logits=n)
+                for i, n in enumerate(window)]  # fmt: skip
+        assert torch.equal(narrow.forward(step), wide.forward(step))
+        prompts = [p + s.token_ids for p, s in zip(prompts, step)]
+    float32 = ModelRunner(make_tiny_checkpoint(tmp_path / "f32", **settings), max_seq_len=64, num_slots=1)
+    assert not float32.model.model.decode_stack.bf16
+    with pytest.raises(ValueError, match="not all bfloat16 values"):
+        DecodeStack(float32.model, bf16=True)
+
+
 def test_steps_the_call_does_not_take_run_the_layers(tmp_path) -> None:
     """A prompt (longer than the attention kernel's short queries) riding along, or more rows than MAX_ROWS: the
     layers one by one, the same logits as a runner without the stack bit for bit."""

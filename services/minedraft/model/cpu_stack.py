@@ -58,7 +58,9 @@ class StackStep:
 class DecodeStack:
     """The layers of one model as decode_stack.c reads them."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, bf16: bool | None = None) -> None:
+        """`bf16`: hold the weights as bfloat16; None: where every one is a bfloat16 value (False keeps float32
+        copies, the same results)."""
         decoder = model.model
         attn = decoder.layers[0].self_attn
         self.hidden = decoder.norm.weight.shape[0]
@@ -67,12 +69,19 @@ class DecodeStack:
         self.eps = decoder.norm.eps
         self.intermediate = decoder.layers[0].mlp.down_proj.dense_weight().shape[1]
         self._kept: list[torch.Tensor] = []  # the tensors the pointer table points into
+        # Weights that are all bfloat16 values (a bfloat16 checkpoint run in float32) are held as bfloat16: the
+        # call widens each back to the same float32, so it streams half the bytes for the same sums.
+        linears = [m for layer in decoder.layers for m in _linears(layer)]
+        exact = all(_bf16_exact(w) for w in (*(m.dense_weight() for m in linears), model.lm_head.weight))
+        if bf16 and not exact:
+            raise ValueError("the model's weights are not all bfloat16 values: bfloat16 copies would change them")
+        self.bf16 = exact if bf16 is None else bf16
         pointers = [self._layer_pointers(layer) for layer in decoder.layers]
         self.num_layers = len(pointers)
         self.pointers = torch.tensor(pointers, dtype=torch.int64)
         self.final_norm = decoder.norm.weight.detach().contiguous()
         self.vocab = model.lm_head.vocab_size
-        self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab])  # [hidden, vocab], packed
+        self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab], self.bf16)  # [hidden, vocab], packed
         self.embed = decoder.embed_tokens.weight.detach().contiguous()  # [vocab, hidden]
         self.cos, self.signed_sin = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
         self._caches: tuple[int, ctypes.Array] | None = None
@@ -100,7 +109,7 @@ class DecodeStack:
             step.table_width, step.starts, step.offsets, step.lengths, step.seqs, self.heads, self.kv_heads,
             self.head_dim, k0.shape[2], self.intermediate, self.eps, self.scale, step.logits_rows, step.num_logits,
             self.final_norm.data_ptr(), self.lm_head.data_ptr(), self.vocab, logits.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), int(self.bf16),
         )  # fmt: skip
         if status == -2:
             raise ValueError(f"decode stack: {step.num_logits} logits rows asked of a step of {step.tokens} tokens")
@@ -118,11 +127,12 @@ class DecodeStack:
 
     def _layer_pointers(self, layer: torch.nn.Module) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp
-        tensors = [layer.input_layernorm.weight, _transposed(attn.qkv_proj), attn.qkv_proj.bias,
+        packed = lambda linear: _packed(linear.dense_weight(), self.bf16)  # noqa: E731
+        tensors = [layer.input_layernorm.weight, packed(attn.qkv_proj), attn.qkv_proj.bias,
                    attn.q_norm.weight if attn.q_norm is not None else None,
                    attn.k_norm.weight if attn.k_norm is not None else None,
-                   _transposed(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                   _transposed(mlp.gate_up_proj), mlp.gate_up_proj.bias, _transposed(mlp.down_proj),
+                   packed(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                   packed(mlp.gate_up_proj), mlp.gate_up_proj.bias, packed(mlp.down_proj),
                    mlp.down_proj.bias]  # fmt: skip
         assert len(tensors) == _WEIGHTS_PER_LAYER
         pointers = []
@@ -136,11 +146,18 @@ class DecodeStack:
         return pointers
 
 
-def _transposed(linear: torch.nn.Module) -> torch.Tensor:
-    return _packed(linear.dense_weight())
+def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A layer's projections (None where a layer has none, as a mixture of experts)."""
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+            getattr(layer.mlp, "down_proj", None)]  # fmt: skip
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
+def _bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 `weight` is a bfloat16 value (its lower 16 bits zero)."""
+    return bool((weight.detach().contiguous().view(torch.int32) & 0xFFFF).eq(0).all())
+
+
+def _packed(weight: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """A linear layer's weight [out, in] as decode_stack.c's gemm reads it: transposed ([in, out]) and cut into
     tiles of _TILE columns, each [in, _TILE] contiguous, then the last out % _TILE columns as [in, out % _TILE].
     One tile's weights are then one run of memory that the hardware prefetcher streams, where rows `out` floats
@@ -149,16 +166,15 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     fan_in, out = columns.shape
     whole = out - out % _TILE
     tiles = columns[:, :whole].reshape(fan_in, whole // _TILE, _TILE).transpose(0, 1)
-    return torch.cat((tiles.reshape(-1), columns[:, whole:].reshape(-1))).contiguous()
+    packed = torch.cat((tiles.reshape(-1), columns[:, whole:].reshape(-1))).contiguous()
+    return packed.to(torch.bfloat16) if bf16 else packed
 
 
 def _unsupported(model: CausalLM) -> str | None:
     """Why the model's layers cannot run in decode_stack.c, or None."""
     decoder = model.model
     first = decoder.layers[0].self_attn
-    linears = [m for layer in decoder.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                      getattr(layer.mlp, "gate_up_proj", None),
-                                                      getattr(layer.mlp, "down_proj", None))]  # fmt: skip
+    linears = [m for layer in decoder.layers for m in _linears(layer)]
     weight = decoder.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"a float32 model on CPU, not {weight.dtype} on {weight.device.type}"
@@ -182,4 +198,4 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_stack_f32.restype = ctypes.c_int
     lib.decode_stack_f32.argtypes = [ptr, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
                                      i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr,
-                                     i64, ptr, i32]  # fmt: skip
+                                     i64, ptr, i32, i32]  # fmt: skip

@@ -8,7 +8,8 @@
  * paged attention (the kernels of model/fused_layers.c and model/paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the
  * stream; then the final norm and the LM head for the rows that need logits. Built once per machine by
- * model/cpu_kernels.py, called through ctypes by model/cpu_stack.py; float32 only.
+ * model/cpu_kernels.py, called through ctypes by model/cpu_stack.py; float32 activations, the projections'
+ * weights float32 or bfloat16 (weights that are bfloat16 values, widened to the same floats as they load).
  *
  * A row's result depends on that row alone: every output is one sum over the input features in order, the
  * same loop whatever the rows around it and however the outputs are split between threads.
@@ -24,17 +25,35 @@
 #define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as model/cpu_stack.py packs the weights */
 #define PARALLEL_MACS (1 << 16) /* a GEMM with fewer multiply-adds runs on the calling thread */
 
+typedef uint16_t bf16_vec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
+typedef uint32_t bits_vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* LANES weights from w + i (elements): float32, or bfloat16 widened to float32 (its bits are the float's upper
+ * half, so the float is the very value a float32 copy of the weight holds: the same products and sums). */
+static inline __attribute__((always_inline)) vec load_weights(const void *w, int64_t i, int bf16) {
+    if (!bf16) return *(const vec *)((const float *)w + i);
+    bits_vec bits = __builtin_convertvector(*(const bf16_vec *)((const uint16_t *)w + i), bits_vec) << 16;
+    return (vec)bits;
+}
+
+static inline float load_weight(const void *w, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 /* y[r][o0 .. o0 + cols * LANES) (+)= x[r] . w[i][c0 ..] for `rows` rows, w one tile's weights ([in][TILE]) and
  * c0 the block's first column in it; rows x cols accumulators stay in registers (AVX-512 has 32: up to 6 rows
  * of 4 vectors, 8 of 2). */
-static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t in, const float *wtile,
+static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t in, const void *wtile,
                                                              int64_t c0, float *y, int64_t stride_y, int rows,
-                                                             int cols, int accumulate) {
+                                                             int cols, int accumulate, int bf16) {
     vec acc[ROW_BLOCK][COL_VECS] = {{{0}}};
     for (int64_t i = 0; i < in; i++) {
-        const float *w = wtile + i * TILE + c0;
         vec wv[COL_VECS];
-        for (int c = 0; c < cols; c++) wv[c] = *(const vec *)(w + c * LANES);
+        for (int c = 0; c < cols; c++) wv[c] = load_weights(wtile, i * TILE + c0 + c * LANES, bf16);
         for (int r = 0; r < rows; r++) {
             float xi = x[r * in + i];
             for (int c = 0; c < cols; c++) acc[r][c] += xi * wv[c];
@@ -49,52 +68,111 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, int
 
 /* One tile (TILE outputs; y its first output of row 0) for `rows` <= ROW_BLOCK rows: every weight vector is
  * loaded once for all of them. Past 6 rows the tile runs as two halves, which sum each output as one pass would. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t in, const float *wtile,
-                                                            float *y, int64_t stride_y, int rows, int accumulate) {
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t in, const void *wtile, float *y,
+                                                            int64_t stride_y, int rows, int accumulate, int bf16) {
     if (rows <= 6) {
-        gemm_block(x, in, wtile, 0, y, stride_y, rows, COL_VECS, accumulate);
+        gemm_block(x, in, wtile, 0, y, stride_y, rows, COL_VECS, accumulate, bf16);
         return;
     }
     for (int half = 0; half < 2; half++)
-        gemm_block(x, in, wtile, half * (TILE / 2), y, stride_y, rows, COL_VECS / 2, accumulate);
+        gemm_block(x, in, wtile, half * (TILE / 2), y, stride_y, rows, COL_VECS / 2, accumulate, bf16);
 }
 
-/* The `width` outputs past the last full tile (weights [in][width]), one at a time (same order of sums). */
-static void gemm_tail(const float *x, int64_t in, const float *wtail, int64_t width, float *y, int64_t stride_y,
-                      int rows, int accumulate) {
+/* The `width` outputs past the last full tile (weights [in][width]), one at a time (same order of sums; each
+ * step one fused multiply-add, as the tiles' are, whichever way the compiler vectorizes either weight type). */
+static void gemm_tail(const float *x, int64_t in, const void *wtail, int64_t width, float *y, int64_t stride_y,
+                      int rows, int accumulate, int bf16) {
     for (int r = 0; r < rows; r++)
         for (int64_t o = 0; o < width; o++) {
             float sum = 0.0f;
-            for (int64_t i = 0; i < in; i++) sum += x[r * in + i] * wtail[i * width + o];
+            for (int64_t i = 0; i < in; i++) sum = fmaf(x[r * in + i], load_weight(wtail, i * width + o, bf16), sum);
             y[r * stride_y + o] = accumulate ? y[r * stride_y + o] + sum : sum;
         }
 }
 
-/* y (+)= x @ W (+ bias): x [rows, in] contiguous, y rows `stride_y` apart; wt: W [in, out] packed by tiles of
- * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/cpu_stack.py
- * packs them): a tile's weights stream from memory in order. */
-static void gemm(const float *x, int64_t rows, int64_t in, const float *wt, const float *bias, int64_t out,
-                 float *y, int64_t stride_y, int accumulate, int threads) {
-    const int64_t tiles = out / TILE;
-    int parallel = threads > 1 && rows * in * out >= PARALLEL_MACS;
+/* The weights from element `i` on, of either type. */
+static inline const void *weights_at(const void *w, int64_t i, int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)w + i) : (const void *)((const float *)w + i);
+}
+
+/* Rows r0.. of one tile (at most ROW_BLOCK of them), for constant row counts: the accumulators in registers. */
+static inline __attribute__((always_inline)) void gemm_rows(const float *xr, int64_t in, const void *wtile,
+                                                            float *yr, int64_t stride_y, int64_t rows,
+                                                            int accumulate, int bf16) {
+    switch (rows >= ROW_BLOCK ? ROW_BLOCK : rows) {
+    case 8: gemm_tile(xr, in, wtile, yr, stride_y, 8, accumulate, bf16); break;
+    case 7: gemm_tile(xr, in, wtile, yr, stride_y, 7, accumulate, bf16); break;
+    case 6: gemm_tile(xr, in, wtile, yr, stride_y, 6, accumulate, bf16); break;
+    case 5: gemm_tile(xr, in, wtile, yr, stride_y, 5, accumulate, bf16); break;
+    case 4: gemm_tile(xr, in, wtile, yr, stride_y, 4, accumulate, bf16); break;
+    case 3: gemm_tile(xr, in, wtile, yr, stride_y, 3, accumulate, bf16); break;
+    case 2: gemm_tile(xr, in, wtile, yr, stride_y, 2, accumulate, bf16); break;
+    default: gemm_tile(xr, in, wtile, yr, stride_y, 1, accumulate, bf16); break;
+    }
+}
+
+/* The full tiles of gemm, for a constant `bf16` (each weight type its own loop). */
+static inline __attribute__((always_inline)) void gemm_tiles(const float *x, int64_t rows, int64_t in,
+                                                             const void *wt, int64_t tiles, float *y,
+                                                             int64_t stride_y, int accumulate, int threads,
+                                                             int bf16) {
+    int parallel = threads > 1 && rows * in * tiles * TILE >= PARALLEL_MACS;
 #pragma omp parallel for num_threads(threads) if (parallel) collapse(2)
     for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
+            gemm_rows(x + r0 * in, in, weights_at(wt, t * in * TILE, bf16), y + r0 * stride_y + t * TILE, stride_y,
+                      rows - r0, accumulate, bf16);
+}
+
+/* This thread's float32 scratch of at least `floats` (kept for the thread's life; NULL if memory ran out). */
+static float *thread_scratch(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t size = 0;
+    if (floats > size) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        size = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* bfloat16 tiles for more rows than one block: each tile widened once into the thread's scratch and its row
+ * blocks run from there (widening it again for every block cost more than the bytes it saves; the floats are
+ * the same). */
+static void gemm_tiles_widened(const float *x, int64_t rows, int64_t in, const uint16_t *wt, int64_t tiles,
+                               float *y, int64_t stride_y, int accumulate, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint16_t *wtile = wt + t * in * TILE;
+        float *wide = thread_scratch(in * TILE);
+        if (wide)
+            for (int64_t i = 0; i < in * TILE; i += LANES) *(vec *)(wide + i) = load_weights(wtile, i, 1);
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-            const float *xr = x + r0 * in, *wtile = wt + t * in * TILE;
             float *yr = y + r0 * stride_y + t * TILE;
-            switch (rows - r0 >= ROW_BLOCK ? ROW_BLOCK : rows - r0) { /* constant row counts: registers */
-            case 8: gemm_tile(xr, in, wtile, yr, stride_y, 8, accumulate); break;
-            case 7: gemm_tile(xr, in, wtile, yr, stride_y, 7, accumulate); break;
-            case 6: gemm_tile(xr, in, wtile, yr, stride_y, 6, accumulate); break;
-            case 5: gemm_tile(xr, in, wtile, yr, stride_y, 5, accumulate); break;
-            case 4: gemm_tile(xr, in, wtile, yr, stride_y, 4, accumulate); break;
-            case 3: gemm_tile(xr, in, wtile, yr, stride_y, 3, accumulate); break;
-            case 2: gemm_tile(xr, in, wtile, yr, stride_y, 2, accumulate); break;
-            default: gemm_tile(xr, in, wtile, yr, stride_y, 1, accumulate); break;
-            }
+            if (wide)
+                gemm_rows(x + r0 * in, in, wide, yr, stride_y, rows - r0, accumulate, 0);
+            else
+                gemm_rows(x + r0 * in, in, wtile, yr, stride_y, rows - r0, accumulate, 1);
         }
+    }
+}
+
+/* y (+)= x @ W (+ bias): x [rows, in] contiguous, y rows `stride_y` apart; wt: W [in, out] packed by tiles of
+ * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/cpu_stack.py
+ * packs them): a tile's weights stream from memory in order. bf16: wt holds bfloat16 (the weights are bfloat16
+ * values: half the bytes to stream, the same sums), else float32. */
+static void gemm(const float *x, int64_t rows, int64_t in, const void *wt, const float *bias, int64_t out,
+                 float *y, int64_t stride_y, int accumulate, int threads, int bf16) {
+    const int64_t tiles = out / TILE;
+    if (bf16 && rows > ROW_BLOCK && tiles >= threads && rows * in * tiles * TILE >= PARALLEL_MACS)
+        gemm_tiles_widened(x, rows, in, wt, tiles, y, stride_y, accumulate, threads);
+    else if (bf16)
+        gemm_tiles(x, rows, in, wt, tiles, y, stride_y, accumulate, threads, 1);
+    else
+        gemm_tiles(x, rows, in, wt, tiles, y, stride_y, accumulate, threads, 0);
     if (tiles * TILE < out)
-        gemm_tail(x, in, wt + tiles * in * TILE, out - tiles * TILE, y + tiles * TILE, stride_y, (int)rows, accumulate);
+        gemm_tail(x, in, weights_at(wt, tiles * in * TILE, bf16), out - tiles * TILE, y + tiles * TILE, stride_y,
+                  (int)rows, accumulate, bf16);
     if (bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < out; o++) y[r * stride_y + o] += bias[o];
@@ -109,16 +187,17 @@ enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GA
  * signed). logits: [num_logits, vocab], of the rows logits_rows (each < tokens), after the final norm. weights:
  * [layers][WEIGHTS_PER_LAYER] pointers; caches: [layers][2] pointers to k and v ([kv_heads, blocks, block_size,
  * dim], contiguous). token_index: each token's flat cache slot; tables .. lengths: the sequences as
- * paged_attention_f32 reads them (every token one of theirs). Returns 0, -1 when scratch memory ran out, -2 for
- * more logits rows than tokens. */
+ * paged_attention_f32 reads them (every token one of theirs). bf16: the packed projections and LM head hold
+ * bfloat16 (the norms and biases float32). Returns 0, -1 when scratch memory ran out, -2 for more logits rows
+ * than tokens. */
 int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
                      int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
                      int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
                      int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
                      const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
                      int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
-                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const float *lm_head,
-                     int64_t vocab, float *logits, int threads) {
+                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
+                     int64_t vocab, float *logits, int threads, int bf16) {
     int64_t q_width = (int64_t)heads * dim, qkv_width = q_width + 2 * (int64_t)kv_heads * dim;
     size_t floats = (size_t)tokens * (2 * hidden + 2 * dim + qkv_width + 2 * q_width + 3 * intermediate);
     if (num_logits > tokens) return -2;
@@ -136,7 +215,7 @@ int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *posi
         const float *const *w = (const float *const *)(weights + (int64_t)l * WEIGHTS_PER_LAYER);
         float *k_cache = (float *)caches[2 * l], *v_cache = (float *)caches[2 * l + 1];
         add_rms_norm_f32(x, hidden, NULL, 0, w[IN_NORM], h, NULL, tokens, hidden, eps, 1);
-        gemm(h, tokens, hidden, w[QKV], w[QKV_BIAS], qkv_width, qkv, qkv_width, 0, threads);
+        gemm(h, tokens, hidden, w[QKV], w[QKV_BIAS], qkv_width, qkv, qkv_width, 0, threads, bf16);
         rope_write_kv_f32(qkv, qkv_width, cos, signed_sin, dim, token_index, q, k_cache, v_cache,
                           kv_stride_h, w[Q_NORM], w[K_NORM], eps, tokens, heads, kv_heads, dim, 1);
         if (paged_attention_f32(q, q_width, dim, k_cache, v_cache, kv_stride_h, kv_stride_b, kv_stride_t, attn,
@@ -145,22 +224,22 @@ int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *posi
             free(x);
             return -1;
         }
-        gemm(attn, tokens, q_width, w[O], w[O_BIAS], hidden, x, hidden, 1, threads);
+        gemm(attn, tokens, q_width, w[O], w[O_BIAS], hidden, x, hidden, 1, threads, bf16);
         add_rms_norm_f32(x, hidden, NULL, 0, w[POST_NORM], h, NULL, tokens, hidden, eps, 1);
         gemm(h, tokens, hidden, w[GATE_UP], w[GATE_UP_BIAS], 2 * intermediate, gate_up, 2 * intermediate, 0,
-             threads);
+             threads, bf16);
         for (int64_t t = 0; t < tokens; t++) {
             const float *g = gate_up + t * 2 * intermediate, *u = g + intermediate;
             float *a = act + t * intermediate;
             for (int64_t j = 0; j < intermediate; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
         }
-        gemm(act, tokens, intermediate, w[DOWN], w[DOWN_BIAS], hidden, x, hidden, 1, threads);
+        gemm(act, tokens, intermediate, w[DOWN], w[DOWN_BIAS], hidden, x, hidden, 1, threads, bf16);
     }
     /* The final norm of the rows that need logits, then the LM head (lm_head: [hidden, vocab]). */
     for (int64_t r = 0; r < num_logits; r++)
         add_rms_norm_f32(x + logits_rows[r] * hidden, hidden, NULL, 0, final_norm, h + r * hidden, NULL, 1, hidden,
                          eps, 1);
-    gemm(h, num_logits, hidden, lm_head, NULL, vocab, logits, vocab, 0, threads);
+    gemm(h, num_logits, hidden, lm_head, NULL, vocab, logits, vocab, 0, threads, bf16);
     free(x);
     return 0;
 }
