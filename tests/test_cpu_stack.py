@@ -150,3 +150,39 @@ def test_the_stack_runs_with_the_c_fused_kernels_only() -> None:
         target = ModelRunner(config.target_path, max_seq_len=128, num_slots=2, batch_invariant=strict)
         assert target.decode_stack is not strict
     assert not ModelRunner(BUNDLED_DRAFT, max_seq_len=64, num_slots=1, fused_kernels="off").decode_stack
+
+
+def test_greedy_drafting_in_one_call_is_the_forward_and_argmax_loop(tmp_path) -> None:
+    """`ModelRunner.draft_greedy`: windows of different lengths across block boundaries, as forwards of one token
+    and argmaxes give them (the same tokens, the same cache for the next step) with softmax's top probability."""
+    path = make_tiny_checkpoint(tmp_path / "m", arch="qwen3", hidden_size=64, num_layers=2, seed=4)
+    one_call, loop = (ModelRunner(path, max_seq_len=256, num_slots=4, block_size=16) for _ in range(2))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (12, 30, 47)]
+    for runner in (one_call, loop):
+        for prompt in prompts:
+            runner.forward([SeqInput(runner.allocate_slot(), prompt, 0)])
+    pending = [[5], [9, 11], [3]]  # a sequence may write more than its last token (a rejected draft's tail)
+    steps = [4, 1, 7]
+    starts = [len(p) for p in prompts]
+    starts[1] -= 1  # it rewrites its last prompt token
+    tokens, confidence = one_call.draft_greedy([SeqInput(i, t, s) for i, (t, s) in enumerate(zip(pending, starts))],
+                                               steps)  # fmt: skip
+    expected = [[] for _ in steps]
+    live = list(range(3))
+    inputs = [SeqInput(i, t, s) for i, (t, s) in enumerate(zip(pending, starts))]
+    while live:
+        logits = loop.forward([inputs[i] for i in live])
+        for row, i in enumerate(live):
+            expected[i].append(int(logits[row].argmax()))
+            assert confidence[i][len(expected[i]) - 1] == pytest.approx(float(logits[row].softmax(-1).max()), rel=1e-5)
+            end = inputs[i].start_pos + len(inputs[i].token_ids)
+            inputs[i] = SeqInput(i, [expected[i][-1]], end)
+        live = [i for i in live if len(expected[i]) < steps[i]]
+    assert tokens == expected
+    for i, (start, n) in enumerate(zip(starts, steps)):  # the last draft token is not written
+        assert one_call.kv_cache.lengths[i] == start + len(pending[i]) + n - 1
+    step = [SeqInput(i, [t[-1]], one_call.kv_cache.lengths[i]) for i, t in enumerate(tokens)]
+    assert torch.equal(one_call.forward(step), loop.forward(step))
+    with pytest.raises(ValueError, match="at least 1"):
+        one_call.draft_greedy([SeqInput(0, [1], one_call.kv_cache.lengths[0])], [0])

@@ -33,7 +33,7 @@ from minedraft.sampling.logprobs import prompt_token_logprobs, token_logprobs
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 from minedraft.sampling.penalties import History, apply_penalties
 from minedraft.sampling.rejection import rejection_sample
-from minedraft.sampling.sampler import SparseProbs, draft_sample
+from minedraft.sampling.sampler import SparseProbs, draft_sample, greedy_layout
 from minedraft.sampling.streams import DRAFT, RowKeys, seed_tensor, uniforms
 from minedraft.sampling.tetris import tetris_select
 
@@ -324,8 +324,13 @@ class DraftWorker(_Worker):
     def _draft_token_by_token(
         self, tasks: list[DraftTask], seqs: list[_Sequence], bases: list[list[int]], prefill: list[SeqInput]
     ) -> list[Drafts]:
-        drafts = [Drafts() for _ in tasks]
         inputs = [seq.pending(base) for seq, base in zip(seqs, bases)]
+        if not prefill and self._plain_greedy(seqs):  # the whole window in one call of the stack, where it runs
+            step = [SeqInput(seq.slot, written, start) for seq, (start, written) in zip(seqs, inputs)]
+            drafted = self.runner.draft_greedy(step, [t.num_tokens for t in tasks])
+            if drafted is not None:
+                return self._greedy_drafts(seqs, inputs, *drafted)
+        drafts = [Drafts() for _ in tasks]
         num_steps = max(t.num_tokens for t in tasks)
         draws = self._window_draws(seqs, bases, num_steps)
         for step in range(num_steps):
@@ -345,6 +350,25 @@ class DraftWorker(_Worker):
                 drafts[i].q_ids.append(q.token_ids[row])
                 drafts[i].q_probs.append(q.probs[row])
                 inputs[i] = (start + len(written), [tokens[row]])
+        return drafts
+
+    @staticmethod
+    def _plain_greedy(seqs: list[_Sequence]) -> bool:
+        """Whether every request drafts its argmax of the draft model's logits as they are (no penalties nor
+        grammar to apply first)."""
+        return all(seq.params.greedy and not seq.params.penalized and seq.grammar is None for seq in seqs)
+
+    def _greedy_drafts(self, seqs: list[_Sequence], inputs: list[tuple[int, list[int]]], tokens: list[list[int]],
+                       confidence: list[list[float]]) -> list[Drafts]:  # fmt: skip
+        """The windows of `ModelRunner.draft_greedy`, as the forward-at-a-time loop builds them: q one-hot on each
+        token, and the cache holding the pending tokens and every draft but the last."""
+        layout = greedy_layout(torch.tensor([t for row in tokens for t in row]), self.support_size)
+        drafts, row = [], 0
+        for seq, (start, written), window, probs in zip(seqs, inputs, tokens, confidence):
+            seq.kv_tokens[start:] = written + window[:-1]
+            rows = slice(row, row + len(window))
+            drafts.append(Drafts(window, probs, list(layout.token_ids[rows]), list(layout.probs[rows])))
+            row += len(window)
         return drafts
 
     def _draft_in_one_forward(

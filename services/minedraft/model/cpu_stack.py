@@ -100,8 +100,27 @@ class DecodeStack:
 
     def logits(self, step: StackStep, cache: KVCache) -> torch.Tensor:
         """float32 logits [rows, vocab] of the step's logits rows; writes its tokens' keys and values."""
-        k0 = cache.k[0]
         logits = torch.empty(step.num_logits, self.vocab)
+        self._call(step, cache, logits)
+        return logits
+
+    def draft_greedy(self, step: StackStep, steps: list[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafting in one call: the step (each sequence's last token its logits row), then sequence i's
+        argmax fed back at its next position until it has steps[i] tokens (the last not written). Returns the
+        tokens and their softmax probabilities, [sequences, max(steps)] each (a row's tail past its steps unset).
+        The block tables must hold every position written."""
+        if step.num_logits != step.seqs or len(steps) != step.seqs or min(steps) < 1:
+            raise ValueError("greedy drafting takes one logits row and at least one step per sequence")
+        logits = torch.empty(step.seqs, self.vocab)
+        counts = torch.tensor(steps, dtype=torch.int32)
+        tokens = torch.empty(step.seqs, max(steps), dtype=torch.int64)
+        confidence = torch.empty(step.seqs, max(steps))
+        self._call(step, cache, logits, (counts.data_ptr(), tokens.data_ptr(), confidence.data_ptr(), max(steps)))
+        return tokens, confidence
+
+    def _call(self, step: StackStep, cache: KVCache, logits: torch.Tensor, drafting: tuple = (None, None, None, 0)
+              ) -> None:  # fmt: skip
+        k0 = cache.k[0]
         status = _load().decode_stack_f32(
             step.ids, self.embed.data_ptr(), step.positions, step.tokens, self.hidden, self.num_layers,
             self.pointers.data_ptr(), self._cache_pointers(cache), k0.stride(0), k0.stride(1), k0.stride(2),
@@ -109,13 +128,12 @@ class DecodeStack:
             step.table_width, step.starts, step.offsets, step.lengths, step.seqs, self.heads, self.kv_heads,
             self.head_dim, k0.shape[2], self.intermediate, self.eps, self.scale, step.logits_rows, step.num_logits,
             self.final_norm.data_ptr(), self.lm_head.data_ptr(), self.vocab, logits.data_ptr(),
-            torch.get_num_threads(), int(self.bf16),
+            torch.get_num_threads(), int(self.bf16), *drafting,
         )  # fmt: skip
         if status == -2:
             raise ValueError(f"decode stack: {step.num_logits} logits rows asked of a step of {step.tokens} tokens")
         if status != 0:
             raise MemoryError("decode stack: no memory for its scratch rows")
-        return logits
 
     def _cache_pointers(self, cache: KVCache) -> ctypes.Array:
         """Each layer's k and v pool as the call reads them (built once per pool)."""
@@ -198,4 +216,4 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_stack_f32.restype = ctypes.c_int
     lib.decode_stack_f32.argtypes = [ptr, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
                                      i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr,
-                                     i64, ptr, i32, i32]  # fmt: skip
+                                     i64, ptr, i32, i32, ptr, ptr, ptr, i64]  # fmt: skip

@@ -190,14 +190,14 @@ enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GA
  * paged_attention_f32 reads them (every token one of theirs). bf16: the packed projections and LM head hold
  * bfloat16 (the norms and biases float32). Returns 0, -1 when scratch memory ran out, -2 for more logits rows
  * than tokens. */
-int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
-                     int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
-                     int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
-                     int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
-                     const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
-                     int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
-                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
-                     int64_t vocab, float *logits, int threads, int bf16) {
+static int stack_forward(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
+                         int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
+                         int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
+                         int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
+                         const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
+                         int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
+                         const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
+                         int64_t vocab, float *logits, int threads, int bf16) {
     int64_t q_width = (int64_t)heads * dim, qkv_width = q_width + 2 * (int64_t)kv_heads * dim;
     size_t floats = (size_t)tokens * (2 * hidden + 2 * dim + qkv_width + 2 * q_width + 3 * intermediate);
     if (num_logits > tokens) return -2;
@@ -242,4 +242,87 @@ int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *posi
     gemm(h, num_logits, hidden, lm_head, NULL, vocab, logits, vocab, 0, threads, bf16);
     free(x);
     return 0;
+}
+
+/* The largest logit's index, as torch.argmax picks it (the first of equal maxima; a NaN above every number), and
+ * softmax's probability there, 1 / sum(exp(l - max)): the drafter's confidence. */
+static int64_t greedy_token(const float *row, int64_t vocab, float *confidence) {
+    int64_t best = 0;
+    float top = row[0];
+    for (int64_t v = 1; v < vocab && !isnan(top); v++)
+        if (isnan(row[v]) || row[v] > top) {
+            best = v;
+            top = row[v];
+        }
+    float sum = 0.0f;
+    for (int64_t v = 0; v < vocab; v++) sum += expf(row[v] - top);
+    *confidence = 1.0f / sum;
+    return best;
+}
+
+/* The stack's forward (arguments as stack_forward's), and with `steps` greedy drafting: each sequence's logits row
+ * (logits_rows: every sequence's last token, num_logits = seqs) gives its argmax, which the next forward feeds
+ * at the next position, until sequence s holds steps[s] tokens in drafted[s][..] (rows max_steps apart) and their
+ * confidences; its last token is not written. The block tables must hold every position written. One call for a
+ * window that took k forwards and argmaxes from Python, each a few hundred microseconds of dispatch and lists. */
+int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
+                     int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
+                     int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
+                     int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
+                     const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
+                     int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
+                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
+                     int64_t vocab, float *logits, int threads, int bf16, const int32_t *steps, int64_t *drafted,
+                     float *confidence, int64_t max_steps) {
+#define FORWARD(ids_, positions_, tokens_, index_, tables_, starts_, offsets_, lengths_, seqs_, rows_, num_logits_)   \
+    stack_forward(ids_, embed, positions_, tokens_, hidden, layers, weights, caches, kv_stride_h, kv_stride_b,       \
+                  kv_stride_t, cos_table, sin_table, stride_rope, index_, tables_, table_width, starts_, offsets_,    \
+                  lengths_, seqs_, heads, kv_heads, dim, block_size, intermediate, eps, scale, rows_, num_logits_,   \
+                  final_norm, lm_head, vocab, logits, threads, bf16)
+    int status = FORWARD(ids, positions, tokens, token_index, tables, starts, offsets, lengths, seqs, logits_rows,
+                         num_logits);
+    if (status != 0 || !steps) return status;
+    if (num_logits != seqs) return -2;
+    /* The live sequences of a step: their rows (ids, positions, cache slots, logits rows), then their tables,
+     * starts, offsets and query lengths (1), and which sequence each is. */
+    int64_t *rows = malloc(sizeof(int64_t) * 4 * seqs);
+    int32_t *live = malloc(sizeof(int32_t) * ((size_t)seqs * (table_width + 5)));
+    if (!rows || !live) {
+        free(rows);
+        free(live);
+        return -1;
+    }
+    int32_t *next_tables = live + seqs, *next_starts = next_tables + seqs * table_width;
+    int32_t *next_offsets = next_starts + seqs, *next_lengths = next_offsets + seqs, *ends = next_lengths + seqs;
+    for (int s = 0; s < seqs; s++) {
+        ends[s] = starts[s] + lengths[s];
+        drafted[s * max_steps] = greedy_token(logits + (int64_t)s * vocab, vocab, confidence + s * max_steps);
+    }
+    for (int64_t j = 1; j < max_steps && status == 0; j++) {
+        int n = 0;
+        for (int s = 0; s < seqs; s++) {
+            if (steps[s] <= j) continue;
+            const int32_t *table = tables + (int64_t)s * table_width;
+            int32_t position = ends[s]++;
+            rows[n] = drafted[s * max_steps + j - 1];
+            rows[seqs + n] = position;
+            rows[2 * seqs + n] = (int64_t)table[position / block_size] * block_size + position % block_size;
+            rows[3 * seqs + n] = n;
+            memcpy(next_tables + (int64_t)n * table_width, table, sizeof(int32_t) * table_width);
+            next_starts[n] = position;
+            next_offsets[n] = n;
+            next_lengths[n] = 1;
+            live[n++] = s;
+        }
+        if (n == 0) break;
+        status = FORWARD(rows, rows + seqs, n, rows + 2 * seqs, next_tables, next_starts, next_offsets, next_lengths,
+                         n, rows + 3 * seqs, n);
+        for (int i = 0; i < n && status == 0; i++)
+            drafted[live[i] * max_steps + j] = greedy_token(logits + (int64_t)i * vocab, vocab,
+                                                            confidence + live[i] * max_steps + j);
+    }
+#undef FORWARD
+    free(rows);
+    free(live);
+    return status;
 }

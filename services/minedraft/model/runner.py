@@ -359,6 +359,30 @@ class ModelRunner:
         self._work = (self._work[0] + 1, self._work[1] + sum(len(seq.token_ids) for seq in seqs))
         return logits
 
+    def draft_greedy(self, seqs: list[SeqInput], steps: list[int]) -> tuple[list[list[int]], list[list[float]]] | None:
+        """Greedy drafting in one call of the stack: each sequence's tokens written and its last one's argmax
+        taken, then that token written at the next position and its argmax taken, until sequence i has steps[i]
+        tokens (the last one not written). Returns each one's tokens and their softmax probabilities, as
+        `forward` and an argmax per token would; None where the stack does not run these steps (the caller
+        then runs them one forward at a time)."""
+        stack = self._stack_for(seqs)
+        if stack is None or any(seq.num_logits != 1 for seq in seqs):
+            return None
+        ends = [seq.start_pos + len(seq.token_ids) + n - 1 for seq, n in zip(seqs, steps, strict=True)]
+        for seq, n, end in zip(seqs, steps, ends):
+            if n < 1 or end > self.max_seq_len:
+                raise ValueError(f"sequence {seq.slot}: {n} draft tokens must be at least 1 and end within "
+                                 f"max_seq_len {self.max_seq_len}")  # fmt: skip
+        host = self._flatten(seqs)
+        for seq, end in zip(seqs, ends):
+            self.kv_cache.fit(seq.slot, end)  # the tables the call reads (host.tables) grow in place
+        tokens, confidence = stack.draft_greedy(StackStep(*host), steps, self.kv_cache)
+        for seq, end in zip(seqs, ends):
+            self.kv_cache.lengths[seq.slot] = end
+        self._work = (self._work[0] + max(steps), self._work[1] + len(host.ids) + sum(steps) - len(steps))
+        return ([row[:n] for row, n in zip(tokens.tolist(), steps)],
+                [row[:n] for row, n in zip(confidence.tolist(), steps)])  # fmt: skip
+
     def take_work(self) -> tuple[int, int]:
         """(forwards, tokens) run since the last call: what a step's seconds paid for."""
         work, self._work = self._work, (0, 0)
