@@ -12,6 +12,7 @@ threads win. Switching costs a few microseconds when the count changes (torch ke
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -87,7 +88,9 @@ class ThreadCounts:
     thread count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
     steps and only the steps after the first few of a run count: what a count does to the other processes on the
     cores (a scheduler that falls behind, say) shows only after a few steps, so one step alone would carry its
-    predecessors' effect."""
+    predecessors' effect. A run's settled steps count as their median, each: one cycle that waited for a client
+    (its next request, at one request in flight: several steps' time) otherwise decided a trial of four steps,
+    and the choice between one and two threads served at one request flipped every few probes."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
@@ -97,6 +100,7 @@ class ThreadCounts:
         self.candidates = sorted({1, max(1, most // 2), most})
         self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
         self._last, self._streak = 0, 0  # the last count picked and how many picks in a row it has had
+        self._settled: dict[tuple, list[float]] = {}  # per kind and count, settled cycles not yet counted
 
     def pick(self, kind: tuple) -> int:
         count = int(self._trials.pick(kind, self.candidates))
@@ -108,6 +112,13 @@ class ThreadCounts:
         return int(self._trials.best(kind, self.candidates))
 
     def add(self, kind: tuple, count: int, seconds: float) -> None:
-        """The step just picked for `kind` took `seconds` (counted once its run has settled)."""
-        if self._streak > self._SETTLE:
-            self._trials.add(kind, count, seconds, 1.0)
+        """The step just picked for `kind` took `seconds` (counted once its run has settled, by runs' settled
+        steps: their median, as many times as they are)."""
+        if self._streak <= self._SETTLE:
+            self._settled.pop((kind, count), None)
+            return
+        cycles = self._settled.setdefault((kind, count), [])
+        cycles.append(seconds)
+        if len(cycles) == self._RUN - self._SETTLE:
+            self._trials.add(kind, count, statistics.median(cycles) * len(cycles), len(cycles))
+            cycles.clear()
