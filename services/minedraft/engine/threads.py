@@ -99,13 +99,15 @@ class ThreadCounts:
     def __init__(self, most: int) -> None:
         self.candidates = sorted({1, max(1, most // 2), most})
         self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
-        self._last, self._streak = 0, 0  # the last count picked and how many picks in a row it has had
+        # Per kind: the last count picked and how many picks of the kind in a row it has had (kinds interleave:
+        # a verifier that drafts too runs draft and verify parts by turns, each on its own count).
+        self._runs: dict[tuple, tuple[int, int]] = {}
         self._settled: dict[tuple, list[float]] = {}  # per kind and count, settled cycles not yet counted
 
     def pick(self, kind: tuple) -> int:
         count = int(self._trials.pick(kind, self.candidates))
-        self._streak = self._streak + 1 if count == self._last else 1
-        self._last = count
+        last, streak = self._runs.get(kind, (0, 0))
+        self._runs[kind] = (count, streak + 1 if count == last else 1)
         return count
 
     def best(self, kind: tuple) -> int:
@@ -114,7 +116,8 @@ class ThreadCounts:
     def add(self, kind: tuple, count: int, seconds: float) -> None:
         """The step just picked for `kind` took `seconds` (counted once its run has settled, by runs' settled
         steps: their median, as many times as they are)."""
-        if self._streak <= self._SETTLE:
+        last, streak = self._runs.get(kind, (0, 0))
+        if last != count or streak <= self._SETTLE:
             self._settled.pop((kind, count), None)
             return
         cycles = self._settled.setdefault((kind, count), [])
