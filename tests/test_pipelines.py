@@ -45,6 +45,7 @@ def _request(request_id: str, max_tokens: int) -> Request:
 def _describe(admitted: list[Request], draft: DraftPlan | None, verify: VerifyPlan | None) -> str:
     admit = ",".join(r.request_id for r in admitted) or "-"
     drafts = ",".join(f"{t.request_id}:{t.num_tokens}{'+' * t.continue_window}" for t in draft.tasks) if draft else "-"
+    drafts += " after" if draft and draft.after_verify else ""  # drafted after this step's verification
     verified = ",".join(f"{t.request_id}{'~' * (not t.keep_bonus)}" for t in verify.tasks) if verify else "-"
     return f"admit {admit} | draft {drafts} | verify {verified}"
 
@@ -95,12 +96,12 @@ TABLES = {
             "admit c | draft - | verify b,c",
         ],
     ),
-    "sd: draft the batch, then verify it, strictly alternating": (
+    "sd: draft the batch, then each step verifies its windows and drafts the next ones after them": (
         "sd", {0: ["a", "b"]}, 4, {}, {}, [
             "admit a,b | draft a:3,b:3 | verify -",
-            "admit - | draft - | verify a,b",
-            "admit - | draft a:3,b:3 | verify -",
-            "admit - | draft - | verify a,b",
+            "admit - | draft a:3,b:3 after | verify a,b",
+            "admit - | draft a:3,b:3 after | verify a,b",
+            "admit - | draft a:3,b:3 after | verify a,b",
         ],
     ),
     "minedraft: draft batch 0, then draft batch 1 while batch 0 is verified, then swap": (

@@ -151,10 +151,12 @@ def plan_to_proto(
     )
     if draft is not None:
         msg.draft.extend(
-            worker_pb2.DraftTask(request_id=t.request_id, num_tokens=t.num_tokens, continue_window=t.continue_window)
+            worker_pb2.DraftTask(request_id=t.request_id, num_tokens=t.num_tokens, continue_window=t.continue_window,
+                                 end=t.end)
             for t in draft.tasks
         )
         msg.tetris_capacity = draft.tetris_capacity or 0
+        msg.draft_after_verify = draft.after_verify
     if verify is not None:
         msg.verify.extend(worker_pb2.VerifyTask(request_id=t.request_id, keep_bonus=t.keep_bonus) for t in verify.tasks)
     prefill = (draft.prefill if draft else []) or (verify.prefill if verify else [])  # the same chunks for both
@@ -174,8 +176,9 @@ def plan_from_proto(
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]
     draft = None
     if msg.has_draft:
-        tasks = [DraftTask(t.request_id, t.num_tokens, t.continue_window) for t in msg.draft]
-        draft = DraftPlan(tasks, tetris_capacity=msg.tetris_capacity or None, prefill=prefill)
+        tasks = [DraftTask(t.request_id, t.num_tokens, t.continue_window, t.end) for t in msg.draft]
+        draft = DraftPlan(tasks, tetris_capacity=msg.tetris_capacity or None, prefill=prefill,
+                          after_verify=msg.draft_after_verify)
     verify = None
     if msg.has_verify:
         verify = VerifyPlan([VerifyTask(t.request_id, t.keep_bonus) for t in msg.verify], prefill=prefill)

@@ -29,14 +29,16 @@ class Admission(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., bad_words_ids: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "continue_window")
+    __slots__ = ("request_id", "num_tokens", "continue_window", "end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     continue_window: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., continue_window: _Optional[bool] = ...) -> None: ...
+    end: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., continue_window: _Optional[bool] = ..., end: _Optional[int] = ...) -> None: ...
 
 class VerifyTask(_message.Message):
     __slots__ = ("request_id", "keep_bonus")
@@ -89,7 +91,7 @@ class FollowerMessage(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill", "lora_changes")
+    __slots__ = ("step_id", "epoch", "admit", "release", "has_draft", "draft", "tetris_capacity", "has_verify", "verify", "prefill", "lora_changes", "draft_after_verify")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class StepPlan(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     LORA_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AFTER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     admit: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -112,7 +115,8 @@ class StepPlan(_message.Message):
     verify: _containers.RepeatedCompositeFieldContainer[VerifyTask]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillTask]
     lora_changes: _containers.RepeatedCompositeFieldContainer[LoraChange]
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ..., lora_changes: _Optional[_Iterable[_Union[LoraChange, _Mapping]]] = ...) -> None: ...
+    draft_after_verify: bool
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., admit: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., has_draft: _Optional[bool] = ..., draft: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., tetris_capacity: _Optional[int] = ..., has_verify: _Optional[bool] = ..., verify: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillTask, _Mapping]]] = ..., lora_changes: _Optional[_Iterable[_Union[LoraChange, _Mapping]]] = ..., draft_after_verify: _Optional[bool] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
     __slots__ = ("request_id", "num_tokens")

@@ -9,6 +9,7 @@ from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.local_executor import draft_runner, draft_worker
+from minedraft.engine.plans import VerifyPlan
 from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
@@ -64,8 +65,9 @@ class DrafterNode:
             self.groups = None
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        """Draft, then the step-end exchange: results in first, then the still-valid drafts out. A step that
-        drafts nothing is answered at once: its results come with the next step that drafts (MissedResults)."""
+        """Draft, then the step-end exchange: results in first, then the still-valid drafts out (a plan that
+        drafts after the verification takes the results first). A step that drafts nothing is answered at once:
+        its results come with the next step that drafts (MissedResults)."""
         check_epoch(self.epoch, plan)
         admit, release, draft, verify = plan_from_proto(plan)
         self.worker.release(release)
@@ -73,12 +75,15 @@ class DrafterNode:
         loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
         reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
+        results_first = draft is not None and verify is not None and draft.after_verify
         if draft is not None:
             missed = self.missed.take()
             if missed:
                 self.worker.apply_results(self.channel.recv_results(missed))
-            self.threads.use(together=verify is not None, requests=len(draft.tasks), prefill=bool(draft.prefill),
-                             tokens=draft.num_tokens)
+            if results_first:  # one-batch speculation: the windows follow this step's verification
+                self._take_results(verify)
+            self.threads.use(together=verify is not None and not results_first, requests=len(draft.tasks),
+                             prefill=bool(draft.prefill), tokens=draft.num_tokens)
             start = time.perf_counter()
             self.worker.draft(draft)
             reply.draft_seconds = time.perf_counter() - start
@@ -87,10 +92,8 @@ class DrafterNode:
             reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
         if verify is not None and draft is None and defers_results(self.config):
             self.missed.add(t.request_id for t in verify.tasks)
-        elif verify is not None:
-            self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
-            if isinstance(self.worker, EagleDraftWorker):
-                self.worker.receive_features(self.channel.recv_features(verify.request_ids()))
+        elif verify is not None and not results_first:
+            self._take_results(verify)
         if draft is not None:
             windows = self.worker.take_drafts()
             self.channel.send_drafts([t.request_id for t in draft.tasks], windows)
@@ -98,6 +101,12 @@ class DrafterNode:
                 reply.drafted[request_id] = len(window.tokens)
         reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.runner.kv_cache.take_prefix_stats()
         return reply
+
+    def _take_results(self, verify: VerifyPlan) -> None:
+        """The step's verified tokens from the verifier (and an EAGLE head's features), applied."""
+        self.worker.apply_results(self.channel.recv_results([t.request_id for t in verify.tasks]))
+        if isinstance(self.worker, EagleDraftWorker):
+            self.worker.receive_features(self.channel.recv_features(verify.request_ids()))
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_info("drafter", str(self.config.draft_path), self.worker, self.rank, self.config, self.epoch)

@@ -252,7 +252,7 @@ class SpeculationController:
             self.acceptance.decay()
         for verified in drafted:
             self.acceptance.record(verified.num_draft_tokens, verified.num_accepted)
-        together = result.draft_seconds > 0 and result.verify_seconds > 0
+        together = result.draft_seconds > 0 and result.verify_seconds > 0 and not result.draft_after_verify
         # Only decoding steps teach the fits: a step that prefilled a prompt costs what attention over a whole
         # prompt costs, not what the next window will (prompts would pull the per-token cost their way).
         window = 2 * (self.max_k + 1)  # the most tokens a decoding request feeds a model in one step
@@ -541,7 +541,8 @@ class SpeculationController:
         else:
             part = costs.alone
             verify = part.verify_seconds(count, count + sum(windows))
-            seconds = part.draft_seconds(windows, costs.one_forward_drafts) + verify + 2 * costs.overhead[shape]
+            # one step a window: it verifies the last windows, then drafts the next (DraftPlan.after_verify)
+            seconds = part.draft_seconds(windows, costs.one_forward_drafts) + verify + costs.overhead[shape]
         return tokens / max(1e-9, seconds)
 
     def _best_k(self, costs: Costs, shape: Shape, survival: list[list[float]],

@@ -122,7 +122,12 @@ class LocalExecutor:
             raise RuntimeError("a draft plan was given but this executor has no drafter")
         run_draft = partial(self.drafter.draft, draft) if self.drafter and draft else None
         run_verify = partial(self.verifier.verify, verify) if verify else None
-        if run_draft and run_verify and self._draft_thread and self._verify_thread:
+        result.draft_after_verify = bool(run_draft and run_verify and draft.after_verify)
+        if result.draft_after_verify:  # one stage after the other, here, with every core
+            result.verified, result.verify_seconds = _timed(run_verify)
+            self._results_to_drafter(result)
+            _, result.draft_seconds = _timed(run_draft)
+        elif run_draft and run_verify and self._draft_thread and self._verify_thread:
             # Both stages at once, each on its own thread with its share of the cores.
             pending_draft = self._draft_thread.submit(_timed, run_draft)
             result.verified, result.verify_seconds = self._verify_thread.submit(_timed, run_verify).result()
@@ -139,14 +144,19 @@ class LocalExecutor:
             if worker is not None:
                 result.record_prefix_cache(role, worker.runner.kv_cache.take_prefix_stats())
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
-            if isinstance(self.drafter, EagleDraftWorker):
-                self.drafter.receive_features(self.verifier.take_features())
-            self.drafter.apply_results(result.verified)
+            if not result.draft_after_verify:
+                self._results_to_drafter(result)
             handed_over = self.drafter.take_drafts()
             self.verifier.receive_drafts(handed_over)
             result.drafted = {request_id: len(d.tokens) for request_id, d in handed_over.items()}
         result.step_seconds = time.perf_counter() - start
         return result
+
+    def _results_to_drafter(self, result: StepResult) -> None:
+        """The step's verified tokens (and an EAGLE head's features) to the drafter."""
+        if isinstance(self.drafter, EagleDraftWorker):
+            self.drafter.receive_features(self.verifier.take_features())
+        self.drafter.apply_results(result.verified)
 
     def close(self) -> None:
         for thread in (self._verify_thread, self._draft_thread):

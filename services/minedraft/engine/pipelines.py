@@ -116,14 +116,17 @@ class Pipeline(ABC):
         return [max(0, min(k, _own_cap(r, k), r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
 
     def _draft_plan(self, requests: list[Request], windows: list[int],
-                    continuing: frozenset[str] = frozenset()) -> DraftPlan:
+                    continuing: frozenset[str] = frozenset(), after_verify: bool = False) -> DraftPlan:
         """Draft `windows` tokens per request, Tetris choosing what to keep when it is on for this batch size.
-        Requests in `continuing` draft on after the window the verifier holds for them (PEARL)."""
-        tasks = [DraftTask(r.request_id, n, r.request_id in continuing) for r, n in zip(requests, windows)]
+        Requests in `continuing` draft on after the window the verifier holds for them (PEARL); `after_verify`:
+        the windows follow this step's verification (DraftPlan.after_verify)."""
+        tasks = [DraftTask(r.request_id, n, r.request_id in continuing, len(r.prompt_ids) + r.max_new_tokens)
+                 for r, n in zip(requests, windows)]  # fmt: skip
         if not self._tetris(requests):
-            return DraftPlan(tasks)
+            return DraftPlan(tasks, after_verify=after_verify)
         spec = self.spec
-        return DraftPlan(tasks, tetris_capacity=spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs)
+        return DraftPlan(tasks, tetris_capacity=spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs,
+                         after_verify=after_verify)  # fmt: skip
 
 
 def _own_cap(request: Request, k: int) -> int:
@@ -147,8 +150,9 @@ class TwoBatchPipeline(Pipeline):
     Every step verifies the requests whose windows the verifier holds (drafted the step before: `pending`) and
     drafts some of the others (`fresh`), by the step's shape:
     - overlap: the fresh requests of one batch, beside the verification of the other (MineDraft);
-    - sd: every fresh request (one batch); the step after verifies them all alone. While windows are pending
-      it only verifies them, so the one-batch rhythm starts with every request fresh;
+    - sd: every request (one batch): a step verifies the windows pending and then drafts every request's next
+      window from its results (one step a window); with none pending it only drafts. Chosen after overlapped
+      steps, it verifies the windows held and drafts after them too;
     - plain: nothing is drafted; every running request is decoded, its pending window verified with it.
     Fixed speculation runs the mode's own shape; adaptive speculation chooses each step's (adaptive.py). When
     one batch is empty, overlap degrades to one-batch steps on the other.
@@ -172,24 +176,29 @@ class TwoBatchPipeline(Pipeline):
         fresh = [r for r in everyone if r.request_id not in self.drafted]
         if not everyone:
             return admitted, None, None
-        shape, windows, drafting = self._decide(fresh, everyone) if fresh else (self._shape, [], [])
+        # With every window pending, a step may still draft after verifying them (one-batch speculation), where
+        # the controller may choose it or it is the mode's own shape; else it only verifies (fixed MineDraft).
+        may_draft_after = bool(pending) and (self.controller is not None or self.shapes[0] is Shape.SPECULATE)
+        shape, windows, drafting = self._decide(fresh, everyone) if fresh or may_draft_after else (self._shape, [], [])
         self._shape = self.step_shape = shape
         if shape is Shape.PLAIN:
             return admitted, None, VerifyPlan([VerifyTask(r.request_id) for r in everyone])
-        if not drafting or shape is Shape.SPECULATE and pending:
-            # One-batch steps: the verification half; or its start waits for the windows still held.
+        if not drafting:
             return admitted, None, self._verify(pending)
         if shape is Shape.OVERLAP and drafting[0].batch == self._x:
             self._x = 1 - self._x
-        return admitted, self._draft_plan(drafting, windows), self._verify(pending)
+        # A request whose window this step verifies drafts its next one after the verification, from its results.
+        after = any(r.request_id in self.drafted for r in drafting)
+        return admitted, self._draft_plan(drafting, windows, after_verify=after), self._verify(pending)
 
     def _decide(self, fresh: list[Request], everyone: list[Request]) -> tuple[Shape, list[int], list[Request]]:
         """The step's shape, the requests it drafts and their windows. One-batch speculation is weighed as its
         rhythm runs it, every request drafted at once: after overlapped steps only one batch is fresh, and the
         step predicted for that half alone looked a third dearer per token than the rhythm's steps measured,
         which kept the default on overlapped steps that made 0.8x of it. (Chosen while windows are pending, it
-        verifies them first, alone, and drafts nothing.)"""
-        candidates = {Shape.OVERLAP: self._overlap_batch(fresh), Shape.SPECULATE: everyone}
+        verifies them first and drafts after them.) With every window pending, overlap starts the same way: one
+        batch drafts after this step's verification, beside which the other drafts the step after."""
+        candidates = {Shape.OVERLAP: self._overlap_batch(fresh or everyone), Shape.SPECULATE: everyone}
         own = candidates[Shape.OVERLAP]
         if self.controller is None or self._tetris(candidates[self.shapes[0]]):  # Tetris: its fixed shape, k + e
             shape = self.shapes[0]

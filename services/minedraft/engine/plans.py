@@ -50,6 +50,11 @@ class DraftTask:
     # PEARL: draft on from the window handed over last step, which is being verified right now,
     # assuming all of it is accepted. The new drafts are dropped at the step's end unless it was.
     continue_window: bool = False
+    # The length the request's sequence stops at (its prompt and its most new tokens; 0: not given): a window
+    # ends a token before it, the verification adding one of its own. A plan made before the step's results
+    # (planned ahead, or drafting after this step's verification) caps its windows with what the drafter holds
+    # when it drafts, as a plan made after them would.
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class DraftPlan:
     tasks: list[DraftTask]
     tetris_capacity: int | None = None  # with Tetris: draft tokens kept over the whole batch
     prefill: list[PrefillTask] = field(default_factory=list)
+    # One-batch speculation: draft after this step's verification, from its results (the step verifies the
+    # windows held and drafts the next ones, one step a window), not beside it.
+    after_verify: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -145,6 +153,8 @@ class StepResult:
     # A part ran on a thread count being tried, not the best known (engine/threads.py): a slower count's step
     # says nothing of its shape (the adaptive controller does not judge shapes by it).
     thread_trial: bool = False
+    # The draft part ran after the verify part, from its results (DraftPlan.after_verify), not beside it.
+    draft_after_verify: bool = False
 
     def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
         self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats

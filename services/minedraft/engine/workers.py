@@ -413,8 +413,13 @@ class DraftWorker(_Worker):
 
     def _within_capacity(self, task: DraftTask) -> DraftTask:
         """A plan made ahead of the last results may ask for drafts past a request's end (it finished in the
-        step before): never past what its KV cache can hold."""
-        room = max(0, self.runner.max_seq_len - len(self._base(task)))
+        step before, or the step's verification ends it): never past what its KV cache can hold, nor past a
+        token before the length it stops at (DraftTask.end)."""
+        base = len(self._base(task))
+        room = self.runner.max_seq_len - base
+        if task.end:
+            room = min(room, task.end - base - 1)
+        room = max(0, room)
         return task if task.num_tokens <= room else replace(task, num_tokens=room)
 
     def _base(self, task: DraftTask) -> list[int]:

@@ -129,8 +129,8 @@ class VerifierNode:
             if missed:  # the drafter applies them before it drafts, while this rank verifies
                 self.channel.send_missed_results(missed)
         if verify is not None:
-            self.threads.use(together=draft is not None and self._has_drafter, requests=len(verify.tasks),
-                             prefill=bool(verify.prefill))  # fmt: skip
+            beside = draft is not None and self._has_drafter and not draft.after_verify  # the drafter computes too
+            self.threads.use(together=beside, requests=len(verify.tasks), prefill=bool(verify.prefill))
             start = time.perf_counter()
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None

@@ -50,9 +50,12 @@ class PairNode:
         self.executor.change_loras(lora_changes_from_proto(plan))
         self.executor.admit(admit)
         part = verify or draft
-        alone = part is not None and (draft is None or verify is None)  # overlapped: the executor's stage threads
+        after = draft is not None and verify is not None and draft.after_verify  # one part after the other
+        alone = part is not None and (draft is None or verify is None or after)  # else the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
-            if verify is None:
+            if after:
+                kind, tokens = "verify+draft", self.executor.verifier.held_tokens(verify) + draft.num_tokens
+            elif verify is None:
                 kind, tokens = "draft", draft.num_tokens
             else:
                 tokens = self.executor.verifier.held_tokens(verify)
