@@ -58,6 +58,7 @@ class LocalExecutor:
         # Without a drafter nothing overlaps: verify on the caller's thread.
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
+        self._shares_cores = stage_threads is not None  # the stages split one CPU's cores when they run at once
 
     @property
     def kv_pool(self) -> tuple[int, int]:
@@ -122,7 +123,7 @@ class LocalExecutor:
             raise RuntimeError("a draft plan was given but this executor has no drafter")
         run_draft = partial(self.drafter.draft, draft) if self.drafter and draft else None
         run_verify = partial(self.verifier.verify, verify) if verify else None
-        result.draft_after_verify = bool(run_draft and run_verify and draft.after_verify)
+        result.draft_after_verify = bool(run_draft and run_verify and self.in_turn(draft))
         if result.draft_after_verify:  # one stage after the other, here, with every core
             result.verified, result.verify_seconds = _timed(run_verify)
             self._results_to_drafter(result)
@@ -151,6 +152,13 @@ class LocalExecutor:
             result.drafted = {request_id: len(d.tokens) for request_id, d in handed_over.items()}
         result.step_seconds = time.perf_counter() - start
         return result
+
+    def in_turn(self, draft: DraftPlan) -> bool:
+        """Whether a step with this draft part and a verify part runs the verification first and then the draft
+        part (with every core), rather than both at once: a window drafted from this step's results, or, on a
+        CPU the stages share, a draft part that only prefills prompts (on half the cores the target's share of a
+        prompt step took up to twice as long, while the draft model's share was soon done)."""
+        return draft.after_verify or not draft.tasks and self._shares_cores
 
     def _results_to_drafter(self, result: StepResult) -> None:
         """The step's verified tokens (and an EAGLE head's features) to the drafter."""

@@ -50,7 +50,7 @@ class PairNode:
         self.executor.change_loras(lora_changes_from_proto(plan))
         self.executor.admit(admit)
         part = verify or draft
-        after = draft is not None and verify is not None and draft.after_verify  # one part after the other
+        after = draft is not None and verify is not None and self.executor.in_turn(draft)  # one part, then the other
         alone = part is not None and (draft is None or verify is None or after)  # else the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
             if after:
