@@ -236,6 +236,7 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
         result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
         result.thread_trial = result.thread_trial or reply.thread_trial
+        result.draft_after_verify = result.draft_after_verify or reply.draft_after_verify
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
         if reply.draft_prefix_cache_queries:  # a verifier that drafts too
             result.record_prefix_cache("drafter", (reply.draft_prefix_cache_queries, reply.draft_prefix_cache_hits))

@@ -143,7 +143,7 @@ class Verified(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial")
+    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial", "draft_after_verify")
     class DraftedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class StepReply(_message.Message):
     DRAFT_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     THREAD_TRIAL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AFTER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     verified: _containers.RepeatedCompositeFieldContainer[Verified]
     drafted: _containers.ScalarMap[str, int]
@@ -190,7 +191,8 @@ class StepReply(_message.Message):
     draft_prefix_cache_queries: int
     draft_prefix_cache_hits: int
     thread_trial: bool
-    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ...) -> None: ...
+    draft_after_verify: bool
+    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ..., draft_after_verify: _Optional[bool] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -74,8 +74,8 @@ class DrafterNode:
         self.missed.drop(release)
         loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
-        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
         results_first = draft is not None and verify is not None and draft.after_verify
+        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded, draft_after_verify=results_first)
         if draft is not None:
             missed = self.missed.take()
             if missed:

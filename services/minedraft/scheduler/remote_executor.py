@@ -114,7 +114,7 @@ class RemoteExecutor:
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
         self._streams: dict[str, PlanStream] = {}  # per member, for the life of a world
-        self._submitted: deque[tuple[int, float, bool]] = deque()  # (step id, when sent, drafts after verifying)
+        self._submitted: deque[tuple[int, float]] = deque()  # (step id, when sent) of the steps in flight
         self._last_collected = 0.0
 
     @property
@@ -236,13 +236,12 @@ class RemoteExecutor:
         self._admit, self._release, self._lora_changes = [], [], []
         for stream in self._streams.values():
             stream.send(plan)
-        after = draft is not None and verify is not None and draft.after_verify
-        self._submitted.append((self._step_id, time.perf_counter(), after))
+        self._submitted.append((self._step_id, time.perf_counter()))
 
     def collect(self) -> StepResult:
         """The oldest step's replies, merged. Raises if a worker fails it or does not answer by the deadline
         (a worker that fails leaves its peer blocked in the step-end exchange: the peer is not waited for)."""
-        step_id, submitted_at, after_verify = self._submitted.popleft()
+        step_id, submitted_at = self._submitted.popleft()
         replies = {self._calls.submit(stream.receive): stream.worker for stream in self._streams.values()}
         done, pending = wait(replies, timeout=self.deadline.seconds(), return_when=FIRST_EXCEPTION)
         for call in done:
@@ -255,7 +254,6 @@ class RemoteExecutor:
             late = ", ".join(f"the {replies[c].role} at {replies[c].address}" for c in pending)
             raise TimeoutError(f"{late} did not answer step {step_id} within {self.deadline.seconds():.0f}s")
         result = result_from_replies({w.role: c.result() for c, w in replies.items()})
-        result.draft_after_verify = after_verify
         # A step's time is from the end of the one before it (or its own submission, if later) to its end:
         # with the next plan sent ahead, that is what each step costs.
         now = time.perf_counter()

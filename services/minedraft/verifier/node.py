@@ -122,14 +122,15 @@ class VerifierNode:
         self.missed.drop(release)
         loaded = self.worker.change_loras(lora_changes_from_proto(plan))
         self.worker.admit(admit)
-        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded)
+        after = draft is not None and verify is not None and draft.after_verify  # the drafter waits for the results
+        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded, draft_after_verify=after)
         sits_out = self._has_drafter and draft is None and defers_results(self.config)
         if draft is not None and self._has_drafter and self.is_leader:
             missed = self.missed.take()
             if missed:  # the drafter applies them before it drafts, while this rank verifies
                 self.channel.send_missed_results(missed)
         if verify is not None:
-            beside = draft is not None and self._has_drafter and not draft.after_verify  # the drafter computes too
+            beside = draft is not None and self._has_drafter and not after  # the drafter computes too
             self.threads.use(together=beside, requests=len(verify.tasks), prefill=bool(verify.prefill))
             start = time.perf_counter()
             batch = self.worker.forward(verify)

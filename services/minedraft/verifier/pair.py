@@ -95,7 +95,7 @@ def _reply(step_id: int, result: StepResult) -> worker_pb2.StepReply:
     reply = worker_pb2.StepReply(
         step_id=step_id, draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
         draft_forwards=result.draft_forwards, draft_tokens=result.draft_tokens, verify_tokens=result.verify_tokens,
-        lora_loaded=result.lora_loaded,
+        lora_loaded=result.lora_loaded, draft_after_verify=result.draft_after_verify,
     )  # fmt: skip
     reply.verified.extend(verified_to_proto(result.verified))
     for request_id, num_tokens in result.drafted.items():
