@@ -25,6 +25,9 @@ SPECS = {
     "sd": {"num_speculative_tokens": 3, "adaptive": False},
     "pearl": {"num_speculative_tokens": 3, "is_parallel": True, "force_pearl": True, "adaptive": False},
     "minedraft": {"num_speculative_tokens": 3, "is_parallel": True, "adaptive": False},
+    # Adaptive, with nothing measured yet: one-batch steps at k (overlap where a seeded request keeps the mode's own).
+    "sd-adaptive": {"num_speculative_tokens": 3},
+    "minedraft-adaptive": {"num_speculative_tokens": 3, "is_parallel": True},
 }
 
 
@@ -36,7 +39,10 @@ class Letters:
 
 
 def _request(request_id: str, max_tokens: int) -> Request:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Requests whose id starts with "s" sample with a seed; the others are greedy."""
+    seeded = request_id.startswith("s")
+    params = SamplingParams(temperature=1.0 if seeded else 0, seed=7 if seeded else None, max_tokens=max_tokens,
+                            ignore_eos=True)  # fmt: skip
     return Request.create(
         request_id, [1, 2], params, seed=0, max_model_len=1000, eos_token_ids=frozenset(), tokenizer=Letters()
     )
@@ -135,6 +141,26 @@ TABLES = {
             "admit - | draft b:3 | verify a",  # a gets 2 drafts + 1 bonus = 3 tokens: done
             "admit - | draft - | verify b",
             "admit - | draft b:1 | verify -",  # b holds 4 of 6: one draft + the bonus finish it
+        ],
+    ),
+    "adaptive sd: a step that starts a request decodes its first token, then drafts after it": (
+        "minedraft-adaptive", {0: ["a", "b"], 2: ["c"]}, 3, {}, {}, [
+            "admit a,b | draft a:3,b:3 after | verify a,b",
+            "admit - | draft a:3,b:3 after | verify a,b",
+            "admit c | draft a:3,c:3,b:3 after | verify a,b,c",  # c's first token beside a's and b's windows
+        ],
+    ),
+    "adaptive, a seeded request: never decoded before its first window, wherever its steps fall": (
+        "sd-adaptive", {0: ["a", "s"]}, 2, {}, {}, [
+            "admit a,s | draft a:3,s:3 after | verify a",
+            "admit - | draft a:3,s:3 after | verify a,s",
+        ],
+    ),
+    "adaptive overlap (a seeded request keeps it): the other batch decodes beside the first drafting": (
+        "minedraft-adaptive", {0: ["a", "b", "s"]}, 3, {}, {}, [
+            "admit a,b,s | draft a:3,s:3 | verify b",
+            "admit - | draft b:3 | verify a,s",
+            "admit - | draft a:3,s:3 | verify b",
         ],
     ),
     "pearl: verify a window while drafting its continuation; keep it when the window is accepted in full": (

@@ -192,7 +192,8 @@ def load_kind(running: int) -> int:
     return kind
 
 
-def _seeded_sampling(request: Request) -> bool:
+def seeded_sampling(request: Request) -> bool:
+    """Whether the request samples with a seed: its text depends on its windows, which therefore stay fixed."""
     return request.params.seed is not None and request.params.temperature > 0
 
 
@@ -392,7 +393,7 @@ class SpeculationController:
                 log.debug("decision at %d running: %s, held (%d more steps at most)", everyone, held.shape.value,
                           self._held[1] if self._held else 0)  # fmt: skip
             return self._record(held, everyone)
-        seeded = any(_seeded_sampling(r) for s in shapes for r in candidates[s][0])
+        seeded = any(seeded_sampling(r) for s in shapes for r in candidates[s][0])
         if seeded:  # a seed asks for the same text on every run: the mode's own shape, seeded windows fixed
             shapes = shapes[:1]
         allowed = shapes + ([] if seeded else [Shape.PLAIN])
@@ -409,7 +410,7 @@ class SpeculationController:
             decision = decisions[shape]
         if seeded:
             requests, caps = candidates[decision.shape]
-            decision = replace(decision, windows=[cap if _seeded_sampling(r) else w
+            decision = replace(decision, windows=[cap if seeded_sampling(r) else w
                                                   for r, w, cap in zip(requests, decision.windows, caps)])
         # Never with a seeded request: its windows are its caps, whatever the prediction (its text depends on them).
         holds = not cold and not seeded and not any(decision.windows) and self._nobody_drafts_at_the_prior(

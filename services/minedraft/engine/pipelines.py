@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import replace
 
 from minedraft.config import EngineConfig, Mode, SpeculativeConfig
-from minedraft.engine.adaptive import Shape, SpeculationController
+from minedraft.engine.adaptive import Shape, SpeculationController, seeded_sampling
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
 from minedraft.engine.request import Request
@@ -187,9 +187,26 @@ class TwoBatchPipeline(Pipeline):
             return admitted, None, self._verify(pending)
         if shape is Shape.OVERLAP and drafting[0].batch == self._x:
             self._x = 1 - self._x
-        # A request whose window this step verifies drafts its next one after the verification, from its results.
-        after = any(r.request_id in self.drafted for r in drafting)
-        return admitted, self._draft_plan(drafting, windows, after_verify=after), self._verify(pending)
+        verifying = pending + self._decoded_first(shape, fresh, drafting)
+        # A request this step verifies drafts its next window after the verification, from its results.
+        ids = {r.request_id for r in verifying}
+        after = any(r.request_id in ids for r in drafting)
+        return admitted, self._draft_plan(drafting, windows, after_verify=after), self._verify(verifying)
+
+    def _decoded_first(self, shape: Shape, fresh: list[Request], drafting: list[Request]) -> list[Request]:
+        """Adaptive speculation: the fresh requests (no window held) that this step decodes one token each as
+        well. One batch: those it drafts, then drafts after their token; overlap: the other batch's, beside the
+        drafting. So a step that turns to speculation after plain steps, or that starts a request, makes tokens:
+        before, it only drafted, and at 32 requests the drafter's catch-up made a 30-60 ms step of no tokens. Never
+        a seeded request (its text depends on where its windows fall) and never with fixed speculation, whose
+        rhythm is kept as it was."""
+        if self.controller is None:
+            return []
+        if shape is Shape.SPECULATE:
+            held = {r.request_id for r in fresh}
+            return [r for r in drafting if r.request_id in held and not seeded_sampling(r)]
+        drafted = {r.request_id for r in drafting}
+        return [r for r in fresh if r.request_id not in drafted and not seeded_sampling(r)]
 
     def _decide(self, fresh: list[Request], everyone: list[Request]) -> tuple[Shape, list[int], list[Request]]:
         """The step's shape, the requests it drafts and their windows. One-batch speculation is weighed as its
