@@ -602,3 +602,42 @@ def test_a_server_at_its_usual_concurrency_stays_at_one_load() -> None:
     assert kinds == sorted(kinds) and kinds[0] == 0 and len(set(kinds)) == 8
     assert [load_kind(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [0, 1, 1, 2, 2, 3, 3, 4]
 
+
+
+def test_the_drafters_catch_up_after_plain_steps_is_a_cost_of_the_turn_not_of_each_token() -> None:
+    """Turning to speculation after plain steps, the drafter first reads what they decoded: a cost of the turn
+    (the first steps of a run), not of every token speculation makes; a prompt it reads in a settled run is. Charged
+    per token, each probe's catch-up made speculation look 0.2 ms a token dearer served at 16 in flight."""
+    clock = Clock()
+    controller = SpeculationController(K, (Shape.SPECULATE,), one_forward_drafts=False, clock=clock)
+    requests = _requests(4)
+
+    def step(shape: Shape, read: int = 0) -> None:
+        """One step of `shape`; a speculative one's draft part also reads `read` tokens beyond its windows."""
+        if shape is Shape.PLAIN:
+            result = StepResult(verified=[Verified(r.request_id, [3], 0, 0) for r in requests], verify_tokens=4,
+                                verify_seconds=1.5 * MS)  # fmt: skip
+        else:
+            tokens = 4 * 3  # windows of 2, each after its pending token
+            result = StepResult(verified=[Verified(r.request_id, [3, 3], 2, 1) for r in requests],
+                                verify_tokens=tokens, verify_seconds=2 * MS,
+                                drafted={r.request_id: 2 for r in requests}, draft_forwards=2,
+                                draft_tokens=tokens + read,
+                                draft_seconds=(0.8 + 0.01 * (tokens + read)) * MS, draft_after_verify=True)  # fmt: skip
+        clock.now += result.verify_seconds + result.draft_seconds
+        controller.observe(result, shape)
+
+    def extra_ms() -> float:
+        return controller.describe()["drafter_extra_seconds_per_token"] * 1e3
+
+    for _ in range(10):
+        step(Shape.SPECULATE)
+    for _ in range(5):  # plain runs, each followed by a run of speculation whose first step catches up
+        for _ in range(20):
+            step(Shape.PLAIN)
+        step(Shape.SPECULATE, read=400)
+        for _ in range(5):
+            step(Shape.SPECULATE)
+    assert extra_ms() < 0.001
+    step(Shape.SPECULATE, read=150)  # a request that arrived during the run: its prompt, read in a settled step
+    assert extra_ms() > 0.005

@@ -266,7 +266,8 @@ class SpeculationController:
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
             x = (1.0, result.draft_forwards, result.draft_tokens)
             self._model.learn("draft", together, x, result.draft_seconds)
-        if shape is not Shape.PLAIN:
+        last_shape, length = self._run
+        if shape is not Shape.PLAIN and shape is last_shape and length >= _SETTLE:  # a settled step of its run
             self._charge_drafter(result, together, decoding_draft)
         now, last = self._clock(), self._last_end
         self._last_end = now
@@ -292,11 +293,15 @@ class SpeculationController:
         self._measure(shape, result, between, decoding and self._warm(shape) and not result.thread_trial, together)
 
     def _charge_drafter(self, result: StepResult, together: bool, decoding: bool) -> None:
-        """Speculation's cost beyond its windows: a draft part that fed prompts or caught up on tokens decoded
-        by plain steps took longer than drafting its windows would have; the difference, against the tokens
-        speculative steps make. Left out of the fits and the shape factors (it is not what a window costs), it
-        made one-batch steps look 20% cheaper than they served at 8 requests, where a new request arrives every
-        other step and the drafter reads its prompt."""
+        """Speculation's cost beyond its windows, in the settled steps of its runs: a draft part that fed the
+        prompts of requests that arrived took longer than drafting its windows would have; the difference,
+        against the tokens those steps make. Left out of the fits and the shape factors (it is not what a window
+        costs), it made one-batch steps look 20% cheaper than they served at 8 requests, where a new request
+        arrives every other step and the drafter reads its prompt. A run's first steps are left out here too:
+        there the drafter catches up on the tokens the plain steps before decoded, a cost of turning to
+        speculation once, not of each token it makes. Charged per token, every probe's catch-up (16 requests'
+        prompts and outputs) had made speculation look 0.2 ms a token dearer at 16 in flight served, where it was
+        0.002 ms on a server that stayed on it, and the default kept plain steps that made 0.68x of fixed sd."""
         seconds, tokens = self._model.drafter_extra
         extra = 0.0
         if result.draft_seconds > 0 and not decoding and self._trusted("draft", together):
