@@ -512,6 +512,29 @@ def test_a_probe_that_wins_once_runs_again_before_the_choice_changes() -> None:
     assert chosen[:12] == ["b"] * 4 + ["a"] * 4 + ["b"] * 4 and set(chosen[12:]) == {"a"}, chosen
 
 
+def test_a_probe_runs_only_for_a_candidate_that_could_win() -> None:
+    """Scaled by a prediction, a candidate out of reach (it would lose measured 15% cheaper than the cheapest
+    measured) is not probed: such probes only cost (offline at 8 in flight on 2 cores, 6% of the default's time).
+    Once the prediction brings it within reach, the probes return within the base interval."""
+    trials = Trials(run=4, probe_every=128, decay=0.9, first_runs=3)
+    scale, costs = {"a": 1.0, "b": 1.5}, {"a": 1.0, "b": 1.0}
+
+    def picks(n: int) -> list[str]:
+        chosen: list[str] = []
+        for _ in range(n):
+            choice = trials.pick("load", ["a", "b"], scale)
+            chosen.append(choice)
+            if chosen[-3:] == [choice] * 3:
+                trials.add("load", choice, costs[choice], 1.0)
+        return chosen
+
+    chosen = picks(2000)
+    assert chosen[:24] == (["a"] * 4 + ["b"] * 4) * 3 and set(chosen[24:]) == {"a"}
+    scale["b"] = 1.1  # predicted 10% dearer: within reach, though not cheaper by the margin as measured
+    chosen = picks(256)
+    assert "b" in chosen[:128 + 4] and chosen.count("b") <= 8, chosen.count("b")
+
+
 # What each part took on a 2-core CPU serving the bundled pair at one request (offline, the parts' wall times).
 def _cpu_draft(window: int, pending: int) -> float:
     return (0.75 + 0.9 * window + 0.05 * pending) * MS
