@@ -158,7 +158,7 @@ class Trials:
             tries[state.current] = tries.get(state.current, 0) + 1
         elif state.won_once and state.probed in candidates:  # its second probe
             state.current, state.left, state.probing = state.probed, self.run - 1, True
-        elif due and contenders:
+        elif contenders:  # a probe (of those that could win)
             state.probes += 1
             state.current, state.left, state.probing = contenders[state.probes % len(contenders)], self.run - 1, True
             state.probed, state.fresh = state.current, (0.0, 0.0)
@@ -181,7 +181,8 @@ class Trials:
         if scale is None or not measured:
             return others
         best = min(self.cost(kind, c) for c in measured) * (1 - self.reach)
-        return [c for c in others if best * scale[c] < self._scaled(kind, settled, scale) * (1 - self.margin)]
+        to_beat = self._scaled(kind, settled, scale) * (1 - self.margin)
+        return [c for c in others if best * scale[c] < to_beat]
 
     def _probe_won(self, kind: Hashable, state: _KindState, candidates: Sequence[Hashable],
                    scale: Mapping[Hashable, float] | None) -> bool:
