@@ -5,7 +5,7 @@ from collections import Counter
 import torch
 
 from minedraft.config import EngineConfig
-from minedraft.engine.threads import StepThreads, ThreadCounts
+from minedraft.engine.threads import StepKind, StepThreads, ThreadCounts
 from minedraft.launcher import threads_beside, threads_per_worker
 
 
@@ -42,7 +42,7 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
             threads.use(together=False, requests=1)
             # A part on a count other than the best known is a try of that count (its step says so: the
             # engine does not judge the step's shape by it).
-            assert threads.trying == (torch.get_num_threads() != threads._counts.best(("", 1, 0, False)))
+            assert threads.trying == (torch.get_num_threads() != threads._counts.best(StepKind("", 1, 0, False)))
             threads.done(forward[torch.get_num_threads()])
             clock[0] += cycle[torch.get_num_threads()]
         threads.use(together=False, requests=1)
@@ -53,7 +53,7 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
         threads.done(forward[2])
         clock[0] += 1.0  # idle: no request for a second, which is not the step's
         threads.use(together=False, requests=1)
-        assert threads._counts.best(("", 1, 0, False)) == 2
+        assert threads._counts.best(StepKind("", 1, 0, False)) == 2
     finally:
         torch.set_num_threads(before)
 
@@ -73,8 +73,8 @@ def test_parts_of_one_size_that_cost_differently_are_timed_apart() -> None:
             seconds = cycle[part][torch.get_num_threads()]
             threads.done(seconds)
             clock[0] += seconds
-        assert threads._counts.best(("plain", 4, 0, False)) == 2
-        assert threads._counts.best(("draft", 4, 0, False)) == 1
+        assert threads._counts.best(StepKind("plain", 4, 0, False)) == 2
+        assert threads._counts.best(StepKind("draft", 4, 0, False)) == 1
     finally:
         torch.set_num_threads(before)
 
@@ -110,7 +110,7 @@ class Cores:
     def __init__(self, counts: ThreadCounts) -> None:
         self.counts, self.last, self.streak = counts, 0, 0
 
-    def run(self, kind: tuple[int, bool], seconds: dict[int, float], steps: int, gap_every: int = 0) -> Counter[int]:
+    def run(self, kind: StepKind, seconds: dict[int, float], steps: int, gap_every: int = 0) -> Counter[int]:
         """`gap_every`: every so many steps one waits 6 ms more for the client (its next request)."""
         picked: Counter[int] = Counter()
         for step in range(steps):
@@ -126,7 +126,7 @@ class Cores:
 def test_thread_counts_follow_the_machine_per_kind_of_step() -> None:
     counts = ThreadCounts(2)
     cores = Cores(counts)
-    one, many = (1, False), (6, False)  # one request a step; 32-63 requests a step
+    one, many = StepKind("", 1, 0, False), StepKind("", 6, 0, False)  # one request a step; 32-63 a step
     cores.run(one, {1: 6e-3, 2: 3e-3}, 300)  # a quiet machine: both threads win
     assert counts.best(one) == 2
     # Served at one request (the scheduler and the clients on the same cores): one thread wins, though a step of
@@ -145,8 +145,26 @@ def test_a_cycle_that_waited_for_a_client_does_not_decide_the_thread_count() -> 
     their mean the slower."""
     counts = ThreadCounts(2)
     cores = Cores(counts)
-    one = (1, False)
+    one = StepKind("", 1, 0, False)
     cores.run(one, {1: 1.7e-3, 2: 2.0e-3}, 256, gap_every=11)
     assert counts.best(one) == 1
     picked = cores.run(one, {1: 1.7e-3, 2: 2.0e-3}, 2048, gap_every=11)
     assert picked[1] >= 0.95 * picked.total(), picked
+
+
+def test_a_step_larger_than_one_where_every_thread_won_is_not_tried_on_fewer() -> None:
+    """A kind starts on every thread. Once decoding 8 requests measured two threads fastest, a verification that
+    reads 31 prompts (more requests, more tokens, a kind seen once in a while) runs on two from its first step and
+    is never tried on one; a kind of another part is tried as before, and so is the large kind again once the small
+    one measures one thread fastest (a neighbour came)."""
+    counts = ThreadCounts(2)
+    cores = Cores(counts)
+    small, large = StepKind("verify", 4, 5, False), StepKind("verify", 5, 13, False)
+    assert counts.pick(StepKind("verify", 1, 1, False)) == 2  # nothing measured: every thread first
+    cores.run(small, {1: 9e-3, 2: 6e-3}, 64)
+    assert counts.best(small) == 2
+    assert cores.run(large, {1: 0.6, 2: 0.4}, 64) == Counter({2: 64})
+    assert 1 in cores.run(StepKind("draft", 5, 13, False), {1: 0.06, 2: 0.04}, 64)
+    cores.run(small, {1: 9e-3, 2: 18e-3}, 2048)
+    assert counts.best(small) == 1
+    assert 1 in cores.run(large, {1: 0.3, 2: 0.4}, 64)

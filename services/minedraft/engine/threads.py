@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,7 @@ class StepThreads:
         self._current = self.alone
         self._counts = ThreadCounts(self.alone) if device == "cpu" and self.alone > 1 else None
         # The part running alone: its kind of step, thread count and start; and its own seconds (`done`).
-        self._measuring: tuple[tuple, int, float] | None = None
+        self._measuring: tuple[StepKind, int, float] | None = None
         self._part_seconds: float | None = None
         # The last part runs on a count being tried, not the best known for its kind: its step is slower or
         # faster for the count, which the engine must not read as what the step's shape costs.
@@ -56,7 +57,7 @@ class StepThreads:
         if not together:
             count = self.alone
             if self._counts is not None:
-                kind = (part, _bucket(requests), _bucket(tokens), prefill)
+                kind = StepKind(part, _bucket(requests), _bucket(tokens), prefill)
                 count = self._counts.pick(kind)
                 self._measuring = (kind, count, now)
                 self.trying = count != self._counts.best(kind)
@@ -83,6 +84,21 @@ def _bucket(n: int) -> int:
     return min(n, 1 << 12).bit_length()
 
 
+class StepKind(NamedTuple):
+    """A kind of part that runs alone: what it does (`StepThreads.use`), its requests and tokens by powers of two,
+    whether it prefills."""
+
+    part: str
+    requests: int
+    tokens: int
+    prefill: bool
+
+    def covers(self, other: StepKind) -> bool:
+        """Whether this kind does the same as `other`, on at least as many requests and tokens, and more."""
+        return (self.part, self.prefill) == (other.part, other.prefill) and self != other and (
+            self.requests >= other.requests and self.tokens >= other.tokens)
+
+
 class ThreadCounts:
     """Per kind of step (its size in requests and tokens, by powers of two, and whether it prefills), the intra-op
     thread count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
@@ -90,30 +106,49 @@ class ThreadCounts:
     cores (a scheduler that falls behind, say) shows only after a few steps, so one step alone would carry its
     predecessors' effect. A run's settled steps count as their median, each: one cycle that waited for a client
     (its next request, at one request in flight: several steps' time) otherwise decided a trial of four steps,
-    and the choice between one and two threads served at one request flipped every few probes."""
+    and the choice between one and two threads served at one request flipped every few probes.
+
+    A kind runs on every thread first (what a quiet machine does best) and is tried on fewer only while no kind
+    it covers (the same part, fewer requests and tokens) measured every thread fastest: more work per parallel
+    region only widens that lead. Rare large steps decided this: a wave of 31 prompts read in one 4,000-token
+    verification, a kind seen once a wave, spent its first tries on one thread (600 ms where two took 400), and
+    served at 32 in flight the default's first tokens came 250 ms after plain decoding's."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
     _DECAY = 0.8  # per sample: a probe's few settled steps outweigh what that count measured long ago
 
     def __init__(self, most: int) -> None:
-        self.candidates = sorted({1, max(1, most // 2), most})
+        self.most = most
+        self.candidates = sorted({1, max(1, most // 2), most}, reverse=True)
         self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
+        self._covered: dict[StepKind, bool] = {}  # per kind, whether it covers a kind where every thread won
         # Per kind: the last count picked and how many picks of the kind in a row it has had (kinds interleave:
         # a verifier that drafts too runs draft and verify parts by turns, each on its own count).
-        self._runs: dict[tuple, tuple[int, int]] = {}
-        self._settled: dict[tuple, list[float]] = {}  # per kind and count, settled cycles not yet counted
+        self._runs: dict[StepKind, tuple[int, int]] = {}
+        self._settled: dict[tuple[StepKind, int], list[float]] = {}  # per kind and count: cycles not counted yet
 
-    def pick(self, kind: tuple) -> int:
-        count = int(self._trials.pick(kind, self.candidates))
+    def pick(self, kind: StepKind) -> int:
+        count = int(self._trials.pick(kind, self._candidates(kind)))
         last, streak = self._runs.get(kind, (0, 0))
         self._runs[kind] = (count, streak + 1 if count == last else 1)
         return count
 
-    def best(self, kind: tuple) -> int:
-        return int(self._trials.best(kind, self.candidates))
+    def best(self, kind: StepKind) -> int:
+        return int(self._trials.best(kind, self._candidates(kind)))
 
-    def add(self, kind: tuple, count: int, seconds: float) -> None:
+    def _candidates(self, kind: StepKind) -> list[int]:
+        """The counts worth trying for `kind`: every thread alone where it covers a kind that measured every
+        thread fastest (asked again once a count's cost changes)."""
+        covered = self._covered.get(kind)
+        if covered is None:
+            costs = self._trials.costs()
+            covered = self._covered[kind] = any(
+                kind.covers(other) and len(measured) == len(self.candidates) and min(measured, key=measured.get) ==
+                self.most for other, measured in costs.items())  # fmt: skip
+        return [self.most] if covered else self.candidates
+
+    def add(self, kind: StepKind, count: int, seconds: float) -> None:
         """The step just picked for `kind` took `seconds` (counted once its run has settled, by runs' settled
         steps: their median, as many times as they are)."""
         last, streak = self._runs.get(kind, (0, 0))
@@ -124,4 +159,5 @@ class ThreadCounts:
         cycles.append(seconds)
         if len(cycles) == self._RUN - self._SETTLE:
             self._trials.add(kind, count, statistics.median(cycles) * len(cycles), len(cycles))
+            self._covered.clear()
             cycles.clear()
