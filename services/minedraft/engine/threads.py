@@ -94,9 +94,13 @@ class StepKind(NamedTuple):
     prefill: bool
 
     def covers(self, other: StepKind) -> bool:
-        """Whether this kind does the same as `other`, on at least as many requests and tokens, and more."""
-        return (self.part, self.prefill) == (other.part, other.prefill) and self != other and (
-            self.requests >= other.requests and self.tokens >= other.tokens)
+        """Whether this kind runs the forward `other` runs, for as many requests, on more tokens (a plain step
+        runs a verification's forward on one token a request)."""
+        return self.forward == other.forward and self.tokens > other.tokens
+
+    @property
+    def forward(self) -> tuple[str, int, bool]:
+        return "verify" if self.part == "plain" else self.part, self.requests, self.prefill
 
 
 class ThreadCounts:
@@ -109,10 +113,12 @@ class ThreadCounts:
     and the choice between one and two threads served at one request flipped every few probes.
 
     A kind runs on every thread first (what a quiet machine does best) and is tried on fewer only while no kind
-    it covers (the same part, fewer requests and tokens) measured every thread fastest: more work per parallel
-    region only widens that lead. Rare large steps decided this: a wave of 31 prompts read in one 4,000-token
-    verification, a kind seen once a wave, spent its first tries on one thread (600 ms where two took 400), and
-    served at 32 in flight the default's first tokens came 250 ms after plain decoding's."""
+    it covers (the same forward for as many requests, on fewer tokens) measured every thread fastest: more tokens per
+    parallel region only widen that lead. Rare large steps decided this: a wave of 31 prompts read in one
+    4,000-token verification, a kind seen once a wave, spent its first tries on one thread (600 ms where two took
+    400), and served at 32 in flight the default's first tokens came 250 ms after plain decoding's. Not across
+    requests: the few steps of 1-7 requests while a load ramps up, measured on a quiet machine, then held a load of
+    8 on two threads beside a busy neighbour, where one was faster (served plain decoding lost 15%)."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
