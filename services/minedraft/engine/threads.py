@@ -112,13 +112,13 @@ class ThreadCounts:
     (its next request, at one request in flight: several steps' time) otherwise decided a trial of four steps,
     and the choice between one and two threads served at one request flipped every few probes.
 
-    A kind runs on every thread first (what a quiet machine does best) and is tried on fewer only while no kind
-    it covers (the same forward for as many requests, on fewer tokens) measured every thread fastest: more tokens per
-    parallel region only widen that lead. Rare large steps decided this: a wave of 31 prompts read in one
-    4,000-token verification, a kind seen once a wave, spent its first tries on one thread (600 ms where two took
-    400), and served at 32 in flight the default's first tokens came 250 ms after plain decoding's. Not across
-    requests: the few steps of 1-7 requests while a load ramps up, measured on a quiet machine, then held a load of
-    8 on two threads beside a busy neighbour, where one was faster (served plain decoding lost 15%)."""
+    A kind is tried on fewer threads than all only while no kind it covers (the same forward for as many requests,
+    on fewer tokens) measured every thread fastest: more tokens per parallel region only widen that lead. Rare
+    large steps decided this: a wave of 31 prompts read in one 4,000-token verification, a kind seen once a wave,
+    spent its first tries on one thread (600 ms where two took 400), and served at 32 in flight the default's first
+    tokens came 250 ms after plain decoding's. Not across requests: the few steps of 1-7 requests while a load ramps
+    up, measured on a quiet machine, then held a load of 8 on two threads beside a busy neighbour, where one was
+    faster (served plain decoding lost 15%)."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
@@ -126,7 +126,7 @@ class ThreadCounts:
 
     def __init__(self, most: int) -> None:
         self.most = most
-        self.candidates = sorted({1, max(1, most // 2), most}, reverse=True)
+        self.candidates = sorted({1, max(1, most // 2), most})
         self._trials = Trials(self._RUN, self._PROBE_EVERY, self._DECAY)
         self._covered: dict[StepKind, bool] = {}  # per kind, whether it covers a kind where every thread won
         # Per kind: the last count picked and how many picks of the kind in a row it has had (kinds interleave:
