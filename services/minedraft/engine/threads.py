@@ -12,6 +12,7 @@ threads win. Switching costs a few microseconds when the count changes (torch ke
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +21,9 @@ from typing import NamedTuple
 import torch
 
 from minedraft.engine.fits import Trials
+
+# DEBUG: each kind's best count as it changes, with what each count measured (`--log-level DEBUG`).
+log = logging.getLogger(__name__)
 
 # A part's cycle (its start to the next part's) counts while under this many times its own seconds plus the slack.
 _CYCLE_WITHIN, _CYCLE_SLACK = 3.0, 0.005
@@ -164,6 +168,10 @@ class ThreadCounts:
         cycles = self._settled.setdefault((kind, count), [])
         cycles.append(seconds)
         if len(cycles) == self._RUN - self._SETTLE:
+            before = self.best(kind) if log.isEnabledFor(logging.DEBUG) else None
             self._trials.add(kind, count, statistics.median(cycles) * len(cycles), len(cycles))
             self._covered.clear()
             cycles.clear()
+            if before is not None and self.best(kind) != before:
+                measured = {n: round(cost * 1e3, 3) for n, cost in self._trials.costs()[kind].items()}
+                log.debug("threads for %s: %d (ms a step by count: %s)", kind, self.best(kind), measured)
