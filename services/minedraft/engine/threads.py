@@ -152,10 +152,9 @@ class ThreadCounts:
         thread fastest (asked again once a count's cost changes)."""
         covered = self._covered.get(kind)
         if covered is None:
-            costs = self._trials.costs()
-            covered = self._covered[kind] = any(
-                kind.covers(other) and len(measured) == len(self.candidates) and min(measured, key=measured.get) ==
-                self.most for other, measured in costs.items())  # fmt: skip
+            every_thread_won = [other for other, measured in self._trials.costs().items() if len(measured) ==
+                                len(self.candidates) and min(measured, key=measured.get) == self.most]
+            covered = self._covered[kind] = any(kind.covers(other) for other in every_thread_won)
         return [self.most] if covered else self.candidates
 
     def add(self, kind: StepKind, count: int, seconds: float) -> None:
