@@ -168,3 +168,15 @@ def test_a_step_larger_than_one_where_every_thread_won_is_not_tried_on_fewer() -
     cores.run(small, {1: 9e-3, 2: 18e-3}, 2048)
     assert counts.best(small) == 1
     assert 1 in cores.run(large, {1: 0.3, 2: 0.4}, 64)
+
+
+def test_a_step_that_reads_prompts_runs_on_every_thread() -> None:
+    """Served, plain steps of 31 requests measured one thread fastest (the clients share the cores); a wave of 31
+    new prompts read in one verification is another kind, hundreds of tokens a parallel region, and runs on both
+    threads from its first step, untried on one."""
+    counts = ThreadCounts(2)
+    cores = Cores(counts)
+    decoding, wave = StepKind("plain", 5, 5, False), StepKind("plain", 5, 13, True)
+    cores.run(decoding, {1: 6e-3, 2: 9e-3}, 64)
+    assert counts.best(decoding) == 1
+    assert cores.run(wave, {1: 0.7, 2: 0.4}, 12) == Counter({2: 12})

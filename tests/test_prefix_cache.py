@@ -318,3 +318,21 @@ def test_requests_admitted_together_grow_into_the_blocks_their_shared_prompt_fre
     got, _, shared = _serve_in_24_blocks(pair, "ar", prompts, 40, enable=True)
     assert got == expected
     assert alone.num_preemptions > 0 and shared.num_preemptions == 0
+
+
+def test_prompt_tokens_count_what_the_cache_lacks(pair) -> None:
+    """What the verifier's thread choice reads a step's kind from: a starting request's prompt, less what the
+    prefix cache holds, and nothing once it decodes."""
+    worker = VerifyWorker(ModelRunner(pair[0], max_seq_len=64, num_slots=2, block_size=BLOCK,
+                                      enable_prefix_caching=True))  # fmt: skip
+    tokens = list(range(1, 20))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    worker.admit([Admission("a", tokens, params, seed=0)])
+    plan = VerifyPlan([VerifyTask("a")])
+    assert worker.prompt_tokens(plan) == len(tokens) - 1 and worker.held_tokens(plan) == 1
+    worker.verify(plan)
+    assert worker.prompt_tokens(plan) == 0, "decoding feeds one token a request"
+    worker.admit([Admission("b", tokens, params, seed=0)])
+    assert worker.prompt_tokens(VerifyPlan([VerifyTask("a"), VerifyTask("b")])) == len(tokens) - 1 - 16
+    assert worker.prompt_tokens(VerifyPlan([VerifyTask("c")]), [Admission("c", tokens, params, seed=0)]) == 18, (
+        "admitted with the plan, not held yet: its whole prompt")

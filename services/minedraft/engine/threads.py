@@ -49,7 +49,7 @@ class StepThreads:
         self.trying = False
 
     def use(self, together: bool, requests: int = 1, prefill: bool = False, part: str = "", tokens: int = 0) -> None:
-        """Set this thread's intra-op threads for a part of `requests` (and prompt chunks, if `prefill`) that
+        """Set this thread's intra-op threads for a part of `requests` (that reads prompts, if `prefill`) that
         runs beside the other's (`together`) or alone. `part` names what the part does where one process runs
         parts of different costs at the same size (a verifier that drafts too: drafting, verifying windows, plain
         decoding), and `tokens` how much of it (the tokens a verification feeds, the tokens drafted), where known
@@ -90,7 +90,7 @@ def _bucket(n: int) -> int:
 
 class StepKind(NamedTuple):
     """A kind of part that runs alone: what it does (`StepThreads.use`), its requests and tokens by powers of two,
-    whether it prefills."""
+    whether it reads prompts."""
 
     part: str
     requests: int
@@ -122,7 +122,12 @@ class ThreadCounts:
     spent its first tries on one thread (600 ms where two took 400), and served at 32 in flight the default's first
     tokens came 250 ms after plain decoding's. Not across requests: the few steps of 1-7 requests while a load ramps
     up, measured on a quiet machine, then held a load of 8 on two threads beside a busy neighbour, where one was
-    faster (served plain decoding lost 15%)."""
+    faster (served plain decoding lost 15%).
+
+    A step that reads prompts is never tried on fewer threads: it is hundreds of tokens a parallel region, and a
+    kind seen once a wave of new requests. Served at 32 in flight on a 2-core CPU, two threads read a wave at
+    11,000-12,000 tokens/s and one at 6,600, and a wave of 32 prompts (4,500 tokens) timed as a decoding step of
+    32 requests, where one thread had won, took 690 ms where it takes 400."""
 
     _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
     _PROBE_EVERY = 256
@@ -148,8 +153,10 @@ class ThreadCounts:
         return int(self._trials.best(kind, self._candidates(kind)))
 
     def _candidates(self, kind: StepKind) -> list[int]:
-        """The counts worth trying for `kind`: every thread alone where it covers a kind that measured every
-        thread fastest (asked again once a count's cost changes)."""
+        """The counts worth trying for `kind`: every thread alone where it reads prompts, or where it covers a kind
+        that measured every thread fastest (asked again once a count's cost changes)."""
+        if kind.prefill:
+            return [self.most]
         covered = self._covered.get(kind)
         if covered is None:
             every_thread_won = [other for other, measured in self._trials.costs().items() if len(measured) ==

@@ -10,7 +10,7 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -467,6 +467,23 @@ class VerifyWorker(_Worker):
         holds for it (none: a plain step, one token per request)."""
         return sum(1 + len(self._drafts[t.request_id].tokens if t.request_id in self._drafts else ())
                    for t in plan.tasks)  # fmt: skip
+
+    def prompt_tokens(self, plan: VerifyPlan, starting: Sequence[Admission] = ()) -> int:
+        """The tokens the plan feeds the target beyond decoding's: what starting requests' caches lack of their
+        prompts (a wave of new requests is read in one verification) and the prefill chunks'. `starting`: the
+        requests admitted with the plan and not held yet (an executor admits them when the step runs)."""
+        admitted = {a.request_id: len(a.token_ids) for a in starting}
+
+        def written(request_id: str) -> int:
+            seq = self.sequences.get(request_id)
+            return 0 if request_id in admitted or seq is None else len(seq.kv_tokens)
+
+        def committed(request_id: str) -> int:
+            seq = self.sequences.get(request_id)
+            return admitted.get(request_id, len(seq.tokens) if seq is not None else 0)
+
+        reading = sum(max(0, committed(t.request_id) - written(t.request_id) - 1) for t in plan.tasks)
+        return reading + sum(max(0, t.num_tokens - written(t.request_id)) for t in plan.prefill)
 
     def verify(self, plan: VerifyPlan) -> list[Verified]:
         """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""

@@ -131,7 +131,9 @@ class VerifierNode:
                 self.channel.send_missed_results(missed)
         if verify is not None:
             beside = draft is not None and self._has_drafter and not after  # the drafter computes too
-            self.threads.use(together=beside, requests=len(verify.tasks), prefill=bool(verify.prefill))
+            prompts = self.worker.prompt_tokens(verify)
+            self.threads.use(together=beside, requests=len(verify.tasks), prefill=bool(verify.prefill) or prompts > 0,
+                             tokens=self.worker.held_tokens(verify) + prompts)
             start = time.perf_counter()
             batch = self.worker.forward(verify)
             results = self.worker.sample(batch) if self.is_leader else None

@@ -53,15 +53,17 @@ class PairNode:
         after = draft is not None and verify is not None and self.executor.in_turn(draft)  # one part, then the other
         alone = part is not None and (draft is None or verify is None or after)  # else the executor's stage threads
         if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
+            verifier = self.executor.verifier
+            prompts = verifier.prompt_tokens(verify, admit) if verify is not None else 0
             if after:
-                kind, tokens = "verify+draft", self.executor.verifier.held_tokens(verify) + draft.num_tokens
+                kind, tokens = "verify+draft", verifier.held_tokens(verify) + prompts + draft.num_tokens
             elif verify is None:
                 kind, tokens = "draft", draft.num_tokens
             else:
-                tokens = self.executor.verifier.held_tokens(verify)
-                kind = "verify" if tokens > len(verify.tasks) else "plain"
-            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill), part=kind,
-                             tokens=tokens)
+                held = verifier.held_tokens(verify)
+                kind, tokens = "verify" if held > len(verify.tasks) else "plain", held + prompts
+            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill) or prompts > 0,
+                             part=kind, tokens=tokens)
         start = time.perf_counter()
         result = self.executor.step(draft, verify)
         if alone:
