@@ -474,16 +474,16 @@ class VerifyWorker(_Worker):
         requests admitted with the plan and not held yet (an executor admits them when the step runs)."""
         admitted = {a.request_id: len(a.token_ids) for a in starting}
 
-        def written(request_id: str) -> int:
+        def held(request_id: str) -> tuple[int, int]:
+            """The request's committed tokens and those its cache holds."""
+            if request_id in admitted:
+                return admitted[request_id], 0
             seq = self.sequences.get(request_id)
-            return 0 if request_id in admitted or seq is None else len(seq.kv_tokens)
+            return (len(seq.tokens), len(seq.kv_tokens)) if seq is not None else (0, 0)
 
-        def committed(request_id: str) -> int:
-            seq = self.sequences.get(request_id)
-            return admitted.get(request_id, len(seq.tokens) if seq is not None else 0)
-
-        reading = sum(max(0, committed(t.request_id) - written(t.request_id) - 1) for t in plan.tasks)
-        return reading + sum(max(0, t.num_tokens - written(t.request_id)) for t in plan.prefill)
+        starts = (held(t.request_id) for t in plan.tasks)
+        reading = sum(max(0, committed - written - 1) for committed, written in starts)
+        return reading + sum(max(0, t.num_tokens - held(t.request_id)[1]) for t in plan.prefill)
 
     def verify(self, plan: VerifyPlan) -> list[Verified]:
         """Forward, sample and commit (a single process, or tensor-parallel rank 0)."""
