@@ -5,8 +5,10 @@ from collections import Counter
 import torch
 
 from minedraft.config import EngineConfig
+from minedraft.engine.engine import LLMEngine
 from minedraft.engine.threads import StepKind, StepThreads, ThreadCounts
 from minedraft.launcher import threads_beside, threads_per_worker
+from minedraft.sampling.params import SamplingParams
 
 
 def test_workers_that_take_turns_use_every_core() -> None:
@@ -180,3 +182,34 @@ def test_a_step_that_reads_prompts_runs_on_every_thread() -> None:
     cores.run(decoding, {1: 6e-3, 2: 9e-3}, 64)
     assert counts.best(decoding) == 1
     assert cores.run(wave, {1: 0.7, 2: 0.4}, 12) == Counter({2: 12})
+
+
+def test_the_in_process_engine_times_the_parts_it_runs_alone_by_thread_count(pair) -> None:
+    """The offline engine (and a verifier that drafts itself, which runs the same executor) tries each kind of
+    part it runs alone on each thread count and keeps the fastest, as a lone served worker does: beside a busy
+    neighbour a forward on both cores of a 2-core CPU waits at every parallel region for the thread that shares
+    its core, and offline plain decoding kept a third of its quiet speed there. The count changes no output."""
+    target, draft = pair
+    prompts, params = [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outputs, before = {}, torch.get_num_threads()
+    torch.set_num_threads(2)  # the tests' processes run on one thread
+    try:
+        for name, spec in (("ar", None), ("sd", {"model": draft, "adaptive": False})):
+            engine = LLMEngine.local(EngineConfig(model=target, device="cpu", max_num_seqs=2, speculative_config=spec))
+            requests = [engine.add_request(p, params) for p in prompts]
+            tried = 0
+            while engine.has_unfinished():
+                engine.step()
+                tried += engine.last_step.thread_trial
+            outputs[name] = [r.output_ids for r in requests]
+            counts = engine.executor.threads._counts
+            assert tried > 0, "the first steps of a kind run on the counts being tried, and say so"
+            if name == "ar":
+                measured = counts._trials.costs()
+                decoding = [m for kind, m in measured.items() if kind.part == "plain" and not kind.prefill]
+                assert decoding and set(decoding[0]) == {1, 2}, "every count was timed"
+            else:
+                assert "verify+draft" in {kind.part for kind in counts._runs}, "a one-batch step is a kind of its own"
+    finally:
+        torch.set_num_threads(before)
+    assert outputs["sd"] == outputs["ar"]

@@ -334,5 +334,3 @@ def test_prompt_tokens_count_what_the_cache_lacks(pair) -> None:
     assert worker.prompt_tokens(plan) == 0, "decoding feeds one token a request"
     worker.admit([Admission("b", tokens, params, seed=0)])
     assert worker.prompt_tokens(VerifyPlan([VerifyTask("a"), VerifyTask("b")])) == len(tokens) - 1 - 16
-    assert worker.prompt_tokens(VerifyPlan([VerifyTask("c")]), [Admission("c", tokens, params, seed=0)]) == 18, (
-        "admitted with the plan, not held yet: its whole prompt")

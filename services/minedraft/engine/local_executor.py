@@ -15,6 +15,7 @@ import torch
 from minedraft.config import EngineConfig
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
+from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.checkpoint import resolve_checkpoint_dir
 from minedraft.model.config import ModelConfig, load_model_config
@@ -38,7 +39,9 @@ class LocalExecutor:
 
     `stage_threads`: intra-op threads of each stage when both run at once. On a CPU the two stages share
     the cores; giving each all of them makes their thread pools fight (spinning OpenMP workers), so the
-    engine gives each half.
+    engine gives each half. A part that runs alone on the caller's thread takes the count measured fastest
+    here for its kind of step (`StepThreads`): beside a busy neighbour process, a forward on every core waits
+    at each parallel region for the thread that shares its core with the neighbour.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class LocalExecutor:
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
         self._draft_thread = _stage_thread("drafter", stage_threads) if drafter else None
         self._shares_cores = stage_threads is not None  # the stages split one CPU's cores when they run at once
+        self.threads = StepThreads(verifier.device.type, beside=0)
 
     @property
     def kv_pool(self) -> tuple[int, int]:
@@ -124,6 +128,7 @@ class LocalExecutor:
         run_draft = partial(self.drafter.draft, draft) if self.drafter and draft else None
         run_verify = partial(self.verifier.verify, verify) if verify else None
         result.draft_after_verify = bool(run_draft and run_verify and self.in_turn(draft))
+        alone = self._threads_alone(draft, verify, result.draft_after_verify)
         if result.draft_after_verify:  # one stage after the other, here, with every core
             result.verified, result.verify_seconds = _timed(run_verify)
             self._results_to_drafter(result)
@@ -137,6 +142,9 @@ class LocalExecutor:
             _, result.draft_seconds = _timed(run_draft)
         elif run_verify:
             result.verified, result.verify_seconds = _timed(run_verify)
+        if alone:
+            self.threads.done(time.perf_counter() - start)
+            result.thread_trial = self.threads.trying
         if run_draft:
             result.draft_forwards, result.draft_tokens = self.drafter.runner.take_work()
         if run_verify:
@@ -152,6 +160,27 @@ class LocalExecutor:
             result.drafted = {request_id: len(d.tokens) for request_id, d in handed_over.items()}
         result.step_seconds = time.perf_counter() - start
         return result
+
+    def _threads_alone(self, draft: DraftPlan | None, verify: VerifyPlan | None, after: bool) -> bool:
+        """Set the caller's threads for a step whose parts run here one at a time (not on the stage threads);
+        whether it does. Drafting, verifying windows and plain decoding cost differently at one size: each is
+        a kind of its own, sized by its requests and the tokens it feeds (prompts included: the admissions are
+        applied by now)."""
+        part = verify or draft
+        if part is None or draft is not None and verify is not None and not after:
+            return False
+        verifier = self.verifier
+        prompts = verifier.prompt_tokens(verify) if verify is not None else 0
+        if after:
+            kind, tokens = "verify+draft", verifier.held_tokens(verify) + prompts + draft.num_tokens
+        elif verify is None:
+            kind, tokens = "draft", draft.num_tokens
+        else:
+            held = verifier.held_tokens(verify)
+            kind, tokens = "verify" if held > len(verify.tasks) else "plain", held + prompts
+        self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill) or prompts > 0,
+                         part=kind, tokens=tokens)
+        return True
 
     def in_turn(self, draft: DraftPlan) -> bool:
         """Whether a step with this draft part and a verify part runs the verification first and then the draft

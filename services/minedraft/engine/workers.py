@@ -10,7 +10,7 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -468,16 +468,13 @@ class VerifyWorker(_Worker):
         return sum(1 + len(self._drafts[t.request_id].tokens if t.request_id in self._drafts else ())
                    for t in plan.tasks)  # fmt: skip
 
-    def prompt_tokens(self, plan: VerifyPlan, starting: Sequence[Admission] = ()) -> int:
+    def prompt_tokens(self, plan: VerifyPlan) -> int:
         """The tokens the plan feeds the target beyond decoding's: what starting requests' caches lack of their
-        prompts (a wave of new requests is read in one verification) and the prefill chunks'. `starting`: the
-        requests admitted with the plan and not held yet (an executor admits them when the step runs)."""
-        admitted = {a.request_id: len(a.token_ids) for a in starting}
+        prompts (a wave of new requests is read in one verification) and the prefill chunks'. Asked once the
+        plan's admissions are applied."""
 
         def held(request_id: str) -> tuple[int, int]:
             """The request's committed tokens and those its cache holds."""
-            if request_id in admitted:
-                return admitted[request_id], 0
             seq = self.sequences.get(request_id)
             return (len(seq.tokens), len(seq.kv_tokens)) if seq is not None else (0, 0)
 

@@ -11,13 +11,11 @@ thread each), while the scheduler drives it over the same Worker API as a lone v
 from __future__ import annotations
 
 import logging
-import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.local_executor import LocalExecutor, build_local_executor
 from minedraft.engine.plans import StepResult
-from minedraft.engine.threads import StepThreads
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
 from minedraft.worker_node import check_epoch, worker_info
 
@@ -31,7 +29,6 @@ class PairNode:
         self.config = config
         self.executor: LocalExecutor
         self.executor, self.runner = build_local_executor(config, num_slots=num_slots(config))
-        self.threads = StepThreads(config.resolved_device(), beside=0)
         self.epoch: int | None = None
 
     def join(self, request: worker_pb2.JoinRequest) -> None:
@@ -49,27 +46,9 @@ class PairNode:
         self.executor.release(release)
         self.executor.change_loras(lora_changes_from_proto(plan))
         self.executor.admit(admit)
-        part = verify or draft
-        after = draft is not None and verify is not None and self.executor.in_turn(draft)  # one part, then the other
-        alone = part is not None and (draft is None or verify is None or after)  # else the executor's stage threads
-        if alone:  # drafting, verifying windows and plain decoding cost differently at one size: timed apart
-            verifier = self.executor.verifier
-            prompts = verifier.prompt_tokens(verify, admit) if verify is not None else 0
-            if after:
-                kind, tokens = "verify+draft", verifier.held_tokens(verify) + prompts + draft.num_tokens
-            elif verify is None:
-                kind, tokens = "draft", draft.num_tokens
-            else:
-                held = verifier.held_tokens(verify)
-                kind, tokens = "verify" if held > len(verify.tasks) else "plain", held + prompts
-            self.threads.use(together=False, requests=len(part.tasks), prefill=bool(part.prefill) or prompts > 0,
-                             part=kind, tokens=tokens)
-        start = time.perf_counter()
         result = self.executor.step(draft, verify)
-        if alone:
-            self.threads.done(time.perf_counter() - start)
         reply = _reply(plan.step_id, result)
-        reply.thread_trial = alone and self.threads.trying
+        reply.thread_trial = result.thread_trial
         return reply
 
     def info(self) -> worker_pb2.WorkerInfo:
