@@ -64,7 +64,7 @@ class StepThreads:
                 kind = StepKind(part, _bucket(requests), _bucket(tokens), prefill)
                 count = self._counts.pick(kind)
                 self._measuring = (kind, count, now)
-                self.trying = count != self._counts.best(kind)
+                self.trying = self._counts.trying
         if count != self._current:
             torch.set_num_threads(count)
             self._current = count
@@ -142,11 +142,23 @@ class ThreadCounts:
         # a verifier that drafts too runs draft and verify parts by turns, each on its own count).
         self._runs: dict[StepKind, tuple[int, int]] = {}
         self._settled: dict[tuple[StepKind, int], list[float]] = {}  # per kind and count: cycles not counted yet
+        self._steady: set[StepKind] = set()  # kinds picked since the last sample (see `pick`)
+        self.trying = False
 
     def pick(self, kind: StepKind) -> int:
-        count = int(self._trials.pick(kind, self._candidates(kind)))
+        """The count for the next part of `kind`; `trying` says whether it is a try or a probe, not the best known.
+        Between the samples that can change a choice (one every few steps), a kind settled on its count keeps it
+        without weighing the counts again: offline at one request a step takes half a millisecond, and the
+        weighing took 1-2% of it."""
         last, streak = self._runs.get(kind, (0, 0))
+        if kind in self._steady and self._trials.keep(kind, last):
+            self._runs[kind], self.trying = (last, streak + 1), False
+            return last
+        candidates = self._candidates(kind)
+        count = int(self._trials.pick(kind, candidates))
         self._runs[kind] = (count, streak + 1 if count == last else 1)
+        self.trying = self._trials.choice(kind, candidates, count) != count  # untried, or dearer than the margin
+        self._steady.add(kind)
         return count
 
     def best(self, kind: StepKind) -> int:
@@ -177,6 +189,7 @@ class ThreadCounts:
             before = self.best(kind) if log.isEnabledFor(logging.DEBUG) else None
             self._trials.add(kind, count, statistics.median(cycles) * len(cycles), len(cycles))
             self._covered.clear()
+            self._steady.clear()
             cycles.clear()
             if before is not None and self.best(kind) != before:
                 measured = {n: round(cost * 1e3, 3) for n, cost in self._trials.costs()[kind].items()}
