@@ -15,7 +15,9 @@ prompts and settings, and a third table sets the two clients' median TTFT, TPOT 
 two measure the same definitions; on a quiet machine their ratios should stay near 1).
 With `--sweep-concurrency` and `--neighbour`, every server also runs each load beside a busy process (a
 `while True` loop started for the run), interleaved with its quiet runs, and the table adds each server's
-neighbour / quiet and each of ours against the best of vLLM's beside the same neighbour.
+neighbour / quiet and each of ours against the best of vLLM's beside the same neighbour. A sweep warms every
+server up at its middle load; with `--warm-every-load` at each load, so that the rounds measure a server that has
+run at that load before (our controller tries its shapes at each load it meets first).
 A second table says where the servers' CPU went: CPU seconds per 1,000 output tokens of each server
 process (Linux, from /proc; ours by role, vLLM's by process name). The client is left out: each of its runs
 starts a new Python process that imports vLLM, which costs more CPU than the streaming itself.
@@ -167,9 +169,14 @@ def sweep(servers: list[Server], args: argparse.Namespace, vllm_python: str, dat
     """Each round runs every server at every load (requests in flight), in turn; 2 x load prompts a run (at
     least 8), so that every load keeps its requests in flight for a while."""
     loads = [int(c) for c in args.sweep_concurrency.split(",")]
-    for server in servers:  # warm-up at the middle load (compilation, the controller's first fits), not measured
-        if not server.crowded:
-            bench(server, args, vllm_python, data, work, concurrency=loads[len(loads) // 2])
+    # Warm-up, not measured: at the middle load (compilation, the controller's first fits), or with
+    # --warm-every-load at each load, where our controller first tries its shapes (a long-running server's state).
+    middle = [(loads[len(loads) // 2], None)]  # at the run size of --num-prompts
+    warm_ups = [(load, max(8, 2 * load)) for load in loads] if args.warm_every_load else middle
+    for load, num_prompts in warm_ups:
+        for server in servers:
+            if not server.crowded:
+                bench(server, args, vllm_python, data, work, concurrency=load, num_prompts=num_prompts)
 
     def at_load(server: Server, load: int) -> Callable[[int], dict]:
         def run(round_index: int) -> dict:
@@ -312,6 +319,9 @@ def main() -> int:
     parser.add_argument("--neighbour", action="store_true",
                         help="with --sweep-concurrency: every server also runs each load beside a busy process (a "
                              "`while True` loop), interleaved with its quiet runs; the table adds neighbour / quiet")
+    parser.add_argument("--warm-every-load", action="store_true",
+                        help="with --sweep-concurrency: warm every server up at each load, not only the middle one "
+                             "(our controller's first tries of its shapes at a load then fall outside the rounds)")
     parser.add_argument("--our-client", action="store_true",
                         help="also measure every round with `minedraft bench --backend openai`")  # fmt: skip
     args = parser.parse_args()

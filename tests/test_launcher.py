@@ -42,9 +42,11 @@ def test_a_worker_takes_its_share_beside_the_other_and_the_fastest_count_alone()
         forward, cycle = {1: 3e-3, 2: 2.5e-3, 4: 2e-3}, {1: 3.5e-3, 2: 3e-3, 4: 4.5e-3}
         for _ in range(20):
             threads.use(together=False, requests=1)
-            # A part on a count other than the best known is a try of that count (its step says so: the
-            # engine does not judge the step's shape by it).
-            assert threads.trying == (torch.get_num_threads() != threads._counts.best(StepKind("", 1, 0, False)))
+            # A part on a count not measured yet, or other than the best known, is a try of that count (its step
+            # says so: the engine does not judge the step's shape by it).
+            count, kind = torch.get_num_threads(), StepKind("", 1, 0, False)
+            measured = threads._counts._trials.costs().get(kind, {})
+            assert threads.trying == (count not in measured or count != threads._counts.best(kind))
             threads.done(forward[torch.get_num_threads()])
             clock[0] += cycle[torch.get_num_threads()]
         threads.use(together=False, requests=1)
@@ -202,14 +204,13 @@ def test_the_in_process_engine_times_the_parts_it_runs_alone_by_thread_count(pai
                 engine.step()
                 tried += engine.last_step.thread_trial
             outputs[name] = [r.output_ids for r in requests]
+            assert torch.get_num_threads() == 2, "idle, the engine gives the process back its threads"
             counts = engine.executor.threads._counts
-            assert tried > 0, "the first steps of a kind run on the counts being tried, and say so"
-            if name == "ar":
-                measured = counts._trials.costs()
-                decoding = [m for kind, m in measured.items() if kind.part == "plain" and not kind.prefill]
-                assert decoding and set(decoding[0]) == {1, 2}, "every count was timed"
+            if name == "ar":  # one kind of decoding step (2 requests, 1 token each): a run of tries on each count
+                assert tried >= 2 * ThreadCounts._RUN, "the first steps of a kind run on the counts being tried"
             else:
-                assert "verify+draft" in {kind.part for kind in counts._runs}, "a one-batch step is a kind of its own"
+                assert tried > 0 and "verify+draft" in {kind.part for kind in counts._runs}, (
+                    "a one-batch step is a kind of its own")
     finally:
         torch.set_num_threads(before)
     assert outputs["sd"] == outputs["ar"]

@@ -101,6 +101,7 @@ class LocalExecutor:
 
     def flush(self) -> StepResult:
         """Apply the admissions, releases and adapter changes made since the last step (the engine is idle)."""
+        self.threads.rest()
         return StepResult(lora_loaded=self._apply(self._take_changes()))
 
     def _take_changes(self) -> _Changes:

@@ -69,6 +69,14 @@ class StepThreads:
             torch.set_num_threads(count)
             self._current = count
 
+    def rest(self) -> None:
+        """The process is idle: give it back the threads it had (an in-process engine between its calls, so that
+        the caller's own torch code, or a second engine built then, finds them as they were)."""
+        self._measuring, self._part_seconds = None, None
+        if self._current != self.alone:
+            torch.set_num_threads(self.alone)
+            self._current = self.alone
+
     def done(self, seconds: float) -> None:
         """The part set up by the last `use` computed for `seconds`."""
         self._part_seconds = seconds
@@ -157,7 +165,9 @@ class ThreadCounts:
         candidates = self._candidates(kind)
         count = int(self._trials.pick(kind, candidates))
         self._runs[kind] = (count, streak + 1 if count == last else 1)
-        self.trying = self._trials.choice(kind, candidates, count) != count  # untried, or dearer than the margin
+        # A try or a probe: where there is a choice, a count not measured yet or dearer than the margin allows
+        self.trying = len(candidates) > 1 and (self._trials.cost(kind, count) == float("inf")
+                                                or self._trials.choice(kind, candidates, count) != count)
         self._steady.add(kind)
         return count
 
