@@ -39,8 +39,9 @@ SHAPES = {
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_stack_matches_the_layers_one_by_one(tmp_path, shape: str) -> None:
-    """Prefill (the layers as they are), then decode steps, verification windows and ragged windows of several
-    sequences through the one call, the caches it writes read by the next steps: logits within float32 noise."""
+    """Prompts of several lengths in one step, then decode steps, verification windows and ragged windows of
+    several sequences, all through the one call, the caches it writes read by the next steps: logits within
+    float32 noise."""
     settings = {"hidden_size": 64, "num_layers": 2, "seed": 3, **SHAPES[shape]}
     runners = _pair(make_tiny_checkpoint(tmp_path / shape, **settings))
     assert runners[0].decode_stack and runners[0].fused_kernels == "cpu"
@@ -50,7 +51,10 @@ def test_the_stack_matches_the_layers_one_by_one(tmp_path, shape: str) -> None:
     for runner in runners:
         for _ in prompts:
             runner.allocate_slot()
-    _run_both(runners, [SeqInput(i, p, 0) for i, p in enumerate(prompts)])
+    prefill = [SeqInput(i, p, 0, num_logits=len(p)) for i, p in enumerate(prompts)]
+    assert DecodeStack.takes([len(p) for p in prompts])  # 150 rows, one prompt of 90
+    with_stack, without = _run_both(runners, prefill)
+    torch.testing.assert_close(with_stack, without, atol=1e-4, rtol=1e-4)
     lengths = [len(p) for p in prompts]
     # Rows 4, 20, 13, 5, 15 and 6: every row block of the GEMM, one pass (up to 6 rows) and two halves (7, 8).
     for window in ([1, 1, 1, 1], [5, 5, 5, 5], [1, 3, 2, 7], [1, 0, 4, 0], [6, 7, 1, 1], [0, 6, 0, 0]):
@@ -111,17 +115,17 @@ def test_bfloat16_weights_are_held_as_bfloat16_with_the_same_logits(tmp_path, sh
 
 
 def test_steps_the_call_does_not_take_run_the_layers(tmp_path) -> None:
-    """A prompt (longer than the attention kernel's short queries) riding along, or more rows than MAX_ROWS: the
-    layers one by one, the same logits as a runner without the stack bit for bit."""
+    """More rows than MAX_ROWS (a prompt, or windows of many sequences): the layers one by one, the same logits as
+    a runner without the stack bit for bit."""
     runners = _pair(make_tiny_checkpoint(tmp_path / "m", arch="llama", hidden_size=64, num_layers=2, seed=2))
     for runner in runners:
         for _ in range(3):
             runner.allocate_slot()
-    with_stack, without = _run_both(runners, [SeqInput(0, list(range(3, 40)), 0), SeqInput(2, [4] * 50, 0)])
+    assert not DecodeStack.takes([MAX_ROWS - 30, 31])
+    with_stack, without = _run_both(runners, [SeqInput(0, list(range(3, MAX_ROWS - 27)), 0),
+                                              SeqInput(2, [4] * 31, 0)])  # fmt: skip
     assert torch.equal(with_stack, without)
-    with_stack, without = _run_both(runners, [SeqInput(0, [5], 37), SeqInput(1, list(range(3, 43)), 0)])
-    assert torch.equal(with_stack, without)
-    windows = [(0, 38, 22), (1, 40, 22), (2, 50, MAX_ROWS - 43)]  # (slot, start, tokens): one more row than MAX_ROWS
+    windows = [(0, 80, 22), (1, 0, MAX_ROWS - 43), (2, 20, 22)]  # (slot, start, tokens): one more row than MAX_ROWS
     step = [SeqInput(slot, [7] * n, start, num_logits=n) for slot, start, n in windows]
     with_stack, without = _run_both(runners, step)
     assert torch.equal(with_stack, without)

@@ -1,5 +1,5 @@
-"""A decode step's forward on CPU as one C call (model/decode_stack.c): every layer, the final norm and the LM
-head of a step whose queries are all short (decode steps, verification windows, draft steps).
+"""A step's forward on CPU as one C call (model/decode_stack.c): every layer, the final norm and the LM head of a
+step of up to MAX_ROWS tokens (decode steps, verification windows, draft steps, short prompts).
 
 On CPU a small model's step costs what dispatching its operators costs: the bundled draft (two layers of 128
 features) ran some 230 operators per forward, about a millisecond, for arithmetic one core does in tens of
@@ -9,7 +9,7 @@ outputs (a copy, as oneDNN's packed weights are one) and runs them in one call; 
 
 Each row's result depends on that row alone (every output one sum in a fixed order), so in the default mode a
 token's logits are the same in a decode step and in a verification window of any batch up to MAX_ROWS rows; above
-it (and for prompts) torch's GEMMs run, which are faster there. The runner uses it where it runs the C fused
+it torch's GEMMs run, which are as fast there. The runner uses it where it runs the C fused
 kernels (the default mode on CPU, float32), for dense Llama/Qwen layers on one device without LoRA; for any other
 model `DecodeStack.build` says why not and the layers run as they are. The strict mode keeps torch's ops.
 """
@@ -22,14 +22,16 @@ import itertools
 import torch
 
 from minedraft.model import cpu_kernels
-from minedraft.model.attention import PADDED_MAX_QUERY
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache
 from minedraft.model.transformer import MLP, CausalLM
 
-# Rows (tokens) of the step up to which the one call runs it: the bundled models' steps took 0.44-0.61x the time
-# at one row, 0.76-0.82x at 32, 0.83-1.0x at 64 and 0.88-1.06x at 160, where torch's GEMMs reuse each weight over
-# more rows (benchmarks/decode_stack.py, 1 and 2 threads, an AVX-512 Xeon).
-MAX_ROWS = 64
+# Rows (tokens) of the step up to which the one call runs it. The call saves the operators' dispatch, a few
+# milliseconds a forward of the bundled target, and its GEMMs hold fewer rows in registers than torch's: the
+# bundled models' steps took 0.44-0.61x the time at one row, 0.83-1.0x at 64 and 0.88-1.14x at 160 on an AVX-512
+# Xeon (MKL); on an AVX-512 EPYC 0.57-0.76x for a prompt of 64-128 tokens, 0.84-0.86x at 160-192 rows and
+# 0.92-0.93x at 256 (benchmarks/decode_stack.py, 1 and 2 threads). Prompts (one of 128 tokens: 3 ms less to the
+# first token) and verification steps of 32 requests are in.
+MAX_ROWS = 192
 _WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
 _TILE = 64  # decode_stack.c's TILE: the outputs one tile of its GEMM covers (COL_VECS x LANES floats)
 
@@ -94,9 +96,9 @@ class DecodeStack:
 
     @staticmethod
     def takes(query_lens: list[int]) -> bool:
-        """Whether the call runs a step of sequences with these new tokens: every one a short query of the C
-        attention kernel's, at most MAX_ROWS in all."""
-        return all(0 < n <= PADDED_MAX_QUERY for n in query_lens) and 0 < sum(query_lens) <= MAX_ROWS
+        """Whether the call runs a step of sequences with these new tokens: at most MAX_ROWS in all (the C
+        attention kernel reads queries of any length)."""
+        return all(n > 0 for n in query_lens) and 0 < sum(query_lens) <= MAX_ROWS
 
     def logits(self, step: StackStep, cache: KVCache) -> torch.Tensor:
         """float32 logits [rows, vocab] of the step's logits rows; writes its tokens' keys and values."""
