@@ -209,3 +209,24 @@ def test_a_step_always_has_work_while_requests_run_or_wait(mode: str) -> None:
         assert has_work == busy, f"step {step}: {row}"
         _step_end(requests, draft, verify, set())
         pipeline.batches.remove_finished()
+
+
+def test_requests_know_what_the_drafter_has_read_of_them() -> None:
+    """A request's `drafter_tokens` (what adaptive speculation weighs a turn to speculation by): 0 from admission,
+    its whole length once a step drafts it, 0 again when it is admitted afresh (after a preemption)."""
+    pipeline = make_pipeline(EngineConfig(speculative_config=SPECS["sd"], max_num_seqs=2))
+    requests = {"a": _request("a", 100)}
+    pipeline.batches.add(requests["a"])
+    _, draft, verify = pipeline.schedule()
+    assert [t.request_id for t in draft.tasks] == ["a"] and requests["a"].drafter_tokens == 2  # its prompt
+    _step_end(requests, draft, verify, set())
+    for _ in range(2):  # a step that verifies the window and drafts after it, then the next one's plan
+        _, draft, verify = pipeline.schedule()
+        _step_end(requests, draft, verify, set())
+    # As of the last plan: the first window's 3 drafts and bonus token (the drafter reads each step's own
+    # verified tokens as it drafts after them; the catch-up weighed is what goes beyond that)
+    assert requests["a"].drafter_tokens == 2 + 4
+    pipeline.batches.batches[0].remove(requests["a"])
+    pipeline.batches.add(requests["a"])
+    pipeline.batches.admit_into(0)
+    assert requests["a"].drafter_tokens == 0

@@ -202,6 +202,29 @@ def test_one_batch_steps_draft_the_most_when_tokens_are_nearly_free() -> None:
     assert controller.windows[K] >= 0.8 * drafted, controller.windows
 
 
+def test_the_catch_up_the_drafter_owes_is_weighed_against_the_tokens_left() -> None:
+    """Settled on one-batch steps (drafts accepted 80% of the time): requests whose long prompts the drafter has
+    not read (a wave prefilled in plain steps) and that have few tokens left stay on plain steps, since turning to
+    speculation would read every prompt first; the same requests once the drafter has read them, or with many
+    tokens left, speculate."""
+    controller, share = _settle(SHARED_CORES, (Shape.SPECULATE,))
+    assert share[Shape.SPECULATE] >= 0.85, share
+
+    def shapes(prompt: int, left: int, read: bool) -> list[Shape]:
+        params = SamplingParams(temperature=0.0, max_tokens=left)
+        wave = [Request.create(f"{prompt}-{left}-{read}-{i}", [1] * prompt, params, seed=0, max_model_len=100_000,
+                               eos_token_ids=frozenset(), tokenizer=Letters()) for i in range(2 * PER_BATCH)]
+        for request in wave:
+            request.drafter_tokens = prompt if read else 0
+        candidates = {Shape.SPECULATE: (wave, [K] * len(wave))}
+        return [controller.decide(candidates, everyone=len(wave)).shape for _ in range(8)]
+
+    assert shapes(4000, 32, read=False).count(Shape.PLAIN) >= 7
+    assert shapes(4000, 32, read=True).count(Shape.SPECULATE) >= 7
+    assert shapes(4000, 10_000, read=False).count(Shape.SPECULATE) >= 7
+    assert controller.last_catch_up[Shape.SPECULATE] > 0
+
+
 def test_other_shapes_are_tried_again_rarely_once_settled() -> None:
     controller, share = _settle(OWN_DRAFTER, BOTH, decisions=1200)
     assert share[Shape.OVERLAP] >= 0.95, share  # a run of 4 decisions of another shape every 128
@@ -267,7 +290,8 @@ def test_operators_can_follow_each_decision_and_step_at_debug(caplog: pytest.Log
     messages = [r.getMessage() for r in caplog.records if r.name == "minedraft.engine.adaptive"]
     decisions = [m for m in messages if re.fullmatch(r"decision at 16 running: (sd|plain|overlap), windows \[.*\]; "
                                                       r"predicted tok/s \{.*\}; measured over predicted \{.*\}; "
-                                                      r"drafter beyond windows [\d.]+ ms a token", m)
+                                                      r"drafter beyond windows [\d.]+ ms a token; "
+                                                      r"catch-up ms a token \{.*\}", m)
                  or re.fullmatch(r"decision at 16 running: plain, held \(\d more steps at most\)", m)]
     steps = [m for m in messages if re.fullmatch(r"(sd|plain|overlap) step: verify [\d.]+ ms \(\d+ requests, \d+ "
                                                   r"tokens\), draft [\d.]+ ms \(\d+ tokens\), wall [\d.]+ ms, "

@@ -19,9 +19,11 @@ drafting beside verification), the one with the fewest seconds per token: predic
 with the k in 1..max with the most expected tokens per second and each request's window trimmed where its next
 token is expected to be worth less than it costs, times what the shape's steps took at this load against what the
 model predicted for them (measured in runs, tried now and then: `Trials`), since a step costs more than its parts
-in ways the model does not see. The choice reads only verifications already
-made, never the token about to be sampled, so every output stays exactly the target's. Requests that sample with
-a seed keep the mode's own shape and the fixed k, so that their text is the same on every run.
+in ways the model does not see; a speculative shape also pays, spread over the tokens its requests have left, the
+catch-up the drafter owes them (what it has not read of them) before it can draft. The choice reads only
+verifications already made, never the token about to be sampled, so every output stays exactly the target's.
+Requests that sample with a seed keep the mode's own shape and the fixed k, so that their text is the same on
+every run.
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ class SpeculationController:
         self._prior_check: tuple = (None, -1, False)  # the requests, the acceptance's samples, the answer
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
+        self.last_catch_up: dict[Shape, float] = {}  # the catch-up charged per token, by shape, when last decided
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
         # decisions by shape, decisions, and decisions that drafted nothing (plain decoding).
         self.windows: Counter[int] = Counter()
@@ -407,10 +410,11 @@ class SpeculationController:
                 if not self._warm(s)]  # fmt: skip
         if cold:  # until the fits have data: each shape as it is, those that run alone first (a part beside the
             # other is measured against its cost alone)
-            decision = self._as_it_is(cold[0], candidates)
+            decision, self.last_catch_up = self._as_it_is(cold[0], candidates), {}
         else:  # predicted now (this moment's requests and their acceptance) x what the shape costs beyond the model
             decisions = self._by_shape(candidates, shapes, everyone)
-            per_token = self._per_token(self.last_rates, allowed)
+            self.last_catch_up = self._catch_up_per_token(candidates, shapes)
+            per_token = self._per_token(self.last_rates, allowed, self.last_catch_up)
             shape = self._trials.pick(self._load, sorted(allowed, key=per_token.__getitem__), per_token)
             decision = decisions[shape]
         if seeded:
@@ -424,9 +428,10 @@ class SpeculationController:
         if log.isEnabledFor(logging.DEBUG):
             factors = {s.value: round(f, 3) for s, f in self._trials.costs().get(self._load, {}).items()}
             log.debug("decision at %d running: %s, windows %s; predicted tok/s %s; measured over predicted %s; "
-                      "drafter beyond windows %.3f ms a token", everyone, decision.shape.value, decision.windows,
-                      {k: round(v) for k, v in self.last_rates.items()}, factors,
-                      self._drafter_extra_per_token() * 1e3)  # fmt: skip
+                      "drafter beyond windows %.3f ms a token; catch-up ms a token %s", everyone,
+                      decision.shape.value, decision.windows, {k: round(v) for k, v in self.last_rates.items()},
+                      factors, self._drafter_extra_per_token() * 1e3,
+                      {s.value: round(c * 1e3, 4) for s, c in self.last_catch_up.items()})  # fmt: skip
         return self._record(decision, everyone)
 
     def _held_decision(self, key: tuple) -> Decision | None:
@@ -444,15 +449,36 @@ class SpeculationController:
         take its own estimate. Asked again only once the requests or the acceptance changed."""
         if self._prior_check[:2] != (key, self.acceptance.samples):
             decisions, rates = self._predict(candidates, shapes, everyone, own_evidence=False)
-            per_token = self._per_token(rates, allowed)
+            per_token = self._per_token(rates, allowed, self._catch_up_per_token(candidates, shapes))
             shape = self._trials.choice(self._load, allowed, chosen, per_token)
             self._prior_check = (key, self.acceptance.samples, not any(decisions[shape].windows))
         return self._prior_check[2]
 
-    def _per_token(self, rates: Mapping[str, float], allowed: list[Shape]) -> dict[Shape, float]:
-        """Each shape's predicted seconds per token, speculative ones with the drafter's work beyond windows."""
+    def _per_token(self, rates: Mapping[str, float], allowed: list[Shape],
+                   catch_up: Mapping[Shape, float]) -> dict[Shape, float]:
+        """Each shape's predicted seconds per token, speculative ones with the drafter's work beyond windows and
+        the catch-up that turning to the shape now costs (`_catch_up_per_token`)."""
         extra = self._drafter_extra_per_token()
-        return {s: 1.0 / max(1e-9, rates[s.value]) + (0.0 if s is Shape.PLAIN else extra) for s in allowed}
+        return {s: 1.0 / max(1e-9, rates[s.value]) + (0.0 if s is Shape.PLAIN else extra + catch_up.get(s, 0.0))
+                for s in allowed}  # fmt: skip
+
+    def _catch_up_per_token(self, candidates: Candidates, shapes: list[Shape]) -> dict[Shape, float]:
+        """Per speculative shape, what the drafter's catch-up on the requests it would draft costs per token they
+        have left: the tokens it has not read of each (beyond the few a window's draft feeds anyway: the last
+        verification's), at the draft's cost per token, once for every token the requests may still make. The
+        steps that pay it are the first of a run, which the shapes' measured factors leave out; uncharged, the
+        default turned to speculation and back every few steps where the two decoded at one speed, and offline at
+        32 requests the drafter read the prompts of a whole wave (5,900 tokens, 100 ms) in the first step of
+        each turn."""
+        costs, fed = self._costs(), self.max_k + 1
+        charges = {}
+        for shape in shapes:
+            requests = candidates[shape][0]
+            owed = sum(max(0, len(r.prompt_ids) + len(r.output_ids) - r.drafter_tokens - fed) for r in requests)
+            if owed:
+                per_token = (costs.together if shape is Shape.OVERLAP else costs.alone).draft[2]
+                charges[shape] = max(0.0, per_token) * owed / max(1, sum(r.remaining_tokens for r in requests))
+        return charges
 
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
         """The shape with every request at its cap (k, or less where the request asks or ends sooner)."""

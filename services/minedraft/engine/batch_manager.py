@@ -192,6 +192,7 @@ class BatchManager:
         if request.scheduled_time is None:  # a preempted request keeps its first
             request.scheduled_time = time.monotonic()
         request.batch = index
+        request.drafter_tokens = 0  # a worker admits it afresh
         if self.budget is not None and self.budget.shares_prefixes:
             request.shared_blocks = self._reusable(request)
             if request.shared_blocks:

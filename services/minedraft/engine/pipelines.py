@@ -97,6 +97,8 @@ class Pipeline(ABC):
             start, last = request.num_prefilled or 0, len(request.token_ids) - 1  # the last token folds into decoding
             end = min(last, start + left)
             chunks.append(PrefillTask(request.request_id, end))
+            if self.spec is not None:  # both workers read the chunk
+                request.drafter_tokens = end
             left -= end - start
             request.num_prefilled = None if end == last else end
         new_draft = None
@@ -122,6 +124,9 @@ class Pipeline(ABC):
         the windows follow this step's verification (DraftPlan.after_verify)."""
         tasks = [DraftTask(r.request_id, n, r.request_id in continuing, len(r.prompt_ids) + r.max_new_tokens)
                  for r, n in zip(requests, windows)]  # fmt: skip
+        for request, window in zip(requests, windows):
+            if window > 0:  # the drafter reads what it has not yet read of the request, then drafts
+                request.drafter_tokens = len(request.prompt_ids) + len(request.output_ids)
         if not self._tetris(requests):
             return DraftPlan(tasks, after_verify=after_verify)
         spec = self.spec

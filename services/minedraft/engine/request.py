@@ -77,6 +77,9 @@ class Request:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_rejections: int = 0  # verifications that rejected a draft token (adaptive k reads its acceptance)
     plain_steps: int = 0  # steps since it last verified drafts (adaptive k lets its own acceptance fade meanwhile)
+    # Its tokens the drafter had read when a step last drafted it (0 from each admission): the drafter reads the
+    # rest, the catch-up, before it drafts the request again (adaptive speculation weighs that).
+    drafter_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when it first left the waiting queue for a batch
     first_token_time: float | None = None
