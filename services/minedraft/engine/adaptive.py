@@ -623,6 +623,9 @@ class SpeculationController:
             # The drafter's seconds beyond drafting windows (prompts, catching up after plain steps) per token
             # speculative steps made, at the load of the last decision: added to speculative shapes' cost.
             "drafter_extra_seconds_per_token": round(self._drafter_extra_per_token(), 6),
+            # Per speculative shape, the drafter's catch-up the last decision charged per token (see
+            # _catch_up_per_token): none where the drafter had read every request that shape would draft.
+            "catch_up_seconds_per_token": {s.value: round(c, 6) for s, c in self.last_catch_up.items()},
             # Per load (load_kind: running requests 1, 2-4, 5-16, 17-64, ... for keys 0, 1, 2, 3, ...): each shape's
             # steps' wall time over the model's prediction for the same work.
             "measured_over_predicted": {
