@@ -109,10 +109,10 @@ class Clock:
         return self.now
 
 
-def _settle(machine: Machine, shapes: tuple[Shape, ...], decisions: int = 400,
-            seed: int | None = None) -> tuple[SpeculationController, dict[Shape, float]]:
+def _settle(machine: Machine, shapes: tuple[Shape, ...], decisions: int = 400, seed: int | None = None,
+            clock: Clock | None = None) -> tuple[SpeculationController, dict[Shape, float]]:
     """Run the controller against the machine; the share of each shape over the second half of the decisions."""
-    clock = Clock()
+    clock = clock or Clock()
     controller = SpeculationController(K, shapes, one_forward_drafts=False, clock=clock)
     everyone = _requests(2 * PER_BATCH, seed)
     batches = [everyone[:PER_BATCH], everyone[PER_BATCH:]]
@@ -206,9 +206,17 @@ def test_the_catch_up_the_drafter_owes_is_weighed_against_the_tokens_left() -> N
     """Settled on one-batch steps (drafts accepted 80% of the time): requests whose long prompts the drafter has
     not read (a wave prefilled in plain steps) and that have few tokens left stay on plain steps, since turning to
     speculation would read every prompt first; the same requests once the drafter has read them, or with many
-    tokens left, speculate."""
-    controller, share = _settle(SHARED_CORES, (Shape.SPECULATE,))
+    tokens left, speculate. What reading costs the drafter is measured: a step that read a prompt of 400 tokens
+    beside its windows, 4 ms beyond what the windows take (10 us a token)."""
+    clock = Clock()
+    controller, share = _settle(SHARED_CORES, (Shape.SPECULATE,), clock=clock)
     assert share[Shape.SPECULATE] >= 0.85, share
+    assert not controller.describe()["catch_up_seconds_per_token"]  # nothing read beyond windows yet
+    windows = {str(i): K for i in range(4)}
+    read = StepResult(drafted=windows, draft_forwards=K, draft_tokens=4 * (K + 1) + 400, draft_after_verify=True,
+                      draft_seconds=SHARED_CORES.draft(list(windows.values()), together=False) + 4 * MS)
+    clock.now += read.draft_seconds
+    controller.observe(read, Shape.SPECULATE)
 
     def shapes(prompt: int, left: int, read: bool) -> list[Shape]:
         params = SamplingParams(temperature=0.0, max_tokens=left)

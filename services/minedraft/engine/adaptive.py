@@ -235,6 +235,7 @@ class SpeculationController:
         self.last: Decision | None = None
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         self.last_catch_up: dict[Shape, float] = {}  # the catch-up charged per token, by shape, when last decided
+        self._reading = (0.0, 0.0)  # decayed seconds and tokens of the drafter's reads beyond windows
         # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
         # decisions by shape, decisions, and decisions that drafted nothing (plain decoding).
         self.windows: Counter[int] = Counter()
@@ -272,6 +273,8 @@ class SpeculationController:
         last_shape, length = self._run
         if shape is not Shape.PLAIN and shape is last_shape and length >= _SETTLE:  # a settled step of its run
             self._charge_drafter(result, together, decoding_draft)
+        if result.draft_seconds > 0 and not decoding_draft and self._trusted("draft", together):
+            self._learn_reading(result, together)
         now, last = self._clock(), self._last_end
         self._last_end = now
         slower = max(result.draft_seconds, result.verify_seconds)
@@ -314,6 +317,21 @@ class SpeculationController:
             extra = max(0.0, result.draft_seconds - part.draft_seconds(windows, self._one_forward))
         made = sum(len(v.token_ids) for v in result.verified)
         self._model.drafter_extra = (seconds * DECAY + extra, tokens * DECAY + made)
+
+    def _learn_reading(self, result: StepResult, together: bool) -> None:
+        """What the drafter takes per token it reads beyond its windows (prompts, catch-ups), from draft parts that
+        fed more than windows do: their seconds beyond the windows' prediction over the tokens beyond them. Not the
+        draft fit's cost per token: fed by windows, where tokens and forwards rise together at one request, it
+        came out at a whole forward a token (0.1 ms), where a prompt read in one forward costs a tenth of that."""
+        windows = list(result.drafted.values())
+        read = result.draft_tokens - sum(windows) - sum(1 for w in windows if w)
+        if read <= 0:
+            return
+        costs = self._costs()
+        part = costs.together if together else costs.alone
+        extra = max(0.0, result.draft_seconds - part.draft_seconds(windows, self._one_forward))
+        seconds, tokens = self._reading
+        self._reading = (seconds * DECAY + extra, tokens * DECAY + read)
 
     def _drafter_extra_per_token(self) -> float:
         seconds, tokens = self._model.drafter_extra
@@ -465,19 +483,20 @@ class SpeculationController:
     def _catch_up_per_token(self, candidates: Candidates, shapes: list[Shape]) -> dict[Shape, float]:
         """Per speculative shape, what the drafter's catch-up on the requests it would draft costs per token they
         have left: the tokens it has not read of each (beyond the few a window's draft feeds anyway: the last
-        verification's), at the draft's cost per token, once for every token the requests may still make. The
+        verification's), at what reading a token has cost it here (`_learn_reading`; nothing before it has read
+        any), once for every token the requests may still make. The
         steps that pay it are the first of a run, which the shapes' measured factors leave out; uncharged, the
         default turned to speculation and back every few steps where the two decoded at one speed, and offline at
         32 requests the drafter read the prompts of a whole wave (5,900 tokens, 100 ms) in the first step of
         each turn."""
-        costs, fed = self._costs(), self.max_k + 1
+        seconds, tokens = self._reading
+        per_token, fed = seconds / tokens if tokens > 0 else 0.0, self.max_k + 1
         charges = {}
         for shape in shapes:
             requests = candidates[shape][0]
             owed = sum(max(0, len(r.prompt_ids) + len(r.output_ids) - r.drafter_tokens - fed) for r in requests)
-            if owed:
-                per_token = (costs.together if shape is Shape.OVERLAP else costs.alone).draft[2]
-                charges[shape] = max(0.0, per_token) * owed / max(1, sum(r.remaining_tokens for r in requests))
+            if owed and per_token > 0:
+                charges[shape] = per_token * owed / max(1, sum(r.remaining_tokens for r in requests))
         return charges
 
     def _as_it_is(self, shape: Shape, candidates: Candidates) -> Decision:
