@@ -484,18 +484,18 @@ class SpeculationController:
         """Per speculative shape, what the drafter's catch-up on the requests it would draft costs per token they
         have left: the tokens it has not read of each (beyond the few a window's draft feeds anyway: the last
         verification's), at what reading a token has cost it here (`_learn_reading`; nothing before it has read
-        any), once for every token the requests may still make. The
-        steps that pay it are the first of a run, which the shapes' measured factors leave out; uncharged, the
-        default turned to speculation and back every few steps where the two decoded at one speed, and offline at
-        32 requests the drafter read the prompts of a whole wave (5,900 tokens, 100 ms) in the first step of
-        each turn."""
+        any), once for every token the requests may still make. The steps that pay it are the first of a run,
+        which the shapes' measured factors leave out; uncharged, the default turned to speculation and back every
+        few steps where the two decoded at one speed, and offline at 32 requests the drafter read the prompts of a
+        whole wave (5,900 tokens, 100 ms) in the first step of each turn."""
         seconds, tokens = self._reading
-        per_token, fed = seconds / tokens if tokens > 0 else 0.0, self.max_k + 1
-        charges = {}
+        if seconds <= 0 or tokens <= 0:
+            return {}
+        per_token, fed, charges = seconds / tokens, self.max_k + 1, {}
         for shape in shapes:
             requests = candidates[shape][0]
-            owed = sum(max(0, len(r.prompt_ids) + len(r.output_ids) - r.drafter_tokens - fed) for r in requests)
-            if owed and per_token > 0:
+            owed = sum(max(0, r.num_tokens - r.drafter_tokens - fed) for r in requests)
+            if owed:
                 charges[shape] = per_token * owed / max(1, sum(r.remaining_tokens for r in requests))
         return charges
 

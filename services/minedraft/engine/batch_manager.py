@@ -32,7 +32,7 @@ class BlockBudget:
     shares_prefixes: bool = False
 
     def blocks(self, request: Request) -> int:
-        tokens = len(request.prompt_ids) + len(request.output_ids) + (request.pending_drafts or 0) + self.lookahead
+        tokens = request.num_tokens + (request.pending_drafts or 0) + self.lookahead
         return -(-min(tokens, self.max_model_len) // self.block_size)
 
 

@@ -126,7 +126,7 @@ class Pipeline(ABC):
                  for r, n in zip(requests, windows)]  # fmt: skip
         for request, window in zip(requests, windows):
             if window > 0:  # the drafter reads what it has not yet read of the request, then drafts
-                request.drafter_tokens = len(request.prompt_ids) + len(request.output_ids)
+                request.drafter_tokens = request.num_tokens
         if not self._tetris(requests):
             return DraftPlan(tasks, after_verify=after_verify)
         spec = self.spec

@@ -197,6 +197,11 @@ class Request:
         self.text += delta
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and output so far (`token_ids`' length, without building the list)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def token_ids(self) -> list[int]:
         """What a worker holds for the request when it is (re-)admitted: prompt and output so far."""
         return self.prompt_ids + self.output_ids
