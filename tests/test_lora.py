@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minedraft.model.checkpoint import CheckpointError, resolve_checkpoint_dir
+from minedraft.model.checkpoint import CheckpointError, resolve_checkpoint
 from minedraft.model.lora import LoraError, LoraOptions
 from minedraft.model.runner import ModelRunner, SeqInput
 
@@ -147,7 +147,7 @@ def test_unknown_adapter_and_adapter_as_model_refused(lora_world):
     with pytest.raises(ValueError, match="asked of a model started without LoRA"):
         logits_of(runner(base), tokens(5, 1), "a")
     with pytest.raises(CheckpointError, match="is a LoRA adapter.*--enable-lora --lora-modules"):
-        resolve_checkpoint_dir(adapters["a"])
+        resolve_checkpoint(adapters["a"])
 
 
 @pytest.fixture(scope="module")

@@ -333,3 +333,110 @@ def unfused_qkv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], head
         qk = weight * rms_normalize(qk, norm[2])
     q, k = RotaryEmbedding.rotate(qk, rope).split([heads, kv_heads], dim=1)
     return q, k, v
+
+
+# GGUF names of a layer's tensors (llama.cpp's), and the metadata keys the engine reads.
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def write_gguf(checkpoint: str | Path, path: str | Path, quant: str = "F32", arch: str | None = None,
+               tensor_types: dict[str, str] | None = None) -> Path:  # fmt: skip
+    """The HF checkpoint written as llama.cpp's converter writes it, with the `gguf` library: metadata, the
+    byte-level vocabulary of write_tokenizer, Llama's Q/K rows permuted as llama.cpp does, 2-D weights
+    stored as `quant` (or per tensor, by GGUF name, as `tensor_types` say). `arch` overrides the file's
+    architecture (to test a refusal)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    checkpoint, path = Path(checkpoint), Path(path)
+    config = json.loads((checkpoint / "config.json").read_text())
+    kind = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = GGUFWriter(str(path), arch or kind)
+    a = arch or kind
+    writer.add_uint32(f"{a}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{a}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{a}.attention.head_count", heads)
+    writer.add_uint32(f"{a}.attention.head_count_kv", kv_heads)
+    writer.add_uint32(f"{a}.attention.key_length", config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_uint32(f"{a}.attention.value_length", config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta")
+                                                     or config.get("rope_parameters", {}).get("rope_theta", 1e4)))
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_uint32(f"{a}.vocab_size", config["vocab_size"])
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([TokenType.CONTROL if t in _SPECIALS else TokenType.NORMAL for t, _ in vocab])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(kind == "llama")
+    writer.add_chat_template(TEMPLATE)
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        gguf_name = _gguf_name(name)
+        values = tensor.float().numpy()
+        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            values = values.reshape(n, 2, values.shape[0] // n // 2, *values.shape[1:]).swapaxes(1, 2).reshape(
+                values.shape)
+        stored = (tensor_types or {}).get(gguf_name, quant if values.ndim == 2 else "F32")
+        qtype = GGMLQuantizationType[stored]
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(gguf_name, values.astype(np.float32 if stored == "F32" else np.float16))
+        elif qtype == GGMLQuantizationType.I8:
+            writer.add_tensor(gguf_name, values.astype(np.int8))
+        elif stored in _K_QUANT_SCALES:
+            writer.add_tensor(gguf_name, _random_k_quant(values.shape, stored), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# The gguf library dequantizes K-quants but cannot quantize to them: such tensors get random codes, with their
+# float16 block scales (at these byte offsets of each block) set small, so the weights stay in range.
+_K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (-2,)}
+
+
+def _random_k_quant(shape: tuple[int, ...], kind: str, seed: int = 0):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rows, cols = shape
+    codes = np.random.default_rng(seed).integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    for offset in _K_QUANT_SCALES[kind]:
+        start = offset % block_bytes
+        codes[:, :, start:start + 2] = scale
+    return codes.reshape(rows, -1)
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"

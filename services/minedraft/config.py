@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from minedraft.model.packaged import PackagedModel, packaged_model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODELS_DIR = REPO_ROOT / "models"
 BUNDLED_TARGET = BUNDLED_MODELS_DIR / "minedraft-target"
@@ -150,7 +152,12 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(
-        None, description="Target checkpoint folder (HF format); None = bundled target."
+        None, description="Target: a Hugging Face folder or hub id, a .gguf file (or a folder holding one), or a "
+        "packaged model's name (smollm2-135m-instruct); None = bundled target."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder (tokenizer.json, tokenizer_config.json) or tokenizer.json to use instead "
+        "of the target's own; a GGUF target's comes from a tokenizer.json beside the file, else from its metadata."
     )
     speculative_config: SpeculativeConfig | None = Field(
         None,
@@ -252,6 +259,14 @@ class EngineConfig(BaseModel):
                              "PARD (parallel_drafting)")
         return self
 
+    @model_validator(mode="after")
+    def _check_default_draft(self) -> EngineConfig:
+        spec = self.speculative_config
+        packaged = packaged_model(self.model) if self.model else None
+        if spec is not None and not spec.model and packaged is not None:
+            _packaged_draft(packaged, spec)  # raises when nothing is shipped for this method
+        return self
+
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_speculative(cls, value: Any) -> Any:
@@ -283,10 +298,18 @@ class EngineConfig(BaseModel):
         return Path(self.model) if self.model else BUNDLED_TARGET
 
     @property
+    def tokenizer_path(self) -> Path:
+        """Where the tokenizer and the chat template come from: --tokenizer, else the target."""
+        return Path(self.tokenizer) if self.tokenizer else self.target_path
+
+    @property
     def draft_path(self) -> Path:
         spec = self.speculative_config
         if spec and spec.model:
             return Path(spec.model)
+        packaged = packaged_model(self.model) if self.model else None
+        if spec and packaged is not None:
+            return _packaged_draft(packaged, spec)
         if spec and spec.method == "eagle3":
             return BUNDLED_P_EAGLE if spec.parallel_drafting else BUNDLED_EAGLE3
         return BUNDLED_PARD_DRAFT if spec and spec.parallel_drafting else BUNDLED_DRAFT
@@ -325,6 +348,15 @@ class DistributedConfig(BaseModel):
     store_host: str | None = Field(
         None, description="Interface verifier rank 0's rendezvous store listens on (None: all interfaces)."
     )
+
+
+def _packaged_draft(packaged: PackagedModel, spec: SpeculativeConfig) -> Path:
+    """The draft shipped for a packaged target (model/packaged.py) that a config without `model` drafts with."""
+    kind = "eagle3" if spec.method == "eagle3" else "pard" if spec.parallel_drafting else "draft_model"
+    if kind == "eagle3" and spec.parallel_drafting or kind not in packaged.drafts:
+        what = "P-EAGLE head" if kind == "eagle3" else f"{kind} draft"
+        raise ValueError(f"no {what} is shipped for {packaged.name}: give speculative_config.model")
+    return packaged.drafts[kind]
 
 
 def config_differences(mine: EngineConfig, theirs: EngineConfig) -> list[str]:

@@ -66,7 +66,7 @@ class LLM:
         self._workers.start()
         try:
             return start_remote_engine(
-                self.config, load_tokenizer(self.config.target_path), self._workers.verifier_address,
+                self.config, load_tokenizer(self.config.tokenizer_path), self._workers.verifier_address,
                 self._workers.drafter_address, startup_timeout_s=600, join_timeout_s=120,
             )  # fmt: skip
         except BaseException:
@@ -125,7 +125,7 @@ class LLM:
         from minedraft.frontends.chat import ChatTemplate
 
         if self._template is None:
-            self._template = ChatTemplate.from_checkpoint(self.config.target_path)
+            self._template = ChatTemplate.from_checkpoint(self.config.tokenizer_path)
             if self._template is None:
                 raise ValueError(f"{self.config.target_path} has no chat template: use generate()")
         return self._template

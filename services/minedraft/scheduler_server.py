@@ -82,7 +82,7 @@ class _Serving:
 
 async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None) -> None:
     settings = api.settings
-    tokenizer = load_tokenizer(config.target_path)
+    tokenizer = load_tokenizer(config.tokenizer_path)
     limits = Limits.of(settings)
     generator = Generator(tokenizer, limits)
     state = _Serving(health_aio.HealthServicer())
@@ -141,7 +141,7 @@ async def _start_openai(
     frontend = OpenAIFrontend(
         generator,
         served_model_name=model_name,
-        chat_template=ChatTemplate.from_checkpoint(config.target_path),
+        chat_template=ChatTemplate.from_checkpoint(config.tokenizer_path),
         api_keys=api.api_keys,
         is_serving=lambda: state.serving,
         registry=metrics.registry,

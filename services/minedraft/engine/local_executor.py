@@ -17,7 +17,7 @@ from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
 from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import DraftWorker, VerifyWorker
-from minedraft.model.checkpoint import resolve_checkpoint_dir
+from minedraft.model.checkpoint import resolve_checkpoint
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.eagle import EAGLE, EAGLE3, default_aux_layers, eagle_head_kind
 from minedraft.model.lora import LoraOptions
@@ -314,7 +314,7 @@ def check_eagle_head(config: EngineConfig) -> ModelConfig:
     """The head's config, once its folder shows the kind of head the method names (model/eagle.py)."""
     assert config.speculative_config is not None
     head, method = load_model_config(config.draft_path), config.speculative_config.method
-    kind = eagle_head_kind(resolve_checkpoint_dir(config.draft_path), head)
+    kind = eagle_head_kind(resolve_checkpoint(config.draft_path), head)
     if kind != method:
         name = {EAGLE: "EAGLE-1", EAGLE3: "EAGLE-3"}
         layout = {EAGLE: "LlamaForCausalLM, fc.weight, no model.* weights", EAGLE3: "LlamaForCausalLMEagle3"}
@@ -333,6 +333,7 @@ def runner_options(config: EngineConfig) -> dict[str, Any]:
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "tokenizer": config.tokenizer,
     }
 
 

@@ -17,7 +17,9 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from minedraft.model.gguf import open_gguf
 from minedraft.model.hub import local_folder
+from minedraft.model.tokenizer import gguf_checkpoint as _gguf_checkpoint
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -38,8 +40,13 @@ class ChatTemplate:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ChatTemplate | None:
-        """The checkpoint's default chat template, or None if it has none."""
-        path = local_folder(path)
+        """The checkpoint's default chat template, or None if it has none. A GGUF file's comes from a
+        tokenizer_config.json beside it, else from its metadata (tokenizer.chat_template)."""
+        gguf = _gguf_checkpoint(path)
+        if gguf is not None and not (gguf.parent / TOKENIZER_CONFIG).is_file():
+            opened = open_gguf(gguf)
+            return cls(opened.chat_template, opened.special_token_texts()) if opened.chat_template else None
+        path = gguf.parent if gguf is not None else local_folder(path)
         file = path / TOKENIZER_CONFIG
         if not file.is_file():
             return None

@@ -1,4 +1,5 @@
-"""Checkpoint folders: finding and validating files, lazy safetensors reads (single or sharded).
+"""Checkpoints: finding and validating files, lazy safetensors reads (single or sharded); a GGUF file is read
+by model/gguf.py behind the same reader interface (`open_reader`).
 
 Tensors are read through ``safe_open(...).get_slice`` so a tensor-parallel rank reads only its shard.
 A folder without safetensors may hold ``pytorch_model.bin`` (single or sharded by its index), as published
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from minedraft.model.errors import CheckpointError, CheckpointNotFoundError
+from minedraft.model.gguf import GGUFReader, gguf_in_folder, is_gguf, open_gguf
 from minedraft.model.hub import local_folder
+from minedraft.model.packaged import resolve_packaged
 from minedraft.model.quantization import DequantizedTensor, QuantConfig, quantized_tensor
 
 if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
@@ -28,19 +31,36 @@ PICKLE_FILE = "pytorch_model.bin"
 PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """The checkpoint folder `path` names: a folder, or a hub id resolved to its local snapshot (model/hub.py)."""
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint `path` names: a folder with config.json, or a GGUF file (model/gguf.py). `path` may be a
+    packaged model's name (model/packaged.py), a hub id (model/hub.py), a .gguf file, or a folder that holds
+    one GGUF file and no config.json."""
+    packaged = resolve_packaged(path)
+    if packaged is not None:
+        return packaged
     folder = local_folder(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"checkpoint folder not found: {folder}")
+    if is_gguf(folder) and folder.is_file():
+        return folder
     if not folder.is_dir():
-        raise CheckpointError(f"checkpoint path is not a folder: {folder}")
+        raise CheckpointError(f"checkpoint path is neither a folder nor a .gguf file: {folder}")
     if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
         raise CheckpointError(f"{folder} is a LoRA adapter, not a model: serve its base model with "
                               f"--enable-lora --lora-modules NAME={folder}")
     if not (folder / "config.json").is_file():
-        raise CheckpointNotFoundError(f"config.json not found in checkpoint folder {folder}")
+        gguf = gguf_in_folder(folder)
+        if gguf is not None:
+            return gguf
+        raise CheckpointNotFoundError(f"config.json not found in checkpoint folder {folder} (nor a .gguf file)")
     return folder
+
+
+def open_reader(path: Path, quant: QuantConfig | None = None) -> CheckpointReader | GGUFReader:
+    """The tensors of the checkpoint at `path` (resolved by resolve_checkpoint), by Hugging Face name."""
+    if is_gguf(path):
+        return GGUFReader(open_gguf(path))
+    return CheckpointReader(path, quant)
 
 
 def read_json(path: Path, *, required: bool) -> dict[str, Any] | None:

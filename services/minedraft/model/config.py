@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minedraft.model.checkpoint import CheckpointError, read_json, resolve_checkpoint_dir
+from minedraft.model.checkpoint import CheckpointError, read_json, resolve_checkpoint
+from minedraft.model.gguf import is_gguf, open_gguf
 from minedraft.model.quantization import QuantConfig, parse_quant_config
 
 EAGLE3 = "LlamaForCausalLMEagle3"  # an EAGLE-3 draft head (model/eagle.py); `speculators` calls it Eagle3Speculator
@@ -80,8 +81,10 @@ class ModelConfig:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Parse <path>/config.json (and generation_config.json for EOS ids)."""
-    folder = resolve_checkpoint_dir(path)
+    """Parse <path>/config.json (and generation_config.json for EOS ids), or a GGUF file's metadata."""
+    folder = resolve_checkpoint(path)
+    if is_gguf(folder):
+        return parse_model_config(open_gguf(folder).hf_config(), source=folder)
     raw = read_json(folder / "config.json", required=True)
     generation = read_json(folder / "generation_config.json", required=False)
     return parse_model_config(raw, generation, source=folder / "config.json")

@@ -41,6 +41,7 @@ from torch import nn
 from minedraft.model.attention import attend
 from minedraft.model.checkpoint import CheckpointError, CheckpointReader, find_weight_files
 from minedraft.model.config import ModelConfig
+from minedraft.model.gguf import is_gguf
 from minedraft.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -64,7 +65,7 @@ def eagle_head_kind(folder: Path, config: ModelConfig) -> str | None:
     weights have `fc.weight` and no `model.*` decoder), None for anything else."""
     if config.is_eagle3:
         return EAGLE3
-    if config.architecture != "LlamaForCausalLM":
+    if config.architecture != "LlamaForCausalLM" or is_gguf(folder):
         return None
     return EAGLE if is_eagle1_checkpoint(find_weight_files(folder)) else None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minedraft.model.checkpoint import CheckpointReader, resolve_checkpoint_dir
+from minedraft.model.checkpoint import open_reader, resolve_checkpoint
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.eagle import EAGLE, EagleHead, eagle_head_kind
 from minedraft.model.layers import quantized_linears
@@ -50,11 +50,11 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path, target_path: str | Path | None = None, load_format: str = "auto") -> Checkpoint:
         """`path` (a folder or a hub name: model/checkpoint.py) read; with `target_path` it must be an EAGLE head."""
-        folder = resolve_checkpoint_dir(path)
+        folder = resolve_checkpoint(path)
         config = load_model_config(folder)
         if config.is_eagle3 and target_path is None:
             raise ValueError(f"{folder} is an EAGLE-3 head: use it with method eagle3 (it runs beside its target)")
-        target = resolve_checkpoint_dir(target_path) if target_path is not None else None
+        target = resolve_checkpoint(target_path) if target_path is not None else None
         return cls(folder, config, target, _head_kind(folder, config, target, load_format), load_format)
 
 
@@ -117,7 +117,7 @@ def load_model(checkpoint: Checkpoint, placement: Placement, quantized_kernels: 
     if checkpoint.load_format == "dummy":
         _random_weights(model)
     else:
-        with closing(CheckpointReader(checkpoint.path, config.quantization)) as reader:
+        with closing(open_reader(checkpoint.path, config.quantization)) as reader:
             model.load_weights(reader)
     manager = LoraManager(model, lora) if lora is not None else None  # before packing: pools take dense shapes
     model.pack_weights()
@@ -130,7 +130,7 @@ def _load_head(checkpoint: Checkpoint, placement: Placement) -> EagleHead:
         return _random_weights(_new_head(checkpoint, placement, fc_bias=False)).eval()
     path, target_path = checkpoint.path, checkpoint.target_path
     assert target_path is not None  # a head has a target (Checkpoint.open)
-    with closing(CheckpointReader(path)) as reader, closing(CheckpointReader(target_path)) as target:
+    with closing(open_reader(path)) as reader, closing(open_reader(target_path)) as target:
         head = _new_head(checkpoint, placement, fc_bias="fc.bias" in reader)
         head.load_weights(reader, target)
     return head.eval()

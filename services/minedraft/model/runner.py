@@ -69,6 +69,8 @@ class RunnerOptions:
     # the model is an EAGLE head (model/eagle.py) of the target there, whose tokenizer it uses and whose
     # embedding (an EAGLE-1 head: and LM head) it reads where its own checkpoint has none
     target_path: str | Path | None = None
+    # the tokenizer to use instead of the checkpoint's own (a folder with tokenizer.json, or the file)
+    tokenizer: str | Path | None = None
     # the LoRA adapters a sequence may name (allocate_slot), applied in batches (model/lora.py); the forward
     # runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)
     lora: LoraOptions | None = None
@@ -159,7 +161,7 @@ class ModelRunner:
         checkpoint = Checkpoint.open(path, options.target_path, options.load_format)
         self.path, self.config, self.target_path = checkpoint.path, checkpoint.config, checkpoint.target_path
         self.head_kind, self.load_format = checkpoint.head_kind, checkpoint.load_format
-        self.tokenizer: Tokenizer = load_tokenizer(self.target_path or self.path)
+        self.tokenizer: Tokenizer = load_tokenizer(options.tokenizer or self.target_path or self.path)
         self.device = torch.device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device, self.config)
         self.tp = TensorParallel.from_group(options.tp_group)

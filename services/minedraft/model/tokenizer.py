@@ -6,7 +6,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from minedraft.model.checkpoint import CheckpointError, CheckpointNotFoundError
+from minedraft.model.checkpoint import CheckpointError, CheckpointNotFoundError, resolve_checkpoint
+from minedraft.model.gguf import build_tokenizer, is_gguf, open_gguf
 from minedraft.model.hub import local_folder
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -46,7 +47,13 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load <path>/tokenizer.json (path may also be the file itself, or a hub id: model/hub.py)."""
+    """Load <path>/tokenizer.json (path may also be the file itself, a hub id: model/hub.py, or a GGUF checkpoint:
+    its tokenizer.json if one lies beside the file, else the tokenizer its metadata describes)."""
+    if not str(path).endswith(TOKENIZER_FILE) and not (local_folder(path) / TOKENIZER_FILE).is_file():
+        checkpoint = gguf_checkpoint(path)
+        if checkpoint is not None:
+            beside = checkpoint.parent / TOKENIZER_FILE
+            return load_tokenizer(beside) if beside.is_file() else Tokenizer(build_tokenizer(open_gguf(checkpoint)))
     path = local_folder(path)
     file = path if path.is_file() else path / TOKENIZER_FILE
     if not path.exists():
@@ -59,3 +66,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer(_HFTokenizer.from_file(str(file)))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
         raise CheckpointError(f"cannot load {file}: {exc}") from exc
+
+
+def gguf_checkpoint(path: str | Path) -> Path | None:
+    """The GGUF file `path` names (a packaged model, a .gguf, a folder holding one), or None."""
+    try:
+        checkpoint = resolve_checkpoint(path)
+    except CheckpointNotFoundError:
+        return None
+    return checkpoint if is_gguf(checkpoint) else None
