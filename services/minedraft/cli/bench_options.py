@@ -101,10 +101,6 @@ class DatasetOptions(CliModel):
     random_range_ratio: float = Field(
         0.0, ge=0, lt=1, description="random: lengths drawn uniformly from [len * (1 - r), len * (1 + r)]"
     )
-    tokenizer: str | None = Field(
-        None, description="folder (or hub id) of the tokenizer.json that makes random prompts and counts the output "
-        "of an OpenAI server that reports no usage; default: the bundled target's",
-    )  # fmt: skip
 
 
 class LoadOptions(CliModel):
