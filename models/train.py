@@ -27,6 +27,9 @@ short by the clock still ends with a full LR decay.  Pass ``--*-minutes 0`` to d
 the caps: the run then depends only on the seed (and the stdlib it reads).
 
 Example: ``python models/train.py --out models`` (about 30 min on 2 idle cores).
+
+``python models/train.py smollm2 --phase ...`` trains the drafts of the real model, SmolLM2-135M-Instruct,
+instead (models/train_smollm2.py; models/README.md has the commands).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import sys  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
@@ -1189,6 +1193,11 @@ def scaled(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["smollm2"]:  # the real model's drafts: models/train_smollm2.py
+        from train_smollm2 import main as train_smollm2
+
+        return train_smollm2(argv[1:])
     args = scaled(parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(args.threads)

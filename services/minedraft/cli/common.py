@@ -106,17 +106,27 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
 
 
 def check_model_folders(config: EngineConfig, target: bool = True, draft: bool = True) -> None:
-    """The models this process loads, where given as paths, must be folders here (a hub id is resolved, or
-    refused, where it is loaded). A scheduler reads only the target's tokenizer, a drafter only the draft."""
-    from minedraft.model.hub import is_hub_id
-
+    """The models this process loads, where given as paths, must be here: a folder, or a GGUF file (a hub id or a
+    packaged model's name is resolved, or refused, where it is loaded). A scheduler reads only the target's
+    tokenizer, a drafter only the draft."""
     spec = config.speculative_config
     given = [("--model", config.model if target else None),
              ("--speculative-config's model", spec.model if spec and draft else None)]  # fmt: skip
     for flag, model in given:
-        if model and not is_hub_id(model) and not Path(model).expanduser().is_dir():
-            raise ValueError(f"{flag} {model}: no such folder (give a checkpoint folder, or a Hugging Face id such "
-                             "as Qwen/Qwen3-8B: `huggingface-cli download <id>` fetches it into the local cache)")
+        if model and not checkpoint_given(model):
+            raise ValueError(f"{flag} {model}: no such folder or .gguf file (give a checkpoint folder, a GGUF file, "
+                             "a packaged model such as smollm2-135m-instruct, or a Hugging Face id such as "
+                             "Qwen/Qwen3-8B: `huggingface-cli download <id>` fetches it into the local cache)")
+
+
+def checkpoint_given(model: str) -> bool:
+    """A folder or a .gguf file here, a hub id, or a packaged model's name."""
+    from minedraft.config import packaged_model
+    from minedraft.model.gguf import is_gguf
+    from minedraft.model.hub import is_hub_id
+
+    path = Path(model).expanduser()
+    return path.is_dir() or (path.is_file() and is_gguf(path)) or is_hub_id(model) or packaged_model(model) is not None
 
 
 def check_tls_files(settings: PublicApiSettings) -> None:

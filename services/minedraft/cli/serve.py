@@ -20,6 +20,7 @@ from minedraft.cli.common import (
     api_keys,
     check_model_folders,
     check_tls_files,
+    checkpoint_given,
     engine_config,
     listen_settings,
     read_flag_file,
@@ -230,8 +231,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     api = GatewayApi(gateway, host=listen.host, port=listen.port, api_keys=api_keys(args),
                      access=_backend_access(args, gateway))  # fmt: skip
     tokenizer = backends.tokenizer or str(EngineConfig().target_path)
-    if not Path(tokenizer).is_dir():
-        raise ValueError(f"--tokenizer {tokenizer}: no such folder (the target checkpoint's, with tokenizer.json)")
+    if not checkpoint_given(tokenizer):
+        raise ValueError(f"--tokenizer {tokenizer}: no such folder (the target checkpoint's, with tokenizer.json, or "
+                         "its GGUF file)")
     configure_logging(listen.log_level)
     asyncio.run(
         serve_gateway(

@@ -126,6 +126,11 @@ class GGUFFile:
         return default if found is None else found.contents()
 
     @cached_property
+    def tokens(self) -> list[str]:
+        """The vocabulary, by id."""
+        return self.field("tokenizer.ggml.tokens") or []
+
+    @cached_property
     def architecture(self) -> str:
         arch = self.field("general.architecture")
         if arch not in ARCHITECTURES:
@@ -152,7 +157,7 @@ class GGUFFile:
         config: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
-            "vocab_size": int(self._arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])),
+            "vocab_size": int(self._arch_field("vocab_size") or len(self.tokens)),
             "hidden_size": hidden,
             "intermediate_size": int(self._required("feed_forward_length")),
             "num_hidden_layers": int(self._required("block_count")),
@@ -190,7 +195,7 @@ class GGUFFile:
 
     def special_token_texts(self) -> dict[str, str]:
         """bos_token, eos_token, ... as a chat template sees them."""
-        tokens = self.field("tokenizer.ggml.tokens") or []
+        tokens = self.tokens
         names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                  "pad_token": "padding_token_id"}  # fmt: skip
         found = {name: self.field(f"tokenizer.ggml.{key}") for name, key in names.items()}
@@ -326,7 +331,7 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer:
     if pre not in PRE_TOKENIZER_SPLITS:
         raise CheckpointError(f"{file.path}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
                               f"{', '.join(PRE_TOKENIZER_SPLITS)}); pass --tokenizer with the model's tokenizer.json")
-    tokens: list[str] = file.field("tokenizer.ggml.tokens") or []
+    tokens = file.tokens
     merges = [tuple(m.split(" ", 1)) for m in file.field("tokenizer.ggml.merges") or []]
     tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in PRE_TOKENIZER_SPLITS[pre]]
