@@ -754,7 +754,8 @@ ENGINE_VALUES = {
     "max_lora_rank": ("engine", "maxLoraRank"),
     "allow_runtime_lora_updating": ("engine", "allowRuntimeLoraUpdating"),
 }
-DERIVED = {"model": "models.target", "speculative_config": "speculativeConfig", "lora_modules": "engine.loraModules",
+DERIVED = {"model": "models.target", "tokenizer": "models.tokenizer", "speculative_config": "speculativeConfig",
+           "lora_modules": "engine.loraModules",
            "lora_root": "loraAdapters.mountPath"}
 
 

@@ -357,7 +357,7 @@ def _every_field_off_default(pair) -> EngineConfig:
         kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.5, block_size=8, max_num_batched_tokens=512,
         enable_prefix_caching=False, enforce_eager=True, enable_lora=True, max_loras=2, max_cpu_loras=3,
         max_lora_rank=8, lora_modules=[{"name": "a", "path": str(_adapter(pair))}], allow_runtime_lora_updating=True,
-        lora_root=str(_adapter(pair).parent),
+        lora_root=str(_adapter(pair).parent), tokenizer=str(pair[0]),
     )  # fmt: skip
     fields = EngineConfig.model_fields
     assert [n for n, f in fields.items() if getattr(config, n) == f.default] == [], "set every field off its default"

@@ -198,7 +198,7 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 */}}
 {{- define "minedraft.engineConfigJson" -}}
 {{- $e := .Values.engine }}
-{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "enable_lora" $e.enableLora "lora_modules" (include "minedraft.loraModules" . | fromJsonArray) "max_loras" (int $e.maxLoras) "max_cpu_loras" nil "max_lora_rank" (int $e.maxLoraRank) "allow_runtime_lora_updating" $e.allowRuntimeLoraUpdating "lora_root" nil "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "speculative_config" nil }}
+{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "enable_lora" $e.enableLora "lora_modules" (include "minedraft.loraModules" . | fromJsonArray) "max_loras" (int $e.maxLoras) "max_cpu_loras" nil "max_lora_rank" (int $e.maxLoraRank) "allow_runtime_lora_updating" $e.allowRuntimeLoraUpdating "lora_root" nil "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "tokenizer" nil "speculative_config" nil }}
 {{- if not (kindIs "invalid" $e.kvCacheMemoryBytes) }}
 {{- $_ := set $config "kv_cache_memory_bytes" (int64 $e.kvCacheMemoryBytes) }}
 {{- end }}
@@ -213,6 +213,9 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 {{- end }}
 {{- with .Values.models.target }}
 {{- $_ := set $config "model" (printf "%s/%s" $.Values.models.mountPath .) }}
+{{- end }}
+{{- with .Values.models.tokenizer }}
+{{- $_ := set $config "tokenizer" (printf "%s/%s" $.Values.models.mountPath .) }}
 {{- end }}
 {{- if include "minedraft.speculative" . }}
 {{- $_ := set $config "speculative_config" (include "minedraft.speculativeJson" . | fromJson) }}
