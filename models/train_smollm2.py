@@ -206,7 +206,7 @@ def save_hf(model: torch.nn.Module, args: argparse.Namespace, folder: Path, run:
     """A standard Hugging Face folder in bf16 with the target's tokenizer files, so vLLM and llama.cpp's
     converter read it as they read any Llama."""
     from minedraft.model.checkpoint import resolve_checkpoint
-    from minedraft.model.gguf import build_tokenizer, open_gguf
+    from minedraft.model.gguf import open_gguf, save_tokenizer_files
 
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
@@ -214,10 +214,7 @@ def save_hf(model: torch.nn.Module, args: argparse.Namespace, folder: Path, run:
     config.update(rope_theta=config["rope_parameters"]["rope_theta"], torch_dtype="bfloat16")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gguf = open_gguf(resolve_checkpoint(args.target))
-    build_tokenizer(gguf).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": gguf.chat_template,
-         "model_max_length": model.config.max_position_embeddings, **gguf.special_token_texts()}, indent=2) + "\n")
+    save_tokenizer_files(gguf, folder, model.config.max_position_embeddings)
     (folder / "training.json").write_text(json.dumps({"args": recorded_args(args),
                                                       "run": run}, indent=2) + "\n")
     log.info("saved %s", folder)

@@ -123,3 +123,36 @@ def test_refusals_name_what_is_wrong(checkpoints, tmp_path) -> None:
     (tmp_path / "fake.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(CheckpointError, match="not a GGUF file"):
         load_model_config(tmp_path / "fake.gguf")
+
+
+def test_auto_on_cpu_holds_a_gguf_as_bfloat16_values(checkpoints, tmp_path) -> None:
+    """A GGUF file declares bfloat16: on CPU 'auto' keeps float32 arithmetic on its weights rounded to bfloat16
+    values (which the one-call stack then streams as bfloat16), float32 keeps them as the file gives them, and a
+    float32 folder stays as stored under auto."""
+    gguf = write_gguf(checkpoints["llama"], tmp_path / "model.gguf", "Q8_0")
+    auto, exact = (ModelRunner(gguf, max_seq_len=64, num_slots=1, dtype=dtype) for dtype in ("auto", "float32"))
+    assert auto.weights_bf16 and not exact.weights_bf16
+    changed = 0
+    for rounded, stored in zip(auto.model.parameters(), exact.model.parameters(), strict=True):
+        assert rounded.dtype == torch.float32 and torch.equal(rounded, stored.to(torch.bfloat16).float())
+        changed += not torch.equal(rounded, stored)
+    assert changed > 0
+    assert auto.model.model.decode_stack.bf16 and not exact.model.model.decode_stack.bf16
+    assert not ModelRunner(checkpoints["llama"], max_seq_len=64, num_slots=1, dtype="auto").weights_bf16
+
+
+def test_a_gguf_saved_as_a_folder_serves_the_same_weights(checkpoints, tmp_path) -> None:
+    """`save_hf_folder` (what vLLM and llama.cpp's converter are given in benchmarks): bfloat16 safetensors of
+    exactly the values auto holds, which transformers reads too."""
+    from minedraft.model.gguf import save_hf_folder
+
+    gguf = write_gguf(checkpoints["llama"], tmp_path / "model.gguf", "Q4_1")
+    folder = save_hf_folder(gguf, tmp_path / "hf")
+    assert save_hf_folder(gguf, folder) == folder  # reused
+    runners = [ModelRunner(path, max_seq_len=64, num_slots=1, dtype="auto") for path in (gguf, folder)]
+    for ours_, theirs in zip(runners[0].model.parameters(), runners[1].model.parameters(), strict=True):
+        assert torch.equal(ours_, theirs)
+    logits = [r.forward([SeqInput(r.allocate_slot(), PROMPT, 0, num_logits=len(PROMPT))]) for r in runners]
+    assert torch.equal(*logits)
+    torch.testing.assert_close(logits[1], reference(load_hf_model(folder)), atol=1e-4, rtol=1e-4)
+    assert load_tokenizer(folder).encode("hello world") == load_tokenizer(gguf).encode("hello world")

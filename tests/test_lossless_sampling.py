@@ -77,9 +77,10 @@ def _letters_allowed(output: str) -> str:
     return alphabet if not output else alphabet[:13] if output == "a" else alphabet[13:]
 
 
-def _exact_joint(target, params_kwargs: dict) -> dict[tuple[int, ...], float]:
-    """P(t1, .., t_max_tokens | PROMPT) under the target with `params_kwargs`, computed by enumeration."""
-    runner = ModelRunner(target, num_slots=1, max_seq_len=16)
+def _exact_joint(target, params_kwargs: dict, dtype: str = "float32") -> dict[tuple[int, ...], float]:
+    """P(t1, .., t_max_tokens | PROMPT) under the target with `params_kwargs` (its weights as `dtype` holds them),
+    computed by enumeration."""
+    runner = ModelRunner(target, num_slots=1, max_seq_len=16, dtype=dtype)
     slot = runner.allocate_slot()
     params = SamplingParams(**params_kwargs)
     eos = runner.config.eos_token_ids

@@ -82,8 +82,9 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2_gguf, smollm2_hf
 
 
 def test_greedy_equals_transformers_float32(hf, smollm2_prompts) -> None:
-    """On every prompt where transformers' float32 and float64 agree (a well-conditioned reference)."""
-    ours, _ = smollm2_greedy(EngineConfig(model=SMOLLM2, max_model_len=512), smollm2_prompts)
+    """On every prompt where transformers' float32 and float64 agree (a well-conditioned reference); float32 holds
+    the dequantized weights as the file gives them (auto rounds them to bfloat16 values)."""
+    ours, _ = smollm2_greedy(EngineConfig(model=SMOLLM2, max_model_len=512, dtype="float32"), smollm2_prompts)
     double = hf.to(torch.float64)
     compared = 0
     for prompt, got in zip(smollm2_prompts, ours):

@@ -45,7 +45,7 @@ def test_sampling_follows_the_target_distribution(smollm2_gguf, spec) -> None:
     from test_lossless_sampling import NUM_SAMPLES, PARAMS, _exact_joint, _sample
 
     params = {**PARAMS, "max_tokens": 3 if spec.get("method") == "eagle3" else 2}
-    joint = _exact_joint(smollm2_gguf, params)
+    joint = _exact_joint(smollm2_gguf, params, dtype="auto")  # as the engine holds its weights
     config = EngineConfig(model=SMOLLM2, speculative_config={**spec, "adaptive": False}, max_num_seqs=64,
                           max_model_len=16, draft_support_size=3)  # fmt: skip
     counts, drafted, accepted = _sample(config, params)

@@ -213,7 +213,8 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Most tokens (prompt + output) per request; default from the checkpoint."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = float32 on CPU, bfloat16 on CUDA."
+        "auto", description="auto = bfloat16 on CUDA; on CPU float32 arithmetic, with a bfloat16 checkpoint's (or a "
+        "GGUF file's) weights rounded to bfloat16 values, half the bytes a step reads."
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
     seed: int = Field(0, description="Seeds requests that bring no seed of their own.")
@@ -374,9 +375,11 @@ class EngineConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_dtype(self, device: str) -> str:
-        if self.dtype != "auto":
+        """On CPU 'auto' stays for the runner to resolve from the checkpoint (float32 arithmetic, a bfloat16
+        checkpoint's weights held as bfloat16 values: model/loader.py, `weights_in_bf16`)."""
+        if self.dtype != "auto" or device == "cpu":
             return self.dtype
-        return "float32" if device == "cpu" else "bfloat16"
+        return "bfloat16"
 
 
 class DistributedConfig(BaseModel):

@@ -349,3 +349,37 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer:
         tokenizer.post_processor = processors.TemplateProcessing(single=f"{text} $A", pair=f"{text} $A {text} $B",
                                                                  special_tokens=[(text, bos)])  # fmt: skip
     return tokenizer
+
+
+def save_tokenizer_files(file: GGUFFile, folder: Path, model_max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json (chat template, special tokens) of the file, as a Hugging Face
+    folder carries them."""
+    import json
+
+    build_tokenizer(file).save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": file.chat_template,
+              "model_max_length": model_max_length, **file.special_token_texts()}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_hf_folder(path: str | Path, folder: str | Path) -> Path:
+    """The GGUF file as a Hugging Face folder of bfloat16 safetensors (config, tokenizer, chat template), each
+    tensor dequantized and rounded as dtype auto holds it, so that servers which read only such folders (vLLM,
+    llama.cpp's converter) serve the weights our engine serves. Written once: a complete folder is reused."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    file, folder = open_gguf(path), Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    config = file.hf_config()
+    reader = GGUFReader(file)
+    tensors = {name: reader.tensor(name).read().to(torch.bfloat16).contiguous() for name in reader.weight_map}
+    save_tokenizer_files(file, folder, config["max_position_embeddings"])
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "silu"}, indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors.partial"), metadata={"format": "pt"})
+    (folder / "model.safetensors.partial").rename(folder / "model.safetensors")
+    return folder

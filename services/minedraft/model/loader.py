@@ -77,13 +77,15 @@ def _head_kind(path: Path, config: ModelConfig, target_path: Path | None, load_f
 @dataclass(frozen=True)
 class Placement:
     """Where and how the model is built: device, dtype, this rank's tensor-parallel shard, the longest
-    sequence its rotary tables cover, and whether its kernels are the strict batch-invariant ones."""
+    sequence its rotary tables cover, and whether its kernels are the strict batch-invariant ones.
+    `weights_bf16`: a float32 model's weights rounded to bfloat16 values at load (`weights_in_bf16`)."""
 
     device: torch.device
     dtype: torch.dtype
     tp: TensorParallel
     max_seq_len: int
     batch_invariant: bool
+    weights_bf16: bool = False
 
 
 def use_quantized_kernels(config: ModelConfig, kernel: str, device: torch.device) -> bool:
@@ -119,6 +121,8 @@ def load_model(checkpoint: Checkpoint, placement: Placement, quantized_kernels: 
     else:
         with closing(open_reader(checkpoint.path, config.quantization)) as reader:
             model.load_weights(reader)
+    if placement.weights_bf16:
+        _round_to_bf16(model)
     manager = LoraManager(model, lora) if lora is not None else None  # before packing: pools take dense shapes
     model.pack_weights()
     _log_weights(model)
@@ -175,8 +179,24 @@ def _random_weights(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _round_to_bf16(model: nn.Module) -> None:
+    """Every float32 parameter rounded to its nearest bfloat16 value, kept in float32."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype == torch.float32:
+                param.copy_(param.to(torch.bfloat16))
+
+
+def weights_in_bf16(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> bool:
+    """Whether 'auto' on CPU holds a bfloat16 checkpoint's weights as bfloat16 values in a float32 model: the
+    arithmetic stays float32, and the one-call decode stack (model/cpu_stack.py) streams half the bytes a step. A
+    bfloat16 safetensors checkpoint loses nothing; a GGUF file (declared bfloat16, as on a GPU) has its
+    dequantized weights rounded, as a GPU's bfloat16 would. An explicit float32 keeps every value as stored."""
+    return dtype == "auto" and device.type == "cpu" and _DTYPES.get(str(config.torch_dtype)) == torch.bfloat16
+
+
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """'auto' = float32 on CPU, the checkpoint's half type elsewhere."""
+    """'auto' = float32 on CPU (see `weights_in_bf16`), the checkpoint's half type elsewhere."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":

@@ -26,7 +26,15 @@ from minedraft.model.cpu_stack import DecodeStack, StackStep
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
-from minedraft.model.loader import LOAD_FORMATS, Checkpoint, Placement, load_model, resolve_dtype, use_quantized_kernels
+from minedraft.model.loader import (
+    LOAD_FORMATS,
+    Checkpoint,
+    Placement,
+    load_model,
+    resolve_dtype,
+    use_quantized_kernels,
+    weights_in_bf16,
+)
 from minedraft.model.lora import LoraOptions
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
@@ -49,7 +57,7 @@ class RunnerOptions:
     max_seq_len: int  # the longest sequence, prompt and output
     num_slots: int = 1  # most sequences held at once; the KV pool never outgrows num_slots x max_seq_len
     device: str | torch.device = "cpu"
-    dtype: torch.dtype | str = torch.float32  # or auto: float32 on CPU, the checkpoint's half type elsewhere
+    dtype: torch.dtype | str = torch.float32  # or auto: float32 on CPU (bf16 values: weights_in_bf16), else half
     tp_group: dist.ProcessGroup | None = None  # the target's tensor-parallel group (never the world group)
     batch_invariant: bool = False  # fixed-shape kernels so logits never depend on the batch (strict, slower)
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV-cache block
@@ -168,7 +176,9 @@ class ModelRunner:
         self.batch_invariant, self.max_seq_len = options.batch_invariant, options.max_seq_len
         self.quantized_kernels = use_quantized_kernels(self.config, options.quantized_kernel, self.device)
         self.slot_adapters: dict[int, str] = {}  # the LoRA adapter each sequence's tokens go through
-        placement = Placement(self.device, self.dtype, self.tp, self.max_seq_len, self.batch_invariant)
+        self.weights_bf16 = weights_in_bf16(options.dtype, self.device, self.config)
+        placement = Placement(self.device, self.dtype, self.tp, self.max_seq_len, self.batch_invariant,
+                              self.weights_bf16)
         # first: on CUDA the KV budget is what the weights leave
         self.model, self.lora = load_model(checkpoint, placement, self.quantized_kernels, options.lora)
         self.aux_hidden_layers = self._keep_aux_hidden(options.aux_hidden_layers)
