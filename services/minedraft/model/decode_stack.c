@@ -19,6 +19,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define ROW_BLOCK 8        /* rows that share each loaded weight vector (a verification window of k = 4 is 5) */
 #define COL_VECS 4         /* output vectors (of LANES) a tile covers */
@@ -32,8 +35,16 @@ typedef uint32_t bits_vec __attribute__((vector_size(LANES * sizeof(uint32_t))))
  * half, so the float is the very value a float32 copy of the weight holds: the same products and sums). */
 static inline __attribute__((always_inline)) vec load_weights(const void *w, int64_t i, int bf16) {
     if (!bf16) return *(const vec *)((const float *)w + i);
+#if defined(__AVX512F__) && LANES == 16
+    /* One zero-extending load and a shift: the generic widening below compiles (gcc, 256-bit vectors preferred)
+     * into two half-width extensions, an extract and an insert, four shuffles on the port that also runs the
+     * second FMA unit, which made a step of five rows cost 1.6x a step of one. */
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+    return (vec)_mm512_slli_epi32(wide, 16);
+#else
     bits_vec bits = __builtin_convertvector(*(const bf16_vec *)((const uint16_t *)w + i), bits_vec) << 16;
     return (vec)bits;
+#endif
 }
 
 static inline float load_weight(const void *w, int64_t i, int bf16) {
