@@ -2,6 +2,7 @@
 
     python benchmarks/decode_stack.py                 # the bundled target and draft, 1 and 2 threads
     python benchmarks/decode_stack.py --rounds 9 --threads 1
+    python benchmarks/decode_stack.py --models smollm2-135m-instruct --threads 2 --repeats 5   # the real model
 
 One runner per model with the C fused kernels (the default mode); each round times its forward with the stack and
 without (`model.model.decode_stack` set aside) on the same steps, in turns, so that the two see the same minute:
@@ -22,6 +23,7 @@ import torch
 
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
 from minedraft.model import cpu_stack
+from minedraft.model.checkpoint import resolve_checkpoint
 from minedraft.model.runner import ModelRunner, SeqInput
 
 CONTEXT = 200  # tokens each sequence holds before the timed steps
@@ -30,7 +32,7 @@ PROMPTS = [(1, 64), (1, 128), (1, 192), (1, 256), (4, 48)]  # (sequences, prompt
 
 
 def _runner(path) -> ModelRunner:
-    runner = ModelRunner(path, max_seq_len=CONTEXT + 64, num_slots=32 + 4)
+    runner = ModelRunner(path, max_seq_len=CONTEXT + 64, num_slots=32 + 4, dtype="auto")
     if not runner.decode_stack:
         raise SystemExit(f"{path.name}: the one-call stack does not run here (see the log)")
     for slot in range(32):
@@ -61,11 +63,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
     parser.add_argument("--repeats", type=int, default=30, help="forwards timed per form, shape and round")
+    parser.add_argument("--models", default=f"{BUNDLED_TARGET},{BUNDLED_DRAFT}",
+                        help="comma-separated folders, GGUF files or packaged names (dtype auto, as served)")
     args = parser.parse_args()
     cpu_stack.MAX_ROWS = 1 << 20  # every shape through the stack, to show where it stops paying
     print("| model | threads | sequences x tokens | rows | layers one by one | one call | one call / layers |")
     print("|---|---|---|---|---|---|---|")
-    for name, path in (("target", BUNDLED_TARGET), ("draft", BUNDLED_DRAFT)):
+    for model in args.models.split(","):
+        path = resolve_checkpoint(model)
+        name = path.stem if path.is_file() else path.name
         runner = _runner(path)
         stack = runner.model.model.decode_stack
         for threads in (int(t) for t in args.threads.split(",")):

@@ -41,11 +41,20 @@ from pathlib import Path
 
 from minedraft.bench.cpu import tree_cpu_seconds
 from minedraft.bench.engines import busy_neighbour
-from minedraft.bench.prompts import BUNDLED_PROMPTS
+from minedraft.bench.llama_cpp import ensure_llama_server
 from minedraft.bench.rounds import interleaved
-from minedraft.bench.servers import SERVED_NAME, SERVERS, Server, start_server, wait_healthy
+from minedraft.bench.servers import (
+    BUNDLED,
+    SERVED_NAME,
+    SERVERS,
+    ServedModels,
+    Server,
+    packaged_models,
+    start_server,
+    wait_healthy,
+)
 from minedraft.bench.vllm_env import VENV, ensure_pandas, ensure_venv, peer_environment
-from minedraft.config import BUNDLED_TARGET, REPO_ROOT
+from minedraft.config import REPO_ROOT
 
 METRICS = [  # (vllm bench serve's result key, column)
     ("output_throughput", "out tok/s"),
@@ -58,11 +67,18 @@ METRICS = [  # (vllm bench serve's result key, column)
 ]
 
 
-def dataset(num_prompts: int, folder: Path) -> Path:
-    """The held-out prompts as vLLM's custom dataset (one {"prompt": ...} per line)."""
-    lines = BUNDLED_PROMPTS.read_text(encoding="utf-8").splitlines()[:num_prompts]
+def dataset(num_prompts: int, folder: Path, models: ServedModels) -> Path:
+    """The models' held-out prompts as vLLM's custom dataset (one {"prompt": ...} per line), a chat model's each
+    rendered with its chat template as one user turn (every server then reads the same text)."""
+    lines = models.prompts.read_text(encoding="utf-8").splitlines()[:num_prompts]
+    prompts = [json.loads(line)["prompt"] for line in lines]
+    if models.chat:
+        from minedraft.frontends.chat import ChatTemplate
+
+        template = ChatTemplate.from_checkpoint(models.target_hf)
+        prompts = [template.render([{"role": "user", "content": p}]) for p in prompts]
     path = folder / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": json.loads(line)["prompt"]}) for line in lines) + "\n")
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n")
     return path
 
 
@@ -73,7 +89,7 @@ def bench(server: Server, args: argparse.Namespace, vllm_python: str, data: Path
     result = out / f"{server.name}-c{concurrency}-{time.monotonic_ns()}.json"
     bench_args = [
         "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-        "--model", SERVED_NAME, "--tokenizer", str(BUNDLED_TARGET),
+        "--model", SERVED_NAME, "--tokenizer", str(args.models.target_hf),
         "--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len", str(args.max_tokens),
         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
         "--temperature", "0", "--ignore-eos", "--disable-tqdm",
@@ -95,7 +111,7 @@ def bench_ours(server: Server, args: argparse.Namespace, data: Path, out: Path) 
     result = out / f"{server.name}-ours-{len(server.ours)}.json"
     command = [
         sys.executable, "-m", "minedraft", "bench", "--backend", "openai", "--base-url", server.url,
-        "--served-model-name", SERVED_NAME, "--tokenizer", str(BUNDLED_TARGET), "--dataset", str(data),
+        "--served-model-name", SERVED_NAME, "--tokenizer", str(args.models.target_hf), "--dataset", str(data),
         "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--ignore-eos",
         "--concurrency", str(args.concurrency), "--temperature", "0", "--warmup", "0", "--percentiles", "50,99",
         "--json", str(result),
@@ -233,13 +249,21 @@ def sweep_table(servers: list[Server]) -> str:
         lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     names = [s.name for s in servers]
     fixed = [n for n in names if n.endswith("-fixed") or n == "ar"]
-    theirs = [n for n in names if n.startswith("vllm") and not n.endswith("+neighbour")]
+    theirs = [n for n in names if _is_peer(n) and not n.endswith("+neighbour")]
     for default in [n for n in names if n in ("minedraft", "sd")]:
-        for label, group in ((f"{default} / best of ours fixed", fixed), (f"{default} / best of vLLM's", theirs)):
+        for label, group in ((f"{default} / our ar", [n for n in names if n == "ar"]),
+                             (f"{default} / best of ours fixed", fixed), (f"{default} / best peer", theirs)):
             if group:
                 ratios = [median[default, load] / max(median[n, load] for n in group) for load in loads]
                 lines.append(f"| {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     lines += _neighbour_rows(median, names, loads)
+    lines += _starts_rows(median, names, loads)
+    lines += _same_texts_rows(servers, loads)
+    lines += ["", "TPOT p50 ms (median round):", ""]
+    lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+    for s in servers:
+        cells = [f"{statistics.median(r['median_tpot_ms'] for r in s.by_load[load]):.1f}" for load in loads]
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     lines += ["", "Steps by shape (share of the median round's steps):", ""]
     lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
     for s in servers:
@@ -257,24 +281,61 @@ def sweep_table(servers: list[Server]) -> str:
     return "\n".join(lines)
 
 
+def _same_texts_rows(servers: list[Server], loads: list[int]) -> list[str]:
+    """Per server and load, how many of its first round's greedy texts equal our ar server's (where one ran)."""
+    reference = next((s for s in servers if s.name in ("ar", "ar#1")), None)
+    if reference is None:
+        return []
+    lines = ["", f"Greedy texts equal to {reference.name}'s (first round):", "",
+             "| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+    for s in servers:
+        cells = []
+        for load in loads:
+            ours, theirs = (x.by_load[load][0].get("generated_texts") or [] for x in (reference, s))
+            cells.append(f"{sum(a == b for a, b in zip(ours, theirs))}/{len(theirs)}" if theirs else "-")
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _is_peer(name: str) -> bool:
+    return name.startswith(("vllm", "llama"))
+
+
+def _starts_rows(median: dict[tuple[str, int], float], names: list[str], loads: list[int]) -> list[str]:
+    """With --starts: per server, the largest distance of one start's median from the median of its starts."""
+    starts: dict[str, list[str]] = {}
+    for name in names:
+        if "#" in name:
+            starts.setdefault(name.split("#")[0], []).append(name)
+    lines = []
+    for base, group in starts.items():
+        cells = []
+        for load in loads:
+            values = [median[n, load] for n in group]
+            middle = statistics.median(values)
+            cells.append(f"{max(abs(v / middle - 1) for v in values):.0%} of {middle:.0f}")
+        lines.append(f"| {base}: {len(group)} starts, largest distance from their median | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _neighbour_rows(median: dict[tuple[str, int], float], names: list[str], loads: list[int]) -> list[str]:
     """With --neighbour: each server beside the busy process against itself quiet, and each of ours there against
     the best of vLLM's there."""
     crowded = [n for n in names if n.endswith("+neighbour")]
-    theirs = [n for n in crowded if n.startswith("vllm")]
+    theirs = [n for n in crowded if _is_peer(n)]
     lines = []
     for name in crowded:
         quiet = name.removesuffix("+neighbour")
         ratios = [median[name, load] / median[quiet, load] for load in loads]
         lines.append(f"| {quiet}: neighbour / quiet | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     for name in crowded:
-        if theirs and not name.startswith("vllm"):
+        if theirs and not _is_peer(name):
             ratios = [median[name, load] / max(median[n, load] for n in theirs) for load in loads]
-            lines.append(f"| {name} / best of vLLM's there | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+            lines.append(f"| {name} / best peer there | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     return lines
 
 
-def sweep_plot(servers: list[Server], path: Path) -> None:
+def sweep_plot(servers: list[Server], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,22 +347,42 @@ def sweep_plot(servers: list[Server], path: Path) -> None:
         med = [statistics.median(r["output_throughput"] for r in s.by_load[load]) for load in loads]
         low = [min(r["output_throughput"] for r in s.by_load[load]) for load in loads]
         high = [max(r["output_throughput"] for r in s.by_load[load]) for load in loads]
-        style = "--" if s.name.startswith("vllm") else "-"
+        style = "--" if _is_peer(s.name) else "-"
         ax.plot(loads, med, style, marker="o", label=s.name, linewidth=2.5 if s.name == "minedraft" else 1.2)
         ax.fill_between(loads, low, high, alpha=0.12)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("output tokens / s (median round, band: min-max)")
-    ax.set_title("Served through vllm bench serve's client, bundled pair, 64 tokens, greedy")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def report_sweep(path: Path, plot: Path | None) -> int:
+    """The tables (and the plot) of a sweep's --json file."""
+    saved = json.loads(path.read_text())
+    if "servers" not in saved:  # a sweep's file before it named its title
+        saved = {"title": "Served through vllm bench serve's client", "servers": saved}
+    servers = []
+    for name, by_load in saved["servers"].items():
+        server = Server(name, None, "")  # type: ignore[arg-type]  # nothing runs
+        server.by_load = {int(load): rounds for load, rounds in by_load.items()}
+        servers.append(server)
+    print(sweep_table(servers))
+    if plot:
+        sweep_plot(servers, plot, saved["title"])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm-sd,sd,minedraft", help=f"comma-separated, of {','.join(SERVERS)}")
+    parser.add_argument("--model", default="bundled",
+                        help="bundled (the bundled pair) or a packaged model's name (smollm2-135m-instruct: served "
+                             "with its shipped draft; llama-* servers need it)")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=2048, help="context per request of a packaged model")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative server")
     parser.add_argument("--max-num-seqs", type=int, default=32,
                         help="requests running at once; MineDraft runs them as two batches of half this")  # fmt: skip
@@ -322,23 +403,37 @@ def main() -> int:
     parser.add_argument("--warm-every-load", action="store_true",
                         help="with --sweep-concurrency: warm every server up at each load, not only the middle one "
                              "(our controller's first tries of its shapes at a load then fall outside the rounds)")
+    parser.add_argument("--starts", type=int, default=1,
+                        help="with --sweep-concurrency: start each server this many times (NAME#1, NAME#2, ...), "
+                             "all measured in the same interleaved rounds; the table adds each one's spread over them")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="print the tables (and --plot) of a sweep's --json file, running nothing")
     parser.add_argument("--our-client", action="store_true",
                         help="also measure every round with `minedraft bench --backend openai`")  # fmt: skip
     args = parser.parse_args()
+    if args.report:
+        return report_sweep(args.report, args.plot)
     names = args.servers.split(",")
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         parser.error(f"unknown servers: {unknown}")
     if args.neighbour and not args.sweep_concurrency:
         parser.error("--neighbour needs --sweep-concurrency")
+    llama = any(SERVERS[n][0] == "llama" for n in names)
+    if llama and args.model == "bundled":
+        parser.error("llama-* servers serve a packaged model's GGUF: pass --model smollm2-135m-instruct")
+    args.models = BUNDLED if args.model == "bundled" else packaged_models(args.model, llama)
+    llama_server = ensure_llama_server() if llama else None
     vllm_python = str(ensure_venv(args.venv))
     ensure_pandas(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
     print(f"logs and results: {work}", flush=True)
     most = max([args.num_prompts] + [2 * int(c) for c in args.sweep_concurrency.split(",") if c])
-    data = dataset(most, work)
-    servers = [start_server(name, k=args.k, max_num_seqs=args.max_num_seqs, vllm_python=vllm_python, logs=work)
-               for name in names]  # fmt: skip
+    data = dataset(most, work, args.models)
+    labels = [(n, f"{n}#{i + 1}" if args.starts > 1 else n) for n in names for i in range(args.starts)]
+    servers = [start_server(name, k=args.k, max_num_seqs=args.max_num_seqs, vllm_python=vllm_python, logs=work,
+                            models=args.models, llama_server=llama_server, max_model_len=args.max_model_len,
+                            label=label) for name, label in labels]  # fmt: skip
     try:
         for server in servers:
             wait_healthy(server, args.startup_timeout, work)
@@ -346,11 +441,14 @@ def main() -> int:
             if args.neighbour:
                 servers += [server.beside_a_neighbour() for server in servers]
             sweep(servers, args, vllm_python, data, work)
+            title = (f"Served through vllm bench serve's client, {Path(args.models.ours).name}, {args.max_tokens} "
+                     f"tokens, greedy, k = {args.k}")  # fmt: skip
             print(sweep_table(servers))
             if args.plot:
-                sweep_plot(servers, args.plot)
+                sweep_plot(servers, args.plot, title)
             if args.json:
-                args.json.write_text(json.dumps({s.name: s.by_load for s in servers}, indent=1) + "\n")
+                by_load = {s.name: s.by_load for s in servers}
+                args.json.write_text(json.dumps({"title": title, "servers": by_load}, indent=1) + "\n")
             return 0
         for server in servers:  # warm-up (compilation, first allocations), not measured
             bench(server, args, vllm_python, data, work)

