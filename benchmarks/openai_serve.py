@@ -262,7 +262,10 @@ def sweep_table(servers: list[Server]) -> str:
     lines += ["", "TPOT p50 ms (median round):", ""]
     lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
     for s in servers:
-        cells = [f"{statistics.median(r['median_tpot_ms'] for r in s.by_load[load]):.1f}" for load in loads]
+        cells = []
+        for load in loads:
+            tpot = [r["median_tpot_ms"] for r in s.by_load[load] if r.get("median_tpot_ms") is not None]
+            cells.append(f"{statistics.median(tpot):.1f}" if tpot else "-")
         lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     lines += ["", "Steps by shape (share of the median round's steps):", ""]
     lines += ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]

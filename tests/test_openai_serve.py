@@ -40,4 +40,19 @@ def test_the_sweep_table_sets_each_server_beside_a_neighbour_against_itself_quie
     lines = openai_serve.sweep_table([ours, vllm, ours_crowded, vllm_crowded]).splitlines()
     assert "| minedraft: neighbour / quiet | 0.50x | 0.75x |" in lines
     assert "| vllm-ar: neighbour / quiet | 0.50x | 0.40x |" in lines
-    assert "| minedraft+neighbour / best of vLLM's there | 0.67x | 1.50x |" in lines
+    assert "| minedraft+neighbour / best peer there | 0.67x | 1.50x |" in lines
+    assert "| minedraft / best peer | 0.67x | 0.80x |" in lines  # quiet: 200 / 300, 800 / 1000
+    assert "| minedraft | - | - |" in lines  # the TPOT table, where no round measured one
+
+
+def test_the_sweep_table_shows_each_servers_spread_over_its_starts_and_the_texts_equal_to_ar() -> None:
+    starts = [openai_serve.Server(f"minedraft#{i}", None, "", by_load=_at_loads((t,), (4 * t,))) for i, t in
+              enumerate((100, 95, 110), 1)]  # fmt: skip
+    ar = openai_serve.Server("ar", None, "", by_load={1: [{"output_throughput": 90, "generated_texts": ["a", "b"]}]})
+    llama = openai_serve.Server("llama-ar", None, "",
+                                by_load={1: [{"output_throughput": 99, "generated_texts": ["a", "c"]}]})
+    lines = openai_serve.sweep_table(starts).splitlines()
+    # medians 100 and 400; the farthest start 110 (10%) and 440 (10%)
+    assert "| minedraft: 3 starts, largest distance from their median | 10% of 100 | 10% of 400 |" in lines
+    lines = openai_serve.sweep_table([ar, llama]).splitlines()
+    assert "| llama-ar | 1/2 |" in lines and "| ar | 2/2 |" in lines
