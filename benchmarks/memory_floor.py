@@ -45,7 +45,7 @@ def step_bytes(runner: ModelRunner) -> int:
     other than the embedding table, which a step reads one row of)."""
     stack = runner.model.model.decode_stack if runner.decode_stack else None
     if stack is not None:
-        return sum(t.nbytes for t in stack._kept) + stack.lm_head.nbytes + stack.final_norm.nbytes
+        return stack.streamed_bytes
     embed = runner.model.model.embed_tokens.weight
     tied = runner.model.lm_head.weight.data_ptr() == embed.data_ptr()
     return sum(p.nbytes for p in runner.model.parameters()) - (0 if tied else embed.nbytes)

@@ -88,6 +88,12 @@ class DecodeStack:
         self.cos, self.signed_sin = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
         self._caches: tuple[int, ctypes.Array] | None = None
 
+    @property
+    def streamed_bytes(self) -> int:
+        """The bytes of weights one step streams: every layer's packed projections, norms and biases, the final
+        norm and the LM head."""
+        return sum(t.nbytes for t in self._kept) + self.lm_head.nbytes + self.final_norm.nbytes
+
     @staticmethod
     def build(model: CausalLM) -> tuple[DecodeStack | None, str | None]:
         """The stack, or None and why the model's layers cannot run as one call here."""
