@@ -81,10 +81,11 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    method: Literal["draft_model", "eagle", "eagle3"] = Field(
+    method: Literal["draft_model", "eagle", "eagle3", "ngram", "suffix"] = Field(
         "draft_model", description="Proposal method: draft_model (a separate small causal LM), eagle (an EAGLE-1 "
-        "head fed with the target's last hidden state) or eagle3 (an EAGLE-3 head fed with three of the target's "
-        "hidden states)."
+        "head fed with the target's last hidden state), eagle3 (an EAGLE-3 head fed with three of the target's "
+        "hidden states), or without a model: ngram (the tokens after an earlier occurrence of the request's last "
+        "n-gram) or suffix (suffix decoding over the request's tokens and recent outputs of all requests)."
     )
     model: str | None = Field(
         None, description="Draft checkpoint folder (HF format) or EAGLE head; None = the bundled draft (its PARD "
@@ -114,6 +115,29 @@ class SpeculativeConfig(BaseModel):
         None, ge=1, description="Draft tokens verified per step over the batch (default k x max_num_seqs)."
     )
     tetris_extra_proposals: int = Field(2, ge=0, le=32, description="e: extra draft tokens per request.")
+    prompt_lookup_min: int | None = Field(
+        None, ge=1, le=64, description="method ngram: the shortest n-gram matched (default: prompt_lookup_max, or 5)."
+    )
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, le=64, description="method ngram: the longest n-gram matched (default: prompt_lookup_min, or 5)."
+    )
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=3, le=256, description="method suffix: the longest match plus speculation considered."
+    )
+    suffix_decoding_max_cached_requests: int = Field(
+        10000, ge=0, description="method suffix: outputs of this many latest requests are matched too (first in, "
+        "first out); 0: each request's own tokens only."
+    )
+    suffix_decoding_max_cached_tokens: int = Field(
+        500_000, ge=0, description="method suffix: and at most this many of their tokens (about 100 bytes each)."
+    )
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, gt=0, le=64, description="method suffix: speculate at most this many tokens per token matched."
+    )
+    suffix_decoding_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="method suffix: speculate a token only while the path's estimated probability "
+        "(from the counts of what followed the match) is at least this."
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SpeculativeConfig:
@@ -124,7 +148,29 @@ class SpeculativeConfig(BaseModel):
                              "(method eagle) drafts token by token")  # fmt: skip
         if self.method == "eagle" and not self.model:
             raise ValueError("method eagle needs model: the folder of an EAGLE-1 head for the target (none is bundled)")
+        if self.drafts_without_model and (self.model or self.parallel_drafting or self.tetris):
+            given = "model" if self.model else "parallel_drafting" if self.parallel_drafting else "tetris"
+            raise ValueError(f"method {self.method} drafts without a model: {given} does not apply to it")
+        for name, field in type(self).model_fields.items():  # a setting another method reads would do nothing here
+            owner = "ngram" if name.startswith("prompt_lookup_") else "suffix" if name.startswith("suffix_") else None
+            if owner and self.method != owner and getattr(self, name) != field.default:
+                raise ValueError(f"{name} is a setting of method {owner}, not of {self.method}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must be at most prompt_lookup_max ({high})")
         return self
+
+    @property
+    def drafts_without_model(self) -> bool:
+        """A method that proposes from text the request has (engine/lookup.py): no model, no accelerator."""
+        return self.method in ("ngram", "suffix")
+
+    @property
+    def ngram_sizes(self) -> tuple[int, int]:
+        """(shortest, longest) n-gram of method ngram, as vLLM defaults them."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low = low if low is not None else high if high is not None else 5
+        return low, high if high is not None else low
 
     @property
     def mode(self) -> Mode:
@@ -206,6 +252,14 @@ class EngineConfig(BaseModel):
         None,
         description='MineDraft JSON, e.g. \'{"num_speculative_tokens": 4, "is_parallel": true}\'; null = plain '
         "autoregressive decoding.",
+    )
+    max_prediction_tokens: int = Field(
+        8192, ge=0, description="Longest prediction (Predicted Outputs) a request may send, in tokens (and never more "
+        "than max_model_len); 0: predictions are refused."
+    )
+    prediction_draft_tokens: int = Field(
+        8, ge=1, le=32, description="Without a speculative config: the most tokens of a request's prediction one "
+        "verification checks (the verifier drafts them itself). With one, its num_speculative_tokens."
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target tensor-parallel size (verifier ranks).")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests per batch (MineDraft keeps two).")
@@ -298,16 +352,16 @@ class EngineConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names an adapter twice: {names}")
         if any(m.draft_path for m in self.lora_modules) and self.speculative_config is not None and (
-                self.uses_eagle_head or self.speculative_config.parallel_drafting):
-            raise ValueError("a drafter LoRA adapter (draft_path) is for draft-model drafting, not EAGLE heads or "
-                             "PARD (parallel_drafting)")
+                self.uses_eagle_head or self.speculative_config.parallel_drafting or self.drafts_without_model):
+            raise ValueError("a drafter LoRA adapter (draft_path) is for draft-model drafting, not EAGLE heads, "
+                             "PARD (parallel_drafting) or drafting without a model (ngram, suffix)")
         return self
 
     @model_validator(mode="after")
     def _check_default_draft(self) -> EngineConfig:
         spec = self.speculative_config
         packaged = packaged_model(self.model) if self.model else None
-        if spec is not None and not spec.model and packaged is not None:
+        if spec is not None and not spec.model and not spec.drafts_without_model and packaged is not None:
             _packaged_draft(packaged, spec)  # raises when nothing is shipped for this method
         return self
 
@@ -361,6 +415,11 @@ class EngineConfig(BaseModel):
     @property
     def uses_eagle_head(self) -> bool:
         return self.speculative_config is not None and self.speculative_config.uses_eagle_head
+
+    @property
+    def drafts_without_model(self) -> bool:
+        """The drafter runs no model (method ngram or suffix): it needs no accelerator and keeps no KV cache."""
+        return self.speculative_config is not None and self.speculative_config.drafts_without_model
 
     def target_only(self) -> EngineConfig:
         """This config without speculation, for a group whose drafter is gone: the same requests run at

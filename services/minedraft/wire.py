@@ -22,7 +22,7 @@ from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLo
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "min_p", "min_tokens", "logprobs", "resumed_tokens", "prompt_logprobs",
-           "num_speculative_tokens")  # fmt: skip
+           "num_speculative_tokens", "prediction")  # fmt: skip
 FINISH_REASONS = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 _REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -91,6 +91,7 @@ def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters
         resumed_tokens=params.resumed_tokens,
         num_speculative_tokens=params.num_speculative_tokens,
         structured_outputs=structured_to_proto(params.structured_outputs),
+        prediction=params.prediction,
     )
 
 
@@ -124,12 +125,14 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
     return worker_pb2.Admission(
         request_id=admission.request_id,
         token_ids=admission.token_ids,
-        sampling=sampling_to_proto(admission.params),
+        # The workers draft from the prediction's tokens: its text stays with the scheduler.
+        sampling=sampling_to_proto(admission.params.model_copy(update={"prediction": None})),
         seed=admission.seed,
         batch=admission.batch,
         num_prompt_tokens=admission.num_prompt_tokens,
         bad_words_ids=[generate_pb2.TokenIds(ids=ids) for ids in admission.bad_words_ids],
         lora=admission.lora,
+        prediction_ids=admission.prediction_ids,
     )
 
 
@@ -170,7 +173,8 @@ def plan_from_proto(
     admit = [
         Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
                   s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
-                  [list(w.ids) for w in s.bad_words_ids], s.lora if s.HasField("lora") else None)
+                  [list(w.ids) for w in s.bad_words_ids], s.lora if s.HasField("lora") else None,
+                  list(s.prediction_ids))
         for s in msg.admit
     ]
     prefill = [PrefillTask(t.request_id, t.num_tokens) for t in msg.prefill]

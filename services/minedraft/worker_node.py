@@ -106,6 +106,12 @@ def worker_info(
     role: str, model: str, worker: DraftWorker | VerifyWorker, rank: int, config: EngineConfig, epoch: int | None
 ) -> worker_pb2.WorkerInfo:
     runner = worker.runner
+    if runner is None:  # a drafter without a model (method ngram, suffix): no KV pool (num_blocks 0), no vocabulary
+        return worker_pb2.WorkerInfo(
+            role=role, model=model, block_size=config.block_size, num_active_sequences=worker.num_active,
+            max_model_len=worker.max_seq_len, world_rank=rank, tensor_parallel_size=config.tensor_parallel_size,
+            engine_config_json=config.model_dump_json(), epoch=epoch or 0,
+        )  # fmt: skip
     return worker_pb2.WorkerInfo(
         role=role,
         model=model,

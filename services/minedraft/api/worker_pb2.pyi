@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch", "num_prompt_tokens", "bad_words_ids", "lora")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "batch", "num_prompt_tokens", "bad_words_ids", "lora", "prediction_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Admission(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParameters
@@ -26,7 +27,8 @@ class Admission(_message.Message):
     num_prompt_tokens: int
     bad_words_ids: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenIds]
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., bad_words_ids: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., lora: _Optional[str] = ...) -> None: ...
+    prediction_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., batch: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., bad_words_ids: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., lora: _Optional[str] = ..., prediction_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTask(_message.Message):
     __slots__ = ("request_id", "num_tokens", "continue_window", "end")
@@ -199,7 +201,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,7 @@ class WorkerInfo(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_active_sequences: int
@@ -228,4 +231,5 @@ class WorkerInfo(_message.Message):
     num_free_blocks: int
     block_size: int
     draft_num_blocks: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ...) -> None: ...
+    drafts: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ...) -> None: ...

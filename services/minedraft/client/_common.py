@@ -36,7 +36,8 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-            "logprobs", "prompt_logprobs", "bad_words", "structured_outputs", "num_speculative_tokens")  # fmt: skip
+            "logprobs", "prompt_logprobs", "bad_words", "structured_outputs", "num_speculative_tokens",
+            "prediction")  # fmt: skip
 
 
 def build_generate_request(
@@ -56,8 +57,9 @@ def build_generate_request(
 ) -> pb.GenerateRequest:
     """The one place both clients turn call arguments into a GenerateRequest. `options`: the other
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-    min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens); an unknown
-    name is a TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model)."""
+    min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens, and
+    prediction: the text the output is expected to be, OpenAI's Predicted Outputs); an unknown name is a
+    TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model)."""
     request = pb.GenerateRequest(request_id=request_id or "", lora_adapter=lora or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
@@ -73,6 +75,13 @@ def build_generate_request(
     sampling.ignore_eos = ignore_eos
     _set_options(sampling, options)
     return request
+
+
+def usage_from_proto(msg: pb.Usage) -> Usage:
+    predicted = msg.HasField("accepted_prediction_tokens")
+    return Usage(msg.prompt_tokens, msg.completion_tokens,
+                 msg.accepted_prediction_tokens if predicted else None,
+                 msg.rejected_prediction_tokens if predicted else None)  # fmt: skip
 
 
 def _set_options(sampling: pb.SamplingParameters, options: dict[str, Any]) -> None:
@@ -143,7 +152,7 @@ def to_delta(msg: pb.GenerateResponse) -> Delta:
         logprobs=_logprobs(msg.logprobs),
         prompt_logprobs=_logprobs(msg.prompt_logprobs),
         finish_reason=finish_reason,
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
+        usage=usage_from_proto(msg.usage),
         spec_decode_stats=SpecDecodeStats(
             num_drafts=stats.num_drafts,
             num_draft_tokens=stats.num_draft_tokens,
@@ -188,7 +197,8 @@ class ResumableStream:
         self.output_ids.extend(delta.token_ids)
         self.finished = self.finished or delta.finish_reason is not None
         if self.resumed and delta.usage is not None:  # the last submission counted its prompt from the break
-            usage = Usage(len(self.original.prompt_token_ids.ids), len(self.output_ids))
+            usage = dataclasses.replace(delta.usage, prompt_tokens=len(self.original.prompt_token_ids.ids),
+                                        completion_tokens=len(self.output_ids))  # prediction counts: the server's
             delta = dataclasses.replace(delta, usage=usage)
         return delta
 

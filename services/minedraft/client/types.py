@@ -49,6 +49,10 @@ class MineDraftError(grpc.RpcError):
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # With a prediction (OpenAI's counts): output tokens that were the prediction's next token, and the prediction's
+    # other tokens. None without one.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.eagle_drafter import EagleDraftWorker
-from minedraft.engine.local_executor import draft_runner, draft_worker
+from minedraft.engine.local_executor import build_drafter
 from minedraft.engine.plans import VerifyPlan
 from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
@@ -34,8 +34,7 @@ class DrafterNode:
         self.config = config
         self.dist = dist
         self.device = _drafter_device(config)
-        self.runner = draft_runner(config, num_slots(config), max_model_len_of(config), self.device)
-        self.worker = draft_worker(config, self.runner)
+        self.worker = build_drafter(config, num_slots(config), max_model_len_of(config), self.device)
         self.threads = StepThreads(self.device, threads_beside)
         self.rank = topology_of(config).drafter_rank
         self.groups: WorldGroups | None = None
@@ -89,7 +88,7 @@ class DrafterNode:
             reply.draft_seconds = time.perf_counter() - start
             self.threads.done(reply.draft_seconds)
             reply.thread_trial = self.threads.trying
-            reply.draft_forwards, reply.draft_tokens = self.worker.runner.take_work()
+            reply.draft_forwards, reply.draft_tokens = self.worker.take_work()
         if verify is not None and draft is None and defers_results(self.config):
             self.missed.add(t.request_id for t in verify.tasks)
         elif verify is not None and not results_first:
@@ -99,7 +98,7 @@ class DrafterNode:
             self.channel.send_drafts([t.request_id for t in draft.tasks], windows)
             for request_id, window in windows.items():
                 reply.drafted[request_id] = len(window.tokens)
-        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.runner.kv_cache.take_prefix_stats()
+        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.take_prefix_stats()
         return reply
 
     def _take_results(self, verify: VerifyPlan) -> None:
@@ -117,7 +116,10 @@ class DrafterNode:
 
 def _drafter_device(config: EngineConfig) -> str:
     """The GPU after the verifier's when this machine has one (one host running everything); in its own
-    pod the drafter sees one GPU, cuda:0. An explicit cuda:N is used as given."""
+    pod the drafter sees one GPU, cuda:0. An explicit cuda:N is used as given. A drafter without a model runs on
+    the CPU."""
+    if config.drafts_without_model:
+        return "cpu"
     device = config.resolved_device()
     if device != "cuda":
         return device

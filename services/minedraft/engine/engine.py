@@ -155,8 +155,22 @@ class LLMEngine:
             prompt=prompt,
         )
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.prediction_ids = self._prediction_ids(params.prediction)
         request.lora = self._check_lora(lora)
         return request
+
+    def _prediction_ids(self, prediction: str | None) -> list[int]:
+        """The prediction as the target tokenizes it (the drafter proposes its tokens), within the bounds."""
+        if not prediction:
+            return []
+        if not hasattr(self.tokenizer, "encode"):
+            raise ValueError("prediction: this engine has no tokenizer to turn it into tokens")
+        ids = self.tokenizer.encode(prediction, add_special_tokens=False)
+        most = min(self.config.max_prediction_tokens, self.max_model_len)
+        if len(ids) > most:
+            which = "max_prediction_tokens" if most == self.config.max_prediction_tokens else "max_model_len"
+            raise ValueError(f"prediction: {len(ids)} tokens is more than this server takes ({most}, its {which})")
+        return ids
 
     def _check_lora(self, name: str | None) -> str | None:
         served = self.lora_adapters
@@ -178,7 +192,8 @@ class LLMEngine:
             raise LoraRefused("exists", f"LoRA adapter {module.name!r} is already loaded: unload it first")
         draft = module.draft_path and rooted(module.draft_path, root, "draft_path")
         if draft and self.config.speculative_config is not None and (
-                self.config.uses_eagle_head or self.config.speculative_config.parallel_drafting):
+                self.config.uses_eagle_head or self.config.speculative_config.parallel_drafting
+                or self.config.drafts_without_model):
             raise LoraRefused("invalid", "draft_path: a drafter adapter is for draft-model drafting, not EAGLE heads "
                               "or PARD (parallel_drafting)")  # fmt: skip
         module = LoraModule(name=module.name, path=rooted(module.path, root, "lora_path"), draft_path=draft or None)
@@ -257,7 +272,8 @@ class LLMEngine:
         if params.resumed_tokens >= len(prompt_ids):
             raise ValueError(f"resumed_tokens: must be less than the prompt's {len(prompt_ids)} tokens (at least one "
                              f"is prompt); got {params.resumed_tokens}")  # fmt: skip
-        most = self.config.speculative_config.num_speculative_tokens if self.config.speculative_config else 0
+        spec = self.config.speculative_config
+        most = spec.num_speculative_tokens if spec else self.config.prediction_draft_tokens
         if params.num_speculative_tokens is not None and params.num_speculative_tokens > most:
             raise ValueError(f"num_speculative_tokens: must be in [0, {most}] (the server's num_speculative_tokens); "
                              f"got {params.num_speculative_tokens}")  # fmt: skip
@@ -346,7 +362,7 @@ class LLMEngine:
         if admitted:
             self.executor.admit(
                 [Admission(r.request_id, r.token_ids, r.params, r.seed, r.batch, r.num_prompt_tokens, r.bad_words_ids,
-                           r.lora) for r in admitted]  # fmt: skip
+                           r.lora, r.prediction_ids) for r in admitted]  # fmt: skip
             )
         if draft is None and verify is None:
             return False

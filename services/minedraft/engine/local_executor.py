@@ -14,6 +14,7 @@ import torch
 
 from minedraft.config import EngineConfig
 from minedraft.engine.eagle_drafter import EagleDraftWorker
+from minedraft.engine.lookup_drafter import LookupDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
 from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import DraftWorker, VerifyWorker
@@ -71,7 +72,7 @@ class LocalExecutor:
 
     @property
     def draft_kv_blocks(self) -> int | None:
-        return self.drafter.runner.kv_cache.num_blocks if self.drafter is not None else None
+        return self.drafter.kv_blocks if self.drafter is not None else None
 
     def admit(self, seqs: list[Admission]) -> None:
         self._admit.extend(seqs)
@@ -147,12 +148,12 @@ class LocalExecutor:
             self.threads.done(time.perf_counter() - start)
             result.thread_trial = self.threads.trying
         if run_draft:
-            result.draft_forwards, result.draft_tokens = self.drafter.runner.take_work()
+            result.draft_forwards, result.draft_tokens = self.drafter.take_work()
         if run_verify:
-            result.verify_tokens = self.verifier.runner.take_work()[1]
+            result.verify_tokens = self.verifier.take_work()[1]
         for role, worker in (("verifier", self.verifier), ("drafter", self.drafter)):
             if worker is not None:
-                result.record_prefix_cache(role, worker.runner.kv_cache.take_prefix_stats())
+                result.record_prefix_cache(role, worker.take_prefix_stats())
         if self.drafter is not None:  # the synchronisation point: results first, then drafts
             if not result.draft_after_verify:
                 self._results_to_drafter(result)
@@ -228,14 +229,24 @@ def build_local_executor(
     max_len = config.max_model_len or load_model_config(config.target_path).max_position_embeddings
     target = ModelRunner(config.target_path, num_slots=num_slots, max_seq_len=max_len, device=device, dtype=dtype,
                          batch_invariant=config.batch_invariant, **target_options(config))
-    drafter = None
-    if config.speculative_config is not None:
-        draft = draft_runner(config, num_slots, max_len, device)
-        check_compatible(target.config, draft.config)
-        drafter = draft_worker(config, draft)
-    overlapped = drafter is not None and device == "cpu"
+    drafter = build_drafter(config, num_slots, max_len, device, target.config) if config.speculative_config else None
+    # A drafter without a model takes no cores from the verifier.
+    overlapped = drafter is not None and device == "cpu" and not config.drafts_without_model
     stage_threads = max(1, torch.get_num_threads() // 2) if overlapped else None
-    return LocalExecutor(VerifyWorker(target), drafter, stage_threads, max_in_flight), target
+    verifier = VerifyWorker(target, prediction_window=0 if drafter else config.prediction_draft_tokens)
+    return LocalExecutor(verifier, drafter, stage_threads, max_in_flight), target
+
+
+def build_drafter(config: EngineConfig, num_slots: int, max_len: int, device: str,
+                  target: ModelConfig | None = None) -> DraftWorker:  # fmt: skip
+    """The drafter's worker: one that looks its drafts up (method ngram, suffix), or the draft model's (checked
+    against the target's vocabulary, where given)."""
+    if config.drafts_without_model:
+        return LookupDraftWorker(config.speculative_config, max_len, config.draft_support_size)  # type: ignore[arg-type]
+    runner = draft_runner(config, num_slots, max_len, device)
+    if target is not None:
+        check_compatible(target, runner.config)
+    return draft_worker(config, runner)
 
 
 def draft_runner(config: EngineConfig, num_slots: int, max_len: int, device: str) -> ModelRunner:
@@ -292,7 +303,8 @@ def target_options(config: EngineConfig) -> dict[str, Any]:
 def takes_drafter_adapters(config: EngineConfig) -> bool:
     """Whether the drafter can apply LoRA adapters of its own: a draft model does; EAGLE heads and PARD do not."""
     spec = config.speculative_config
-    return spec is not None and not config.uses_eagle_head and not spec.parallel_drafting
+    return (spec is not None and not config.uses_eagle_head and not spec.parallel_drafting
+            and not spec.drafts_without_model)  # fmt: skip
 
 
 def lora_options(config: EngineConfig, adapters: dict[str, str]) -> LoraOptions:

@@ -34,6 +34,8 @@ class Pipeline(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.spec: SpeculativeConfig | None = config.speculative_config
+        # Without speculation the verifier drafts from requests' predictions itself (VerifyWorker.prediction_window).
+        self._prediction_window = config.prediction_draft_tokens if config.max_prediction_tokens else 0
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
@@ -49,7 +51,7 @@ class Pipeline(ABC):
     @property
     def lookahead(self) -> int:
         """Tokens a request can put in the KV cache past its window in one step: the most drafts + 1."""
-        return (self.spec.max_draft_len if self.spec else 0) + 1
+        return (self.spec.max_draft_len if self.spec else self._prediction_window) + 1
 
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""

@@ -41,6 +41,7 @@ class Admission:
     num_prompt_tokens: int | None = None  # how many of token_ids are prompt (penalties count the rest); None: all
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences the output must not hold
     lora: str | None = None  # the LoRA adapter the request runs through (its drafter adapter, where one exists)
+    prediction_ids: list[int] = field(default_factory=list)  # the output the client predicts (Predicted Outputs)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from minedraft.engine.detokenizer import Decoder, IncrementalDetokenizer
+from minedraft.engine.lookup import prediction_usage
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
@@ -70,6 +71,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as the target tokenizes them
     lora: str | None = None  # the LoRA adapter it runs through (a name in the engine's lora_modules)
+    prediction_ids: list[int] = field(default_factory=list)  # params.prediction as the target tokenizes it
+    # Once finished with a prediction: (accepted, rejected) prediction tokens over its whole output (an earlier
+    # run's included), as OpenAI's usage counts them; a gateway's mirror takes the group's.
+    prediction_usage: tuple[int, int] | None = None
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -242,3 +247,6 @@ class Request:
             self.status = RequestStatus.FINISHED
             self.finish_reason = reason
             self.finish_time = time.monotonic()
+            if self.prediction_ids:
+                output = self.prompt_ids[self.num_prompt_tokens :] + self.output_ids
+                self.prediction_usage = prediction_usage(self.prediction_ids, output)

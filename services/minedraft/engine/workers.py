@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minedraft.config import LoraModule
+from minedraft.engine.lookup import Prediction
 from minedraft.engine.plans import (
     Admission,
     DraftPlan,
@@ -71,6 +72,11 @@ class _Sequence:
         self.prompt_rows_done += owed
         return owed
 
+    @property
+    def output(self) -> list[int]:
+        """The committed tokens after the prompt (on a resumed request, those of its earlier run included)."""
+        return self.tokens[self.num_prompt :]
+
     def history(self, base: list[int] | None = None, extra: list[int] = ()) -> History:
         """The tokens before a row that follows `base` (default: the committed tokens) and then `extra`."""
         return History(self.tokens if base is None else base, self.num_prompt, extra, self.bad_words_ids)
@@ -91,6 +97,12 @@ class _Sequence:
         return keep, target[keep:]
 
 
+def point_mass(tokens: list[int], support_size: int) -> Drafts:
+    """A window proposed without a model: q puts all its mass on each token (engine/lookup.py)."""
+    layout = greedy_layout(torch.tensor(tokens), support_size)
+    return Drafts(list(tokens), [1.0] * len(tokens), list(layout.token_ids), list(layout.probs))
+
+
 def sparse_q(drafts: Drafts) -> SparseProbs | None:
     """The draft distributions of a window as one sparse q (None for an empty window)."""
     if not drafts.tokens:
@@ -103,10 +115,38 @@ class _Worker:
         self.runner = runner
         self.sequences: dict[str, _Sequence] = {}
         self._grammars: GrammarBook | None = None
+        self._predictions: dict[str, Prediction] = {}  # request -> its prediction (Predicted Outputs), if it sent one
+
+    def _track_predictions(self, admissions: list[Admission]) -> None:
+        """Follow each admitted request's prediction from the output it has so far (a re-admission's included)."""
+        for admission in admissions:
+            self._predictions.pop(admission.request_id, None)
+            if admission.prediction_ids:
+                prediction = Prediction(admission.prediction_ids)
+                prediction.extend(self.sequences[admission.request_id].output)
+                self._predictions[admission.request_id] = prediction
+
+    def _follow_prediction(self, request_id: str, new_tokens: list[int]) -> None:
+        prediction = self._predictions.get(request_id)
+        if prediction is not None:
+            prediction.extend(new_tokens)
 
     @property
     def device(self) -> torch.device:
         return torch.device(self.runner.device)
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """The blocks of this worker's KV pool (None: it keeps no KV cache)."""
+        return self.runner.kv_cache.num_blocks
+
+    def take_work(self) -> tuple[int, int]:
+        """(forwards, tokens) of the model since the last call (the adaptive controller's cost model)."""
+        return self.runner.take_work()
+
+    def take_prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, those found) since the last call."""
+        return self.runner.kv_cache.take_prefix_stats()
 
     def _adapter(self, name: str | None) -> str | None:
         """The LoRA adapter this worker's model applies for a request of adapter `name`: the target its own."""
@@ -175,6 +215,7 @@ class _Worker:
             if admission.params.structured_outputs is not None:
                 seq.grammar = self._grammar_book().state(admission.params.structured_outputs, seq.num_prompt)
             self.sequences[admission.request_id] = seq
+        self._track_predictions(admissions)
 
     def _grammar_book(self) -> GrammarBook:
         if self._grammars is None:
@@ -187,6 +228,7 @@ class _Worker:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             seq = self.sequences.pop(request_id, None)
+            self._predictions.pop(request_id, None)
             if seq is not None:
                 self._cache_committed(seq)
                 self.runner.free_slot(seq.slot)
@@ -278,6 +320,7 @@ class DraftWorker(_Worker):
         super().__init__(runner)
         self.support_size = support_size
         self.mask_token = mask_token
+        self.max_seq_len = runner.max_seq_len if runner is not None else 0
         self._windows: dict[str, tuple[list[int], Drafts]] = {}  # request -> (base it continues, drafts)
         self._handed: dict[str, list[int]] = {}  # request -> draft tokens the verifier holds now
 
@@ -296,8 +339,29 @@ class DraftWorker(_Worker):
             self._handed.pop(request_id, None)
 
     def draft(self, plan: DraftPlan) -> None:
-        """Draft every task's window, all requests batched in each forward."""
+        """Draft every task's window: from its prediction where that has tokens to propose, else with the model
+        (all its requests batched in each forward)."""
         plan = replace(plan, tasks=[self._within_capacity(t) for t in plan.tasks])
+        looked_up = self._look_up([t for t in plan.tasks if t.num_tokens > 0])
+        self._draft_with_model(replace(plan, tasks=[t for t in plan.tasks if t.request_id not in looked_up]))
+        for task in plan.tasks:
+            if task.request_id in looked_up:
+                self._windows[task.request_id] = (self._base(task), looked_up[task.request_id])
+
+    def _look_up(self, tasks: list[DraftTask]) -> dict[str, Drafts]:
+        """The windows proposed without the model: each task's prediction's next tokens, where it has any."""
+        windows = {}
+        for task in tasks:
+            prediction = self._predictions.get(task.request_id)
+            if prediction is not None:
+                handed = self._handed.get(task.request_id, []) if task.continue_window else []
+                tokens = prediction.propose(task.num_tokens, handed)
+                if tokens:
+                    windows[task.request_id] = point_mass(tokens, self.support_size)
+        return windows
+
+    def _draft_with_model(self, plan: DraftPlan) -> None:
+        """Draft the plan's windows with the draft model (and read its prefill chunks)."""
         tasks = [t for t in plan.tasks if t.num_tokens > 0]
         seqs = [self.sequences[t.request_id] for t in tasks]
         bases = [self._base(t) for t in tasks]
@@ -416,7 +480,7 @@ class DraftWorker(_Worker):
         step before, or the step's verification ends it): never past what its KV cache can hold, nor past a
         token before the length it stops at (DraftTask.end)."""
         base = len(self._base(task))
-        room = self.runner.max_seq_len - base
+        room = self.max_seq_len - base
         if task.end:
             room = min(room, task.end - base - 1)
         room = max(0, room)
@@ -432,6 +496,7 @@ class DraftWorker(_Worker):
             seq = self.sequences.get(result.request_id)
             if seq is not None:
                 seq.tokens.extend(result.token_ids)
+                self._follow_prediction(result.request_id, result.token_ids)
 
     def take_drafts(self) -> dict[str, Drafts]:
         """The windows that are still valid after this step's results (a continuation of a window that
@@ -449,10 +514,13 @@ class DraftWorker(_Worker):
 class VerifyWorker(_Worker):
     """Runs the target over each request's pending tokens and drafts, then rejection-samples."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prediction_window: int = 0) -> None:
         super().__init__(runner)
         self._drafts: dict[str, Drafts] = {}
         self._features: dict[str, tuple[int, torch.Tensor]] = {}
+        # With no drafter in the world: the most tokens of a request's prediction it verifies in a step, drafted
+        # here (0: none; a drafter drafts from predictions where there is one).
+        self.prediction_window = prediction_window
 
     def release(self, request_ids: list[str]) -> None:
         super().release(request_ids)
@@ -526,7 +594,7 @@ class VerifyWorker(_Worker):
         seqs = [self.sequences[t.request_id] for t in plan.tasks]
         if _FAULT_PREFIX and any(seq.tokens[: len(_FAULT_PREFIX)] == _FAULT_PREFIX for seq in seqs):
             raise RuntimeError(f"injected fault ({FAULT_PREFIX_ENV})")
-        windows = [self._drafts.pop(t.request_id, None) or Drafts() for t in plan.tasks]
+        windows = [self._drafts.pop(t.request_id, None) or self._predicted(t.request_id) for t in plan.tasks]
         for seq, window in zip(seqs, windows):  # a plan made ahead may run a request once past its end
             window.truncate(max(0, self.runner.max_seq_len - len(seq.tokens)))
         inputs = [seq.pending(seq.tokens) for seq in seqs]
@@ -546,6 +614,16 @@ class VerifyWorker(_Worker):
                 for t, i, w in zip(plan.tasks, verify_inputs, windows)]  # fmt: skip
         rows += [(request_id, chunk.start_pos, len(chunk.token_ids), -1) for request_id, _, chunk, _ in chunks]
         return VerifyBatch(plan, seqs, windows, logits, prompt_rows, rows, self.runner.aux_hidden)
+
+    def _predicted(self, request_id: str) -> Drafts:
+        """The window a request's prediction proposes, where this worker drafts from predictions itself (every
+        tensor-parallel rank alike: they follow the same tokens)."""
+        prediction = self._predictions.get(request_id)
+        if not self.prediction_window or prediction is None:
+            return Drafts()
+        own = self.sequences[request_id].params.num_speculative_tokens
+        tokens = prediction.propose(self.prediction_window if own is None else min(own, self.prediction_window))
+        return point_mass(tokens, 1) if tokens else Drafts()
 
     def sample(self, batch: VerifyBatch) -> list[Verified]:
         """Rejection-sample every task's window; drop the bonus where PEARL continues the request."""
@@ -624,6 +702,7 @@ class VerifyWorker(_Worker):
         for seq, w, result in zip(batch.seqs, batch.windows, results):
             seq.kv_tokens = seq.tokens + w.tokens
             seq.tokens.extend(result.token_ids)
+            self._follow_prediction(result.request_id, result.token_ids)
         # Indexed now, not only at the next admission: admission counts the blocks requests share from the
         # step after they were written (engine/batch_manager.py).
         for request_id, *_ in batch.inputs:

@@ -116,5 +116,8 @@ def _response(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespons
         response.finish_reason = finish_reason_to_proto(done.finish_reason)
         response.usage.prompt_tokens = len(done.prompt_ids)
         response.usage.completion_tokens = len(done.output_ids)
+        if done.prediction_usage is not None:
+            accepted, rejected = done.prediction_usage
+            response.usage.accepted_prediction_tokens, response.usage.rejected_prediction_tokens = accepted, rejected
         response.spec_decode_stats.CopyFrom(stats_to_proto(done.stats))
     return response

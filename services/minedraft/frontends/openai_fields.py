@@ -42,7 +42,7 @@ NOT_IMPLEMENTED = {
     "continue_final_message": "the final message cannot be continued", "documents": "documents are not implemented",
     "chat_template": "the model's own chat template is used", "mm_processor_kwargs": "this model takes text only",
     "audio": "this model takes text only", "modalities": "this model takes text only",
-    "prediction": "predicted outputs are not implemented", "web_search_options": "web search is not implemented",
+    "web_search_options": "web search is not implemented",
     "reasoning_effort": "reasoning options are not implemented", "verbosity": "verbosity is not implemented",
     "return_tokens_as_token_ids": "not implemented", "return_token_ids": "not implemented",
     "prompt_embeds": "prompt embeddings are not implemented", "priority": "request priorities are not implemented",

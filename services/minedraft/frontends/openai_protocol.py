@@ -58,6 +58,24 @@ class StreamOptions(BaseModel):
     include_obfuscation: StrictBool = False  # ignored on purpose: chunks are never padded, their content is the same
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class PredictionBody(BaseModel):
+    """OpenAI's Predicted Outputs: the text the output is expected to be (a string, or text parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Text | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class SamplingBody(BaseModel):
     """Fields both endpoints share; vLLM's extras (top_k, ignore_eos, stop_token_ids) map to ours.
 
@@ -87,6 +105,7 @@ class SamplingBody(BaseModel):
     min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
     num_speculative_tokens: StrictInt | None = None  # ours: the most this request may draft (0 = plainly)
+    prediction: PredictionBody | None = None  # OpenAI's Predicted Outputs: drafts come from it where it matches
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -101,7 +120,8 @@ class SamplingBody(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         options = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                    "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                   "bad_words": self.bad_words, "num_speculative_tokens": self.num_speculative_tokens}
+                   "bad_words": self.bad_words, "num_speculative_tokens": self.num_speculative_tokens,
+                   "prediction": self.prediction.text or None if self.prediction else None}
         return SamplingParams(
             **{name: value for name, value in options.items() if value is not None},
             logit_bias=_token_bias(self.logit_bias),
@@ -193,11 +213,6 @@ class CompletionBody(SamplingBody):
                                "prompt")  # fmt: skip
             return list(prompt)
         return [prompt]
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
 
 
 class ChatMessage(BaseModel):

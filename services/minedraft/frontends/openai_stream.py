@@ -229,7 +229,12 @@ def _usage(generations: list[Generation], n: int) -> dict:
     """Each prompt counts once, however many samples it had; every sample's output counts."""
     prompt = sum(len(g.prompt_ids) for g in generations[::n])
     completion = sum(len(g.finished.output_ids) for g in generations)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    predicted = [g.finished.prediction_usage for g in generations if g.finished.prediction_usage is not None]
+    if predicted:  # OpenAI's Predicted Outputs counts
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted),
+                                              "rejected_prediction_tokens": sum(r for _, r in predicted)}  # fmt: skip
+    return usage
 
 
 async def respond(generations: list[Generation], stream: Stream, streaming: bool, n: int = 1) -> Response:

@@ -79,6 +79,9 @@ class Migration:
         self.mirror.append_tokens(list(reply.token_ids))
         if reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self.mirror.stats.merge(stats_from_proto(reply.spec_decode_stats))
+            if reply.usage.HasField("accepted_prediction_tokens"):  # the group counted over the whole output
+                self.mirror.prediction_usage = (reply.usage.accepted_prediction_tokens,
+                                                reply.usage.rejected_prediction_tokens)  # fmt: skip
             self.mirror.finish_as(finish_reason_from_proto(reply.finish_reason))
         new_ids = self.mirror.output_ids[self.sent_tokens :]  # the mirror drops tokens after a stop
         prompt_logprobs = list(reply.prompt_logprobs) if self.sent_tokens == 0 else []
@@ -93,6 +96,10 @@ class Migration:
             response.finish_reason = FINISH_REASONS.get(self.mirror.finish_reason, generate_pb2.FINISH_REASON_STOP)
             response.usage.prompt_tokens = len(self.prompt_ids)
             response.usage.completion_tokens = len(self.mirror.output_ids)
+            if self.mirror.prediction_usage is not None:
+                accepted, rejected = self.mirror.prediction_usage
+                response.usage.accepted_prediction_tokens = accepted
+                response.usage.rejected_prediction_tokens = rejected
             response.spec_decode_stats.CopyFrom(stats_to_proto(self.mirror.stats))
         return response
 

@@ -167,6 +167,10 @@ class SamplingParams(BaseModel):
                                                      "server's choice.")  # fmt: skip
     structured_outputs: StructuredOutputs | None = Field(None, description="A grammar the output follows (a JSON "
                                                          "schema, a regex, a choice); None = free text.")  # fmt: skip
+    prediction: Text | None = Field(None, description="The text the output is expected to be, or mostly be (OpenAI's "
+                                    "Predicted Outputs, e.g. a file being edited): drafts are taken from it where "
+                                    "the output follows it. It never changes the output, only how fast it "
+                                    "comes.")  # fmt: skip
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kwargs) -> None:
         # Positional order as in vLLM: SamplingParams(temperature, top_p, top_k, ...).

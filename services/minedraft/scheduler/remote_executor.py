@@ -141,14 +141,15 @@ class RemoteExecutor:
         if any(i.block_size != block_size for i in infos.values()):
             sizes = {role: info.block_size for role, info in infos.items()}
             raise RuntimeError(f"the workers' KV blocks differ in size: {sizes}")
-        smallest = min(i.num_blocks for i in infos.values())
+        # A drafter without a model keeps no KV pool (num_blocks 0): the verifier's alone bounds admission.
+        smallest = min(i.num_blocks for i in infos.values() if i.num_blocks)
         check_fits_one_request(smallest, block_size, infos["verifier"].max_model_len,
                                "the smallest KV pool in the world")  # fmt: skip
         kv_pool = infos["verifier"].num_blocks, block_size
-        draft_kv_blocks = infos["drafter"].num_blocks if "drafter" in infos else None
-        verifier_drafts = infos["verifier"].draft_num_blocks > 0  # colocate_drafter: one process, both models
+        draft_kv_blocks = (infos["drafter"].num_blocks or None) if "drafter" in infos else None
+        verifier_drafts = infos["verifier"].drafts  # colocate_drafter: one process drafts and verifies
         if verifier_drafts:
-            draft_kv_blocks = infos["verifier"].draft_num_blocks
+            draft_kv_blocks = infos["verifier"].draft_num_blocks or None
         self.epoch += 1
         if self.loras is None:
             self.loras = {m.name: m for m in config.lora_modules}

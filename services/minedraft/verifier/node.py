@@ -67,6 +67,7 @@ class VerifierNode:
         """Drop every request and form the new world: the verifier ranks, and the drafter if there is one.
         A lone verifier rank without a drafter needs no world at all."""
         self.worker.reset()
+        self.worker.prediction_window = 0 if request.has_drafter else self.config.prediction_draft_tokens
         self.missed.take()
         self.epoch, self.channel = None, None
         for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
@@ -140,7 +141,7 @@ class VerifierNode:
             reply.verify_seconds = time.perf_counter() - start
             self.threads.done(reply.verify_seconds)
             reply.thread_trial = self.threads.trying
-            reply.verify_tokens = self.worker.runner.take_work()[1]
+            reply.verify_tokens = self.worker.take_work()[1]
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
                     self.channel.send_results(results, to_drafter=not sits_out)
@@ -155,7 +156,7 @@ class VerifierNode:
             reply.verified.extend(verified_to_proto(results))
         if draft is not None and self._has_drafter:
             self.worker.receive_drafts(self.channel.recv_drafts([t.request_id for t in draft.tasks]))
-        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.runner.kv_cache.take_prefix_stats()
+        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.take_prefix_stats()
         return reply
 
     @property

@@ -5,7 +5,7 @@ crosses between them (the drafts to the verifier, the results back, each process
 costs more than the small model's work at low load. Here both models live in this process and a step runs as
 the offline engine runs it (`LocalExecutor`: one part alone on the caller's thread, both parts overlapped on a
 thread each), while the scheduler drives it over the same Worker API as a lone verifier: it learns from
-`WorkerInfo.draft_num_blocks` that this worker drafts too.
+`WorkerInfo.drafts` that this worker drafts too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class PairNode:
         info = worker_info("verifier", str(self.config.target_path), self.executor.verifier, 0, self.config,
                            self.epoch)  # fmt: skip
         info.draft_num_blocks = self.executor.draft_kv_blocks or 0
+        info.drafts = self.executor.drafter is not None
         return info
 
     def stop_followers(self) -> None:
