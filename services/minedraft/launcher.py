@@ -98,11 +98,12 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def colocates_by_default(config: EngineConfig) -> bool:
-    """Whether a stack on this machine runs the draft model inside the verifier's process when not told: on CPU
-    at tensor parallel size 1, where a drafter process would only share the verifier's cores and add a hand-over
-    between two processes to every step (docs/services.md). On GPUs each model keeps a process of its own."""
+    """Whether a stack on this machine runs the drafter inside the verifier's process when not told: at tensor
+    parallel size 1 on CPU, where a drafter process would only share the verifier's cores and add a hand-over
+    between two processes to every step (docs/services.md), and on any device for drafting without a model,
+    whose lookups cost less than that hand-over. On GPUs a draft model keeps a process of its own."""
     return (config.speculative_config is not None and config.tensor_parallel_size == 1
-            and config.resolved_device() == "cpu")  # fmt: skip
+            and (config.resolved_device() == "cpu" or config.drafts_without_model))  # fmt: skip
 
 
 class LocalStack:
