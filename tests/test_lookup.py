@@ -17,7 +17,14 @@ from scipy.stats import chisquare
 
 from minedraft.config import EngineConfig, SpeculativeConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.lookup import NgramIndex, Prediction, SharedSuffixes, SuffixIndex, SuffixSettings, prediction_usage
+from minedraft.engine.lookup import (
+    NgramIndex,
+    Prediction,
+    SharedSuffixes,
+    SuffixIndex,
+    SuffixSettings,
+    prediction_usage,
+)
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 
