@@ -21,6 +21,11 @@ run at that load before (our controller tries its shapes at each load it meets f
 A second table says where the servers' CPU went: CPU seconds per 1,000 output tokens of each server
 process (Linux, from /proc; ours by role, vLLM's by process name). The client is left out: each of its runs
 starts a new Python process that imports vLLM, which costs more CPU than the streaming itself.
+With `--workload code-edit` or `quote-context` the prompts are answers that repeat the prompt's text (a function
+of our source to rewrite with one small change, a passage of our docs to quote; models/prompts/) and the servers
+are those that draft without a draft model (`ngram`, `suffix`, vLLM's and llama-server's lookups) beside plain
+decoding: `minedraft.bench.lookup`'s client sends them, since vLLM's cannot send the `prediction` that the servers
+named +prediction get with each request, and the tables add the accepted prediction tokens per request.
 Not part of CI: it needs the vLLM CPU build (about 1 GB, plus pandas for the benchmark's custom dataset)
 and a few minutes of every core.
 """
@@ -39,6 +44,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from minedraft.bench import lookup
 from minedraft.bench.cpu import tree_cpu_seconds
 from minedraft.bench.engines import busy_neighbour
 from minedraft.bench.llama_cpp import ensure_llama_server
@@ -363,6 +369,154 @@ def sweep_plot(servers: list[Server], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def start_and_wait(servers: list[Server], timeout: float, work: Path) -> list[Server]:
+    """The servers that became healthy; each that exited or timed out is stopped and named, with its log's last
+    lines, and the run goes on without it (a method a server does not know fails its start)."""
+    healthy = []
+    for server in servers:
+        try:
+            wait_healthy(server, timeout, work)
+            healthy.append(server)
+        except SystemExit as exc:
+            server.stop()
+            log = work / f"{server.name}.log"
+            tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log.exists() else []
+            print(f"error: server {server.name} failed to start: {exc}", *("    " + line for line in tail),
+                  sep="\n", file=sys.stderr, flush=True)  # fmt: skip
+    return healthy
+
+
+def lookup_sweep(servers: list[Server], args: argparse.Namespace, requests: list[lookup.LookupRequest]) -> None:
+    """The lookup workload's rounds: every server at every load, interleaved, each (round, load) on prompts of its
+    own (lookup.windows), the same for every server; one warm-up run per server first. Servers named +prediction
+    are sent each request's prediction. A run with failed requests is kept and reported (its first error)."""
+    loads = [int(c) for c in args.sweep_concurrency.split(",")]
+    sizes = [args.num_prompts or max(4, 2 * load) for load in loads]
+    warm_up, spans = lookup.windows(len(requests), sizes, args.rounds, warm_up=2)
+
+    def once(server: Server, load: int, indices: list[int]) -> dict:
+        return lookup.run(server.url, [requests[i] for i in indices], concurrency=load, model=SERVED_NAME,
+                          send_prediction=server.name.split("#")[0].endswith(lookup.PREDICTED),
+                          ignore_eos=args.ignore_eos)  # fmt: skip
+
+    for server in servers:
+        warm = once(server, 2, warm_up)
+        if warm["failed"]:
+            print(f"error: {server.name}: {warm['failed']} of the warm-up's requests failed: {warm['first_error']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def at_load(server: Server, j: int) -> Callable[[int], dict]:
+        def run(round_index: int) -> dict:
+            before = steps_by_shape(server)
+            result = once(server, loads[j], spans[round_index, j])
+            after = steps_by_shape(server)
+            result["steps_by_shape"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            server.by_load.setdefault(loads[j], []).append(result)
+            return result
+
+        return run
+
+    def report(round_index: int, key: tuple[int, str], result: dict) -> None:
+        accepted = [a for a in result["accepted_prediction_tokens"] if a is not None]
+        extra = f", accepted prediction tokens {sum(accepted)}" if accepted else ""
+        failed = f", {result['failed']} failed: {result['first_error']}" if result["failed"] else ""
+        print(f"round {round_index + 1} load {key[0]} {key[1]}: {result['output_throughput']:.0f} tok/s{extra}{failed}",
+              flush=True)  # fmt: skip
+
+    runs = {(load, server.name): at_load(server, j) for j, load in enumerate(loads) for server in servers}
+    interleaved(runs, args.rounds, settle_s=1, report=report)
+
+
+def _family_ar(name: str) -> str:
+    """The plain decoding server of `name`'s kind: ours `ar`, vLLM's `vllm-ar`, llama-server's on the bf16 file."""
+    if name.startswith("vllm"):
+        return "vllm-ar"
+    return "llama-ar-bf16" if name.startswith("llama") else "ar"
+
+
+def lookup_table(servers: list[Server]) -> str:
+    """The lookup workload's tables: output tok/s per server and load (median round [min-max]); each drafting
+    server against the plain decoding of its own kind and each of ours against the best peer; TTFT and TPOT;
+    the accepted and rejected prediction tokens per request; greedy texts equal to our ar's; steps by shape."""
+    loads = sorted({load for s in servers for load in s.by_load})
+    names = [s.name for s in servers]
+    head = ["| server | " + " | ".join(f"{load} in flight" for load in loads) + " |", "|---" * (len(loads) + 1) + "|"]
+
+    def rounds_of(s: Server, load: int) -> list[dict]:
+        return s.by_load.get(load, [])
+
+    def median_of(s: Server, load: int, key: str) -> float | None:
+        values = [r[key] for r in rounds_of(s, load) if r.get(key) is not None and not r.get("failed")]
+        return statistics.median(values) if values else None
+
+    median = {(s.name, load): median_of(s, load, "output_throughput") for s in servers for load in loads}
+    lines = ["Output tok/s (median round [min-max]):", "", *head]
+    for s in servers:
+        cells = []
+        for load in loads:
+            done = [r["output_throughput"] for r in rounds_of(s, load) if not r.get("failed")]
+            failed = sum(r.get("failed", 0) for r in rounds_of(s, load))
+            cell = f"{median[s.name, load]:.0f} [{min(done):.0f}-{max(done):.0f}]" if done else "-"
+            cells.append(cell + (f" ({failed} requests failed)" if failed else ""))
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+
+    def ratio_row(label: str, name: str, group: list[str]) -> str | None:
+        cells = []
+        for load in loads:
+            best = max((median[n, load] for n in group if median[n, load]), default=None)
+            cells.append(f"{median[name, load] / best:.2f}x" if best and median[name, load] else "-")
+        return f"| {label} | " + " | ".join(cells) + " |" if any(c != "-" for c in cells) else None
+
+    peers = [n for n in names if _is_peer(n)]
+    for name in names:
+        base = _family_ar(name.split("#")[0])
+        if name.split("#")[0] != base and base in names:
+            lines.append(ratio_row(f"{name} / {base}", name, [base]))
+    for name in names:
+        if not _is_peer(name) and peers:
+            lines.append(ratio_row(f"{name} / best peer", name, peers))
+    lines = [line for line in lines if line is not None]
+    for key, title in (("median_ttft_ms", "TTFT p50 ms"), ("median_tpot_ms", "TPOT p50 ms")):
+        lines += ["", f"{title} (median round):", "", *head]
+        for s in servers:
+            cells = [f"{v:.1f}" if (v := median_of(s, load, key)) is not None else "-" for load in loads]
+            lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    predicted = [s for s in servers if any(a is not None for rs in s.by_load.values() for r in rs
+                                           for a in r.get("accepted_prediction_tokens", []))]  # fmt: skip
+    if predicted:
+        lines += ["", "Prediction tokens per request, every round: accepted mean [min-max] / rejected mean "
+                  "(the servers' usage.completion_tokens_details; share of output tokens accepted):", "", *head]
+        for s in predicted:
+            cells = []
+            for load in loads:
+                pairs = [(a, rej or 0, n) for r in rounds_of(s, load) for a, rej, n in
+                         zip(r["accepted_prediction_tokens"], r["rejected_prediction_tokens"], r["output_lens"])
+                         if a is not None]  # fmt: skip
+                if not pairs:
+                    cells.append("-")
+                    continue
+                accepted = [a for a, _, _ in pairs]
+                share = sum(accepted) / max(1, sum(n for _, _, n in pairs))
+                cells.append(f"{statistics.mean(accepted):.0f} [{min(accepted)}-{max(accepted)}] / "
+                             f"{statistics.mean(rej for _, rej, _ in pairs):.0f} ({share:.0%})")  # fmt: skip
+            lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    lines += _same_texts_rows(servers, loads)
+    shaped = [s for s in servers if any(r.get("steps_by_shape") for rs in s.by_load.values() for r in rs)]
+    if shaped:
+        lines += ["", "Steps by shape (share of every round's steps):", "", *head]
+        for s in shaped:
+            cells = []
+            for load in loads:
+                shapes: dict[str, float] = {}
+                for r in rounds_of(s, load):
+                    for k, v in r.get("steps_by_shape", {}).items():
+                        shapes[k] = shapes.get(k, 0.0) + v
+                total = sum(shapes.values()) or 1.0
+                cells.append(" ".join(f"{k} {v / total:.0%}" for k, v in sorted(shapes.items()) if v) or "-")
+            lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_sweep(path: Path, plot: Path | None) -> int:
     """The tables (and the plot) of a sweep's --json file."""
     saved = json.loads(path.read_text())
@@ -373,10 +527,50 @@ def report_sweep(path: Path, plot: Path | None) -> int:
         server = Server(name, None, "")  # type: ignore[arg-type]  # nothing runs
         server.by_load = {int(load): rounds for load, rounds in by_load.items()}
         servers.append(server)
-    print(sweep_table(servers))
+    print(lookup_table(servers) if saved.get("workload", "chat") != "chat" else sweep_table(servers))
     if plot:
         sweep_plot(servers, plot, saved["title"])
     return 0
+
+
+def run_lookup(args: argparse.Namespace, names: list[str], llama_server: Path | None) -> int:
+    """`--workload code-edit|quote-context`: every server started (one that fails to start is named and left out),
+    the lookup sweep through our client, the tables; 1 if no server started or a run had failed requests."""
+    from minedraft.frontends.chat import ChatTemplate
+    from minedraft.model.tokenizer import load_tokenizer
+
+    vllm_python = ""
+    if any(SERVERS[n][0] == "vllm" for n in names):
+        vllm_python = str(ensure_venv(args.venv))
+    template = ChatTemplate.from_checkpoint(args.models.target_hf) if args.models.chat else None
+    requests = lookup.load_workload(args.workload, template=template, tokenizer=load_tokenizer(args.models.target_hf),
+                                    max_tokens=args.max_tokens or 512)  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="openai-serve-"))
+    print(f"logs and results: {work}", flush=True)
+    labels = [(n, f"{n}#{i + 1}" if args.starts > 1 else n) for n in names for i in range(args.starts)]
+    started = [start_server(name, k=args.k, max_num_seqs=args.max_num_seqs, vllm_python=vllm_python, logs=work,
+                            models=args.models, llama_server=llama_server, max_model_len=args.max_model_len,
+                            label=label) for name, label in labels]  # fmt: skip
+    try:
+        servers = start_and_wait(started, args.startup_timeout, work)
+        if not servers:
+            print("error: no server started", file=sys.stderr)
+            return 1
+        lookup_sweep(servers, args, requests)
+    finally:
+        for server in started:
+            server.stop()
+    title = (f"{args.workload} through minedraft's client, {Path(args.models.ours).name}, greedy, at most "
+             f"{args.max_tokens or 512} tokens, k = {args.k}")  # fmt: skip
+    print(f"\n{title}\n")
+    print(lookup_table(servers))
+    if args.plot:
+        sweep_plot(servers, args.plot, title)
+    if args.json:
+        by_load = {s.name: s.by_load for s in servers}
+        args.json.write_text(json.dumps({"title": title, "workload": args.workload, "servers": by_load}, indent=1))
+    failed = sum(r.get("failed", 0) for s in servers for rs in s.by_load.values() for r in rs)
+    return 1 if failed or len(servers) < len(started) else 0
 
 
 def main() -> int:
@@ -389,8 +583,17 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative server")
     parser.add_argument("--max-num-seqs", type=int, default=32,
                         help="requests running at once; MineDraft runs them as two batches of half this")  # fmt: skip
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--workload", choices=["chat", *lookup.WORKLOADS], default="chat",
+                        help="chat: the held-out prompts through vllm bench serve's client (EOS ignored); code-edit, "
+                             "quote-context: answers that repeat the prompt's text (models/prompts/), through our "
+                             "client, which sends the servers named +prediction each request's prediction; a "
+                             "sweep of --sweep-concurrency (default 1,8), 2 x load prompts a run (at least 4)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts a run (chat: default 32; lookup workloads: every load's, default 2 x load)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="output tokens per request (chat: default 64, EOS ignored; lookup workloads: at most "
+                             "this, default 512, each request its expected answer's tokens + 64, EOS honoured)")
+    parser.add_argument("--ignore-eos", action="store_true", help="lookup workloads: ask every request's max tokens")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each server's median is shown")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -425,8 +628,15 @@ def main() -> int:
     llama = any(SERVERS[n][0] == "llama" for n in names)
     if llama and args.model == "bundled":
         parser.error("llama-* servers serve a packaged model's GGUF: pass --model smollm2-135m-instruct")
+    predicted = [n for n in names if n.endswith(lookup.PREDICTED)]
+    if predicted and args.workload == "chat":
+        parser.error(f"{predicted} send predictions: pick a lookup workload (--workload code-edit|quote-context)")
     args.models = BUNDLED if args.model == "bundled" else packaged_models(args.model, llama)
     llama_server = ensure_llama_server() if llama else None
+    if args.workload != "chat":
+        args.sweep_concurrency = args.sweep_concurrency or "1,8"
+        return run_lookup(args, names, llama_server)
+    args.num_prompts, args.max_tokens = args.num_prompts or 32, args.max_tokens or 64
     vllm_python = str(ensure_venv(args.venv))
     ensure_pandas(vllm_python)
     work = Path(tempfile.mkdtemp(prefix="openai-serve-"))

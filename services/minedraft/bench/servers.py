@@ -21,6 +21,8 @@ from minedraft.config import BUNDLED_DRAFT, BUNDLED_MODELS_DIR, BUNDLED_TARGET, 
 from minedraft.launcher import free_port
 
 SERVED_NAME = "minedraft-target"
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # vLLM's keys, ours alike
+LLAMA_NGRAM_N = 3  # llama-server's lookup length (--spec-ngram-*-size-n): a fixed n between NGRAM's 2 and 5
 # name -> (server, speculative config of ours / extra keys of vLLM's / llama-server's draft, None: plain decoding)
 SERVERS: dict[str, tuple[str, dict | None]] = {
     "vllm-ar": ("vllm", None),
@@ -47,7 +49,28 @@ SERVERS: dict[str, tuple[str, dict | None]] = {
     "minedraft-separate": ("ours", {"is_parallel": True}),
     "sd+eagle3": ("ours", {"method": "eagle3"}),
     "minedraft+eagle3": ("ours", {"is_parallel": True, "method": "eagle3"}),
+    # Drafting without a draft model (the lookup workloads, `minedraft.bench.lookup`): n-gram prompt lookup with
+    # vLLM's keys and meanings, k = --k or 8; suffix decoding; and OpenAI's predicted outputs, sent by the client to
+    # the servers named +prediction only (the peers take no `prediction`).
+    "ngram": ("ours", NGRAM),
+    "ngram-k8": ("ours", {**NGRAM, "num_speculative_tokens": 8}),
+    "suffix": ("ours", {"method": "suffix"}),
+    "suffix-k8": ("ours", {"method": "suffix", "num_speculative_tokens": 8}),
+    "ar+prediction": ("ours", None),
+    "ngram+prediction": ("ours", NGRAM),
+    "vllm-ngram": ("vllm", NGRAM),
+    "vllm-ngram-k8": ("vllm", {**NGRAM, "num_speculative_tokens": 8}),
+    "vllm-suffix": ("vllm", {"method": "suffix"}),  # needs arctic-inference in vLLM's venv
+    "vllm-suffix-k8": ("vllm", {"method": "suffix", "num_speculative_tokens": 8}),
+    # llama-server's own lookups on the bfloat16 GGUF (--spec-type): ngram-simple and ngram-map-k match the last
+    # LLAMA_NGRAM_N tokens in the context and draft the k after the match; ngram-mod (a hashed n-gram pool, its
+    # defaults: 24-token matches, drafts of 48 to 64) and ngram-cache (drafts of 8) run as they ship.
+    "llama-ngram-simple-bf16": ("llama", {"spec_type": "ngram-simple"}),
+    "llama-ngram-map-k-bf16": ("llama", {"spec_type": "ngram-map-k"}),
+    "llama-ngram-mod-bf16": ("llama", {"spec_type": "ngram-mod"}),
+    "llama-ngram-cache-bf16": ("llama", {"spec_type": "ngram-cache"}),
 }
+DRAFTS_FROM_TEXT = ("ngram", "suffix")  # methods that need no draft model (vLLM gets none)
 
 
 @dataclass(frozen=True)
@@ -146,8 +169,8 @@ def start_server(name: str, *, k: int, max_num_seqs: int, vllm_python: str, logs
         if models is not BUNDLED:
             command += ["--max-model-len", str(max_model_len)]
         if spec is not None:
-            command += ["--speculative-config", json.dumps({**spec, "model": str(models.draft_hf),
-                                                            "num_speculative_tokens": k})]  # fmt: skip
+            draft = {} if spec.get("method") in DRAFTS_FROM_TEXT else {"model": str(models.draft_hf)}
+            command += ["--speculative-config", json.dumps({"num_speculative_tokens": k, **spec, **draft})]
         env = peer_environment()
     else:
         command = _llama_command(name, models, llama_server, port, k, max_num_seqs, max_model_len, prefix_caching)
@@ -160,7 +183,8 @@ def start_server(name: str, *, k: int, max_num_seqs: int, vllm_python: str, logs
 def _llama_command(name: str, models: ServedModels, binary: Path | None, port: int, k: int, slots: int,
                    max_model_len: int, prefix_caching: bool) -> list[str]:  # fmt: skip
     """llama-server with `slots` parallel slots of `max_model_len` tokens each, on every core, continuous batching;
-    `-bf16` servers on the bfloat16 GGUF, `-sd` ones with the draft model drafting k tokens."""
+    `-bf16` servers on the bfloat16 GGUF, `-sd` ones with the draft model drafting k tokens, `-ngram-*` ones with
+    that lookup of llama-server's (`--spec-type`; simple and map-k draft k tokens after an LLAMA_NGRAM_N match)."""
     if binary is None or not models.gguf:
         raise ValueError(f"{name} needs llama-server and GGUF files (packaged_models(..., llama=True))")
     target = models.gguf["bf16" if name.endswith("-bf16") else "target"]
@@ -169,8 +193,16 @@ def _llama_command(name: str, models: ServedModels, binary: Path | None, port: i
                "--no-webui", "--metrics"]  # fmt: skip
     if not prefix_caching:
         command += ["--cache-reuse", "0", "--no-cache-prompt"]
-    if SERVERS[name][1] is not None:
-        command += ["-md", str(models.gguf["draft"]), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
+    spec = SERVERS[name][1]
+    if spec is None:
+        return command
+    kind = spec.get("spec_type")
+    if kind is None:
+        return command + ["-md", str(models.gguf["draft"]), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
+    command += ["--spec-type", kind]
+    if kind in ("ngram-simple", "ngram-map-k"):
+        option = f"--spec-ngram-{kind.removeprefix('ngram-')}"
+        command += [f"{option}-size-n", str(LLAMA_NGRAM_N), f"{option}-size-m", str(k), f"{option}-min-hits", "1"]
     return command
 
 
