@@ -181,3 +181,12 @@ def test_the_lookup_table_rows_divide_by_the_median_round() -> None:
     ar = S("ar", None, "", by_load={1: [_round(40), _round(50)]})
     ngram = S("ngram", None, "", by_load={1: [_round(90)]})
     assert "| ngram / ar | 2.00x |" in openai_serve.lookup_table([ar, ngram]).splitlines()
+
+
+def test_report_prints_a_lookup_runs_tables_from_its_json(tmp_path, capsys) -> None:
+    saved = {"title": "t", "workload": "code-edit",
+             "servers": {"ar": {"1": [_round(40)]}, "ar+prediction": {"1": [_round(80, accepted=[9])]}}}
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    assert openai_serve.report_sweep(tmp_path / "run.json", None) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| ar+prediction / ar | 2.00x |" in lines and "| ar+prediction | 9 [9-9] / 2 (9%) |" in lines
