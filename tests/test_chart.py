@@ -746,6 +746,8 @@ ENGINE_VALUES = {
     "gpu_memory_utilization": ("engine", "gpuMemoryUtilization"),
     "block_size": ("engine", "blockSize"),
     "max_num_batched_tokens": ("engine", "maxNumBatchedTokens"),
+    "max_prediction_tokens": ("engine", "maxPredictionTokens"),
+    "prediction_draft_tokens": ("engine", "predictionDraftTokens"),
     "enable_prefix_caching": ("engine", "enablePrefixCaching"),
     "enforce_eager": ("engine", "enforceEager"),
     "enable_lora": ("engine", "enableLora"),
@@ -813,6 +815,7 @@ def test_every_engine_value_reaches_the_rendered_config() -> None:
         "engine": {"maxNumSeqs": 7, "maxModelLen": 1024, "dtype": "float16", "device": "cpu", "seed": 11,
                    "batchInvariant": True, "draftSupportSize": 8, "kvCacheMemoryBytes": 20 << 30,
                    "gpuMemoryUtilization": 0.8, "blockSize": 32, "maxNumBatchedTokens": 512,
+                   "maxPredictionTokens": 100, "predictionDraftTokens": 5,
                    "enablePrefixCaching": False, "enforceEager": True, "enableLora": True, "maxLoras": 3,
                    "maxCpuLoras": 5, "maxLoraRank": 64, "allowRuntimeLoraUpdating": True},
         "verifier": {"tensorParallelSize": 2},
@@ -847,3 +850,25 @@ def test_gpu_values_refuse_the_bundled_pair(values: dict, message: str) -> None:
     configmap_data = configmap([m.obj for m in renderer.render(GPU_EXAMPLE)])  # the example names both
     config = json.loads(configmap_data["MINEDRAFT_ENGINE_CONFIG"])
     assert (config["model"], config["speculative_config"]["model"]) == ("/models/qwen3-8b", "/models/qwen3-0.6b")
+
+
+LOOKUP = {"models": {"target": "t", "volume": {"type": "existingClaim", "existingClaim": "m"}},
+          "speculativeConfig": {"method": "ngram", "prompt_lookup_max": 3}}  # fmt: skip
+
+
+def _drafter_containers(objs: list[dict]) -> list[dict]:
+    specs = [o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    return [c for spec in specs for c in spec["containers"] if "drafter" in c["name"]]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_drafter_without_a_model_takes_no_gpu_and_needs_no_draft(groups: int) -> None:
+    """method ngram on GPUs: no models.draft asked for, the drafter container takes no GPU, the verifier its own."""
+    objs = [m.obj for m in renderer.render({**LOOKUP, "engineGroups": groups})]
+    drafters = _drafter_containers(objs)
+    assert drafters and all(_gpus({"containers": [c]}) is None for c in drafters)
+    spec = engine_config(objs)["speculative_config"]
+    assert (spec["method"], spec["prompt_lookup_max"], spec.get("model")) == ("ngram", 3, None)
+    assert EngineConfig.model_validate(engine_config(objs)).drafts_without_model
+    with pytest.raises(helm.HelmRenderError, match="method ngram drafts without a model: leave models.draft empty"):
+        renderer.render({**LOOKUP, "models": {**LOOKUP["models"], "draft": "d"}})

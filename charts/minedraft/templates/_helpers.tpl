@@ -54,6 +54,11 @@ app.kubernetes.io/part-of: minedraft
 {{- if .Values.speculativeConfig }}true{{ end }}
 {{- end }}
 
+{{/* "true" when the drafter drafts without a model (method ngram or suffix): it takes no GPU and loads nothing. */}}
+{{- define "minedraft.lookup" -}}
+{{- if and .Values.speculativeConfig (has (default "draft_model" .Values.speculativeConfig.method) (list "ngram" "suffix")) }}true{{ end }}
+{{- end }}
+
 {{- define "minedraft.gpu" -}}
 {{- if ne .Values.engine.device "cpu" }}true{{ end }}
 {{- end }}
@@ -88,7 +93,7 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- if not $m.target }}
 {{- fail (printf "no model named: models.target is empty, so the verifier would load the bundled development pair (a model of a few MB) onto %d GPUs and the drafter onto 1. Name your checkpoints: models.target and models.draft on a model volume (models.download fetches Hub ids into it), or use -f values-cpu.yaml for the CPU profile (models.allowBundledOnGpus=true renders it on GPUs anyway, as a smoke test)" (int .Values.verifier.tensorParallelSize)) }}
 {{- end }}
-{{- if and (include "minedraft.speculative" .) (not $m.draft) (not (.Values.speculativeConfig).model) }}
+{{- if and (include "minedraft.speculative" .) (not (include "minedraft.lookup" .)) (not $m.draft) (not (.Values.speculativeConfig).model) }}
 {{- fail "no draft named: models.draft is empty, so the drafter would load the bundled development draft beside your target. Name the draft (models.draft on the model volume, or speculativeConfig.model), or set speculativeConfig: null for plain decoding" }}
 {{- end }}
 {{- end }}
@@ -124,6 +129,9 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- end }}
 {{- if and .model $m.draft }}
 {{- fail "set either models.draft (a folder on the model volume) or speculativeConfig.model (a path in the image), not both" }}
+{{- end }}
+{{- if and (include "minedraft.lookup" $) $m.draft }}
+{{- fail (printf "speculativeConfig.method %s drafts without a model: leave models.draft empty" .method) }}
 {{- end }}
 {{- end }}
 {{- $tls := .Values.tls }}
@@ -198,7 +206,7 @@ speculativeConfig. tests/test_chart.py checks that every EngineConfig field is s
 */}}
 {{- define "minedraft.engineConfigJson" -}}
 {{- $e := .Values.engine }}
-{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "enable_lora" $e.enableLora "lora_modules" (include "minedraft.loraModules" . | fromJsonArray) "max_loras" (int $e.maxLoras) "max_cpu_loras" nil "max_lora_rank" (int $e.maxLoraRank) "allow_runtime_lora_updating" $e.allowRuntimeLoraUpdating "lora_root" nil "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "tokenizer" nil "speculative_config" nil }}
+{{- $config := dict "tensor_parallel_size" (int .Values.verifier.tensorParallelSize) "max_num_seqs" (int $e.maxNumSeqs) "dtype" $e.dtype "device" $e.device "seed" (int64 $e.seed) "batch_invariant" $e.batchInvariant "draft_support_size" (int $e.draftSupportSize) "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization) "block_size" (int $e.blockSize) "max_num_batched_tokens" (int $e.maxNumBatchedTokens) "max_prediction_tokens" (int $e.maxPredictionTokens) "prediction_draft_tokens" (int $e.predictionDraftTokens) "enable_prefix_caching" $e.enablePrefixCaching "enforce_eager" $e.enforceEager "enable_lora" $e.enableLora "lora_modules" (include "minedraft.loraModules" . | fromJsonArray) "max_loras" (int $e.maxLoras) "max_cpu_loras" nil "max_lora_rank" (int $e.maxLoraRank) "allow_runtime_lora_updating" $e.allowRuntimeLoraUpdating "lora_root" nil "kv_cache_memory_bytes" nil "max_model_len" nil "model" nil "tokenizer" nil "speculative_config" nil }}
 {{- if not (kindIs "invalid" $e.kvCacheMemoryBytes) }}
 {{- $_ := set $config "kv_cache_memory_bytes" (int64 $e.kvCacheMemoryBytes) }}
 {{- end }}
@@ -371,7 +379,7 @@ No GPU key at all with engine.device=cpu.
 */}}
 {{- define "minedraft.resources" -}}
 {{- $res := deepCopy (default dict .resources) }}
-{{- if include "minedraft.gpu" .root }}
+{{- if and (include "minedraft.gpu" .root) (gt (int .gpus) 0) }}
 {{- $limits := deepCopy (default dict (get $res "limits")) }}
 {{- $_ := set $limits .gpuName (int .gpus) }}
 {{- $_ := set $res "limits" $limits }}
