@@ -151,9 +151,9 @@ class SpeculativeConfig(BaseModel):
         if self.drafts_without_model and (self.model or self.parallel_drafting or self.tetris):
             given = "model" if self.model else "parallel_drafting" if self.parallel_drafting else "tetris"
             raise ValueError(f"method {self.method} drafts without a model: {given} does not apply to it")
-        for name, field in type(self).model_fields.items():  # a setting another method reads would do nothing here
+        for name, info in type(self).model_fields.items():  # a setting another method reads would do nothing here
             owner = "ngram" if name.startswith("prompt_lookup_") else "suffix" if name.startswith("suffix_") else None
-            if owner and self.method != owner and getattr(self, name) != field.default:
+            if owner and self.method != owner and getattr(self, name) != info.default:
                 raise ValueError(f"{name} is a setting of method {owner}, not of {self.method}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is not None and high is not None and low > high:

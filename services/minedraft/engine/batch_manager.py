@@ -30,9 +30,11 @@ class BlockBudget:
     max_model_len: int
     draft_blocks: int | None = None
     shares_prefixes: bool = False
+    prediction_lookahead: int = 0  # more for a request with a prediction that the verifier drafts from itself
 
     def blocks(self, request: Request) -> int:
-        tokens = request.num_tokens + (request.pending_drafts or 0) + self.lookahead
+        extra = self.prediction_lookahead if request.prediction_ids else 0
+        tokens = request.num_tokens + (request.pending_drafts or 0) + self.lookahead + extra
         return -(-min(tokens, self.max_model_len) // self.block_size)
 
 

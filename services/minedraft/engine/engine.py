@@ -463,7 +463,8 @@ class LLMEngine:
             lookahead = pipeline.lookahead * self.max_in_flight
             draft_blocks = self.executor.draft_kv_blocks if self.speculating else None
             pipeline.batches.budget = BlockBudget(num_blocks, block_size, lookahead, self.max_model_len,
-                                                  draft_blocks, self.config.enable_prefix_caching)  # fmt: skip
+                                                  draft_blocks, self.config.enable_prefix_caching,
+                                                  pipeline.prediction_lookahead * self.max_in_flight)  # fmt: skip
             self.kv_pool = min(num_blocks, draft_blocks or num_blocks), block_size
 
     def _release_finished(self) -> list[Request]:

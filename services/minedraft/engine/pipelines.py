@@ -51,7 +51,13 @@ class Pipeline(ABC):
     @property
     def lookahead(self) -> int:
         """Tokens a request can put in the KV cache past its window in one step: the most drafts + 1."""
-        return (self.spec.max_draft_len if self.spec else self._prediction_window) + 1
+        return (self.spec.max_draft_len if self.spec else 0) + 1
+
+    @property
+    def prediction_lookahead(self) -> int:
+        """Without speculation, the tokens more a request with a prediction can write in one step: the window the
+        verifier drafts from it (VerifyWorker.prediction_window)."""
+        return 0 if self.spec else self._prediction_window
 
     def schedule(self) -> Schedule:
         """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""
