@@ -230,7 +230,7 @@ def test_engine_refuses_unknown_adapter_and_drafter_adapter_with_eagle(served):
     engine = LLMEngine.local(tiny_config(pair, enable_lora=True, lora_modules=modules[1:]))
     with pytest.raises(ValueError, match="unknown LoRA adapter 'zzz'"):
         engine.add_request([5, 6, 7], SamplingParams(), lora="zzz")
-    with pytest.raises(ValueError, match="draft_path.*not EAGLE heads or PARD"):
+    with pytest.raises(ValueError, match=r"draft_path.*not EAGLE heads, PARD \(parallel_drafting\)"):
         tiny_config(pair, {"num_speculative_tokens": 2, "parallel_drafting": True}, enable_lora=True,
                     lora_modules=modules)
 

@@ -329,7 +329,7 @@ def test_a_worker_serves_alone_and_steps_only_in_a_world(pair) -> None:
     [
         ('{"num_speculative_tokens": 2, "bogus_key": 1}', "Extra inputs are not permitted"),
         ('{"draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size\n  Input should be 1"),
-        ('{"method": "medusa"}', "Input should be 'draft_model', 'eagle' or 'eagle3'"),
+        ('{"method": "medusa"}', "Input should be 'draft_model', 'eagle', 'eagle3', 'ngram' or 'suffix'"),
     ],
     ids=["unknown-key", "draft-tp", "unknown-method"],
 )
@@ -355,6 +355,7 @@ def _every_field_off_default(pair) -> EngineConfig:
         pair, {"num_speculative_tokens": 2, "is_parallel": True, "tetris": True}, tensor_parallel_size=2,
         max_num_seqs=3, max_model_len=96, dtype="float32", seed=7, draft_support_size=8,
         kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.5, block_size=8, max_num_batched_tokens=512,
+        max_prediction_tokens=100, prediction_draft_tokens=5,
         enable_prefix_caching=False, enforce_eager=True, enable_lora=True, max_loras=2, max_cpu_loras=3,
         max_lora_rank=8, lora_modules=[{"name": "a", "path": str(_adapter(pair))}], allow_runtime_lora_updating=True,
         lora_root=str(_adapter(pair).parent), tokenizer=str(pair[0]),
