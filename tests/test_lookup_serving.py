@@ -95,6 +95,32 @@ def _generate(address: str, prompts: list[list[int]], **options) -> list:
                                                          **options), prompts))  # fmt: skip
 
 
+def _stream_and_strike(client: Client, prompts: list[list[int]], predictions: list[str], bias: dict[int, float],
+                       after_tokens: int, strike) -> list[tuple[list[int], object]]:  # fmt: skip
+    """Stream every prompt with its prediction at once, read slowly, and `strike()` once `after_tokens` tokens came:
+    each stream's token ids and its last usage."""
+    received, lock = [0], threading.Lock()
+
+    def one(i: int) -> tuple[list[int], object]:
+        ids, usage = [], None
+        for delta in client.stream(prompts[i], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                   logit_bias=bias, prediction=predictions[i]):  # fmt: skip
+            ids += delta.token_ids
+            with lock:
+                received[0] += len(delta.token_ids)
+            time.sleep(0.02)  # read slowly: the strike lands mid-stream
+            usage = delta.usage or usage
+        return ids, usage
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = [pool.submit(one, i) for i in range(len(prompts))]
+        deadline = time.monotonic() + 60
+        while received[0] < after_tokens and time.monotonic() < deadline:
+            time.sleep(0.005)
+        strike()
+        return [r.result(timeout=240) for r in results]
+
+
 @pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["sd+ngram", "minedraft+suffix"])
 @pytest.mark.parametrize("worker", [TWO_PROCESSES, WorkerSettings(colocate_drafter=True)],
                          ids=["drafter-service", "in-the-verifier"])  # fmt: skip
@@ -124,25 +150,9 @@ def test_a_sigkilled_lookup_drafter_costs_no_request_and_predictions_still_draft
     prompts = _prompts()[:4]
     expected = _offline(pair, prompts, ascii_bias)
     with LocalStack(_config(pair, NGRAM), worker=TWO_PROCESSES) as stack, Client(stack.address, timeout=120) as client:
-        received = [0]
-
-        def one(i: int) -> tuple[list[int], object]:
-            ids, usage = [], None
-            for delta in client.stream(prompts[i], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                       logit_bias=ascii_bias, prediction=_edited(expected[i][1])):  # fmt: skip
-                ids += delta.token_ids
-                received[0] += len(delta.token_ids)
-                time.sleep(0.01)  # read slowly: the kill lands mid-stream
-                usage = delta.usage or usage
-            return ids, usage
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            results = [pool.submit(one, i) for i in range(len(prompts))]
-            deadline = time.monotonic() + 60
-            while received[0] < 8 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            stack.process("drafter").send_signal(signal.SIGKILL)
-            outputs = [r.result(timeout=180) for r in results]
+        predictions = [_edited(text) for _, text in expected]
+        outputs = _stream_and_strike(client, prompts, predictions, ascii_bias, 8,
+                                     lambda: stack.process("drafter").send_signal(signal.SIGKILL))  # fmt: skip
         assert [ids for ids, _ in outputs] == [ids for ids, _ in expected]
         assert all(usage.accepted_prediction_tokens > 0 for _, usage in outputs)
         # Target-only now: the verifier drafts from a prediction itself.
@@ -246,25 +256,7 @@ def test_a_migrated_stream_keeps_its_prediction(pair, ascii_bias, tmp_path) -> N
     expected = _offline(pair, prompts, ascii_bias)
     config = _config(pair, NGRAM, max_num_seqs=8)
     with GatewayStack(config, 2, log_dir=tmp_path) as stack, Client(stack.address, timeout=180) as client:
-        received, lock = [0], threading.Lock()
-
-        def one(i: int) -> tuple[list[int], object]:
-            ids, usage = [], None
-            for delta in client.stream(prompts[i], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                       logit_bias=ascii_bias, prediction=expected[i][1]):  # fmt: skip
-                ids += delta.token_ids
-                with lock:
-                    received[0] += len(delta.token_ids)
-                time.sleep(0.02)
-                usage = delta.usage or usage
-            return ids, usage
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            results = [pool.submit(one, i) for i in range(len(prompts))]
-            deadline = time.monotonic() + 60
-            while received[0] < 16 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            stack.kill_group(0)
-            outputs = [r.result(timeout=240) for r in results]
+        outputs = _stream_and_strike(client, prompts, [text for _, text in expected], ascii_bias, 16,
+                                     lambda: stack.kill_group(0))  # fmt: skip
     assert [ids for ids, _ in outputs] == [ids for ids, _ in expected]
     assert all(usage.accepted_prediction_tokens == MAX_TOKENS for _, usage in outputs)
