@@ -9,6 +9,7 @@ from minedraft.config import LoraModule
 from minedraft.engine.plans import (
     Admission,
     DraftPlan,
+    Drafts,
     DraftTask,
     LoraChange,
     PrefillTask,
@@ -222,17 +223,79 @@ def verified_to_proto(results: list[Verified]) -> list[worker_pb2.Verified]:
     ]
 
 
+def verified_from_proto(msgs) -> list[Verified]:
+    return [Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted,
+                     logprobs_from_proto(v.logprobs), logprobs_from_proto(v.prompt_logprobs))
+            for v in msgs]  # fmt: skip
+
+
+def results_to_exchange(epoch: int, results: list[Verified]) -> worker_pb2.ExchangeMessage:
+    """A step's results for a pool drafter: tokens and counts (it needs no logprobs)."""
+    verified = [worker_pb2.Verified(request_id=v.request_id, token_ids=v.token_ids, num_draft_tokens=v.num_draft_tokens,
+                                    num_accepted=v.num_accepted) for v in results]  # fmt: skip
+    return worker_pb2.ExchangeMessage(epoch=epoch, request_ids=[v.request_id for v in results],
+                                      results=worker_pb2.ExchangedResults(verified=verified))  # fmt: skip
+
+
+def drafts_to_exchange(
+    epoch: int, request_ids: list[str], windows: dict[str, Drafts], support_size: int
+) -> worker_pb2.ExchangeMessage:
+    """A step's windows for the verifier, in the plan's order; a request absent from `windows` had its window
+    dropped (count -1). The q rows travel as raw little-endian arrays."""
+    import torch
+
+    unknown = windows.keys() - set(request_ids)
+    if unknown:
+        raise ValueError(f"windows for requests not in this transfer: {sorted(unknown)}")
+    present = [windows[r] for r in request_ids if r in windows]
+    drafts = worker_pb2.ExchangedDrafts(
+        support_size=support_size, counts=[len(windows[r].tokens) if r in windows else -1 for r in request_ids],
+        tokens=[t for window in present for t in window.tokens],
+    )  # fmt: skip
+    id_rows = [row for window in present for row in window.q_ids]
+    if id_rows:
+        q_ids = torch.stack(id_rows).to("cpu", torch.int64)
+        q_probs = torch.stack([row for window in present for row in window.q_probs]).to("cpu", torch.float32)
+        if q_ids.shape != (len(drafts.tokens), support_size) or q_probs.shape != q_ids.shape:
+            raise ValueError(f"every draft token needs one q row of {support_size} ids and probabilities")
+        drafts.q_ids, drafts.q_probs = q_ids.numpy().tobytes(), q_probs.numpy().tobytes()
+    return worker_pb2.ExchangeMessage(epoch=epoch, request_ids=request_ids, drafts=drafts)
+
+
+def drafts_from_exchange(msg: worker_pb2.ExchangeMessage, support_size: int, device) -> dict[str, Drafts]:
+    """The windows by request (dropped ones absent), with q rows on `device`."""
+    import torch
+
+    drafts, total = msg.drafts, len(msg.drafts.tokens)
+    if drafts.support_size != support_size:
+        raise ValueError(f"drafts: the drafter sends q rows of {drafts.support_size} entries, this rank expects "
+                         f"{support_size}")  # fmt: skip
+    if len(drafts.counts) != len(msg.request_ids) or sum(c for c in drafts.counts if c > 0) != total:
+        raise ValueError("drafts: the counts do not match the request ids and tokens")
+    q_ids = torch.frombuffer(bytearray(drafts.q_ids), dtype=torch.int64) if total else torch.empty(0, dtype=torch.int64)
+    q_probs = torch.frombuffer(bytearray(drafts.q_probs), dtype=torch.float32) if total else torch.empty(0)
+    if q_ids.numel() != total * support_size or q_probs.numel() != total * support_size:
+        raise ValueError("drafts: the q rows do not match the token count")
+    id_rows = list(q_ids.view(total, support_size).to(device).unbind(0))
+    prob_rows = list(q_probs.view(total, support_size).to(device).unbind(0))
+    windows, offset = {}, 0
+    for request_id, count in zip(msg.request_ids, drafts.counts):
+        if count < 0:
+            continue
+        end = offset + count
+        windows[request_id] = Drafts(tokens=list(drafts.tokens[offset:end]), q_ids=id_rows[offset:end],
+                                     q_probs=prob_rows[offset:end])  # fmt: skip
+        offset = end
+    return windows
+
+
 def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
     """Merge the drafter's and the verifier's replies (by role) to one step."""
     result = StepResult()
     for role, reply in replies.items():
         result.worker_seconds[role] = reply.compute_seconds
         result.idle_seconds[role] = reply.idle_seconds
-        result.verified.extend(
-            Verified(v.request_id, list(v.token_ids), v.num_draft_tokens, v.num_accepted,
-                     logprobs_from_proto(v.logprobs), logprobs_from_proto(v.prompt_logprobs))
-            for v in reply.verified  # fmt: skip
-        )
+        result.verified.extend(verified_from_proto(reply.verified))
         result.drafted.update(reply.drafted)
         result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)
         result.verify_seconds = max(result.verify_seconds, reply.verify_seconds)
@@ -242,6 +305,8 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.thread_trial = result.thread_trial or reply.thread_trial
         result.draft_after_verify = result.draft_after_verify or reply.draft_after_verify
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
+        result.drafter_queue = max(result.drafter_queue, reply.pool_queue)
+        result.drafter_wait_seconds = max(result.drafter_wait_seconds, reply.pool_wait_seconds)
         if reply.draft_prefix_cache_queries:  # a verifier that drafts too
             result.record_prefix_cache("drafter", (reply.draft_prefix_cache_queries, reply.draft_prefix_cache_hits))
         for name, error in reply.lora_loaded.items():  # one worker's refusal is the group's

@@ -185,7 +185,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization", "speculation_json", "lora_adapters")
+    __slots__ = ("version", "target_model", "draft_model", "mode", "speculative_config_json", "tensor_parallel_size", "max_num_seqs", "max_model_len", "max_waiting_requests", "vocab_size", "num_kv_blocks", "kv_block_size", "max_num_batched_tokens", "draft_method", "enable_prefix_caching", "quantization", "draft_quantization", "speculation_json", "lora_adapters", "drafter_pool")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ServerInfo(_message.Message):
     DRAFT_QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_JSON_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_POOL_FIELD_NUMBER: _ClassVar[int]
     version: str
     target_model: str
     draft_model: str
@@ -224,4 +225,31 @@ class ServerInfo(_message.Message):
     draft_quantization: str
     speculation_json: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ..., speculation_json: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    drafter_pool: DrafterPoolInfo
+    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., mode: _Optional[str] = ..., speculative_config_json: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., quantization: _Optional[str] = ..., draft_quantization: _Optional[str] = ..., speculation_json: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., drafter_pool: _Optional[_Union[DrafterPoolInfo, _Mapping]] = ...) -> None: ...
+
+class DrafterPoolInfo(_message.Message):
+    __slots__ = ("bound", "members", "rebinds", "queue")
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    REBINDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    bound: str
+    members: _containers.RepeatedCompositeFieldContainer[DrafterPoolMember]
+    rebinds: int
+    queue: int
+    def __init__(self, bound: _Optional[str] = ..., members: _Optional[_Iterable[_Union[DrafterPoolMember, _Mapping]]] = ..., rebinds: _Optional[int] = ..., queue: _Optional[int] = ...) -> None: ...
+
+class DrafterPoolMember(_message.Message):
+    __slots__ = ("address", "serving", "groups", "capacity", "queue")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    serving: bool
+    groups: int
+    capacity: int
+    queue: int
+    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., groups: _Optional[int] = ..., capacity: _Optional[int] = ..., queue: _Optional[int] = ...) -> None: ...

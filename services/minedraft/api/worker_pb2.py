@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from minedraft.api import generate_pb2 as minedraft_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/worker.proto\x12\x0cminedraft.v1\x1a\x1bminedraft/v1/generate.proto\"\x9c\x02\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12-\n\rbad_words_ids\x18\x07 \x03(\x0b\x32\x16.minedraft.v1.TokenIds\x12\x11\n\x04lora\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x16\n\x0eprediction_ids\x18\t \x03(\rB\x14\n\x12_num_prompt_tokensB\x07\n\x05_lora\"Y\n\tDraftTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontinue_window\x18\x03 \x01(\x08\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"4\n\nVerifyTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nkeep_bonus\x18\x02 \x01(\x08\"c\n\x0bJoinRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bhas_drafter\x18\x02 \x01(\x08\x12\x30\n\rlora_adapters\x18\x03 \x03(\x0b\x32\x19.minedraft.v1.LoraAdapter\"=\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\ndraft_path\x18\x03 \x01(\t\"S\n\nLoraChange\x12)\n\x04load\x18\x01 \x01(\x0b\x32\x19.minedraft.v1.LoraAdapterH\x00\x12\x10\n\x06unload\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hange\"\x1a\n\tJoinReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"o\n\x0f\x46ollowerMessage\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x16.minedraft.v1.StepPlanH\x00\x12)\n\x04join\x18\x02 \x01(\x0b\x32\x19.minedraft.v1.JoinRequestH\x00\x42\t\n\x07message\"\xed\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12&\n\x05\x61\x64mit\x18\x02 \x03(\x0b\x32\x17.minedraft.v1.Admission\x12\x0f\n\x07release\x18\x03 \x03(\t\x12\x11\n\thas_draft\x18\x04 \x01(\x08\x12&\n\x05\x64raft\x18\x05 \x03(\x0b\x32\x17.minedraft.v1.DraftTask\x12\x17\n\x0ftetris_capacity\x18\x06 \x01(\r\x12\x12\n\nhas_verify\x18\x07 \x01(\x08\x12(\n\x06verify\x18\x08 \x03(\x0b\x32\x18.minedraft.v1.VerifyTask\x12*\n\x07prefill\x18\n \x03(\x0b\x32\x19.minedraft.v1.PrefillTask\x12.\n\x0clora_changes\x18\x0b \x03(\x0b\x32\x18.minedraft.v1.LoraChange\x12\x1a\n\x12\x64raft_after_verify\x18\x0c \x01(\x08\"5\n\x0bPrefillTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xc4\x01\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\xf1\x04\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08verified\x18\x02 \x03(\x0b\x32\x16.minedraft.v1.Verified\x12\x35\n\x07\x64rafted\x18\x03 \x03(\x0b\x32$.minedraft.v1.StepReply.DraftedEntry\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64raft_forwards\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\r\x12\x15\n\rverify_tokens\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12<\n\x0blora_loaded\x18\r \x03(\x0b\x32\'.minedraft.v1.StepReply.LoraLoadedEntry\x12\"\n\x1a\x64raft_prefix_cache_queries\x18\x0e \x01(\x04\x12\x1f\n\x17\x64raft_prefix_cache_hits\x18\x0f \x01(\x04\x12\x14\n\x0cthread_trial\x18\x10 \x01(\x08\x12\x1a\n\x12\x64raft_after_verify\x18\x11 \x01(\x08\x1a.\n\x0c\x44raftedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fLoraLoadedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetWorkerInfoRequest\"\xdd\x02\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_active_sequences\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nworld_rank\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x1a\n\x12\x65ngine_config_json\x18\x0b \x01(\t\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x12\n\nnum_blocks\x18\r \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x18\n\x10\x64raft_num_blocks\x18\x10 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x11 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\x32\x8a\x02\n\x06Worker\x12:\n\x04Join\x12\x19.minedraft.v1.JoinRequest\x1a\x17.minedraft.v1.JoinReply\x12\x37\n\x04Step\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply\x12<\n\x05Steps\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".minedraft.v1.GetWorkerInfoRequest\x1a\x18.minedraft.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/worker.proto\x12\x0cminedraft.v1\x1a\x1bminedraft/v1/generate.proto\"\x9c\x02\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .minedraft.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12-\n\rbad_words_ids\x18\x07 \x03(\x0b\x32\x16.minedraft.v1.TokenIds\x12\x11\n\x04lora\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x16\n\x0eprediction_ids\x18\t \x03(\rB\x14\n\x12_num_prompt_tokensB\x07\n\x05_lora\"Y\n\tDraftTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontinue_window\x18\x03 \x01(\x08\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"4\n\nVerifyTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nkeep_bonus\x18\x02 \x01(\x08\"\xa5\x01\n\x0bJoinRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bhas_drafter\x18\x02 \x01(\x08\x12\x30\n\rlora_adapters\x18\x03 \x03(\x0b\x32\x19.minedraft.v1.LoraAdapter\x12\r\n\x05group\x18\x04 \x01(\t\x12\x18\n\x10verifier_address\x18\x05 \x01(\t\x12\x17\n\x0f\x64rafter_address\x18\x06 \x01(\t\"=\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\ndraft_path\x18\x03 \x01(\t\"S\n\nLoraChange\x12)\n\x04load\x18\x01 \x01(\x0b\x32\x19.minedraft.v1.LoraAdapterH\x00\x12\x10\n\x06unload\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hange\"\x1a\n\tJoinReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"o\n\x0f\x46ollowerMessage\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x16.minedraft.v1.StepPlanH\x00\x12)\n\x04join\x18\x02 \x01(\x0b\x32\x19.minedraft.v1.JoinRequestH\x00\x42\t\n\x07message\"\xed\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12&\n\x05\x61\x64mit\x18\x02 \x03(\x0b\x32\x17.minedraft.v1.Admission\x12\x0f\n\x07release\x18\x03 \x03(\t\x12\x11\n\thas_draft\x18\x04 \x01(\x08\x12&\n\x05\x64raft\x18\x05 \x03(\x0b\x32\x17.minedraft.v1.DraftTask\x12\x17\n\x0ftetris_capacity\x18\x06 \x01(\r\x12\x12\n\nhas_verify\x18\x07 \x01(\x08\x12(\n\x06verify\x18\x08 \x03(\x0b\x32\x18.minedraft.v1.VerifyTask\x12*\n\x07prefill\x18\n \x03(\x0b\x32\x19.minedraft.v1.PrefillTask\x12.\n\x0clora_changes\x18\x0b \x03(\x0b\x32\x18.minedraft.v1.LoraChange\x12\x1a\n\x12\x64raft_after_verify\x18\x0c \x01(\x08\"5\n\x0bPrefillTask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xc4\x01\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\xa0\x05\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08verified\x18\x02 \x03(\x0b\x32\x16.minedraft.v1.Verified\x12\x35\n\x07\x64rafted\x18\x03 \x03(\x0b\x32$.minedraft.v1.StepReply.DraftedEntry\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64raft_forwards\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\r\x12\x15\n\rverify_tokens\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12<\n\x0blora_loaded\x18\r \x03(\x0b\x32\'.minedraft.v1.StepReply.LoraLoadedEntry\x12\"\n\x1a\x64raft_prefix_cache_queries\x18\x0e \x01(\x04\x12\x1f\n\x17\x64raft_prefix_cache_hits\x18\x0f \x01(\x04\x12\x14\n\x0cthread_trial\x18\x10 \x01(\x08\x12\x1a\n\x12\x64raft_after_verify\x18\x11 \x01(\x08\x12\x12\n\npool_queue\x18\x12 \x01(\r\x12\x19\n\x11pool_wait_seconds\x18\x13 \x01(\x01\x1a.\n\x0c\x44raftedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fLoraLoadedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa4\x01\n\x0f\x45xchangeMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x31\n\x07results\x18\x03 \x01(\x0b\x32\x1e.minedraft.v1.ExchangedResultsH\x00\x12/\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x1d.minedraft.v1.ExchangedDraftsH\x00\x42\t\n\x07payload\"<\n\x10\x45xchangedResults\x12(\n\x08verified\x18\x01 \x03(\x0b\x32\x16.minedraft.v1.Verified\"g\n\x0f\x45xchangedDrafts\x12\x14\n\x0csupport_size\x18\x01 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\r\n\x05q_ids\x18\x04 \x01(\x0c\x12\x0f\n\x07q_probs\x18\x05 \x01(\x0c\"\x0f\n\rExchangeReply\"\x16\n\x14GetWorkerInfoRequest\"\x9d\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_active_sequences\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nworld_rank\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x1a\n\x12\x65ngine_config_json\x18\x0b \x01(\t\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x12\n\nnum_blocks\x18\r \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x18\n\x10\x64raft_num_blocks\x18\x10 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x11 \x01(\x08\x12\x15\n\rpool_capacity\x18\x12 \x01(\r\x12\x13\n\x0bpool_groups\x18\x13 \x01(\r\x12\x12\n\npool_queue\x18\x14 \x01(\rJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\x32\xd2\x02\n\x06Worker\x12:\n\x04Join\x12\x19.minedraft.v1.JoinRequest\x1a\x17.minedraft.v1.JoinReply\x12\x37\n\x04Step\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply\x12<\n\x05Steps\x12\x16.minedraft.v1.StepPlan\x1a\x17.minedraft.v1.StepReply(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".minedraft.v1.GetWorkerInfoRequest\x1a\x18.minedraft.v1.WorkerInfo\x12\x46\n\x08\x45xchange\x12\x1d.minedraft.v1.ExchangeMessage\x1a\x1b.minedraft.v1.ExchangeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,32 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTTASK']._serialized_end=448
   _globals['_VERIFYTASK']._serialized_start=450
   _globals['_VERIFYTASK']._serialized_end=502
-  _globals['_JOINREQUEST']._serialized_start=504
-  _globals['_JOINREQUEST']._serialized_end=603
-  _globals['_LORAADAPTER']._serialized_start=605
-  _globals['_LORAADAPTER']._serialized_end=666
-  _globals['_LORACHANGE']._serialized_start=668
-  _globals['_LORACHANGE']._serialized_end=751
-  _globals['_JOINREPLY']._serialized_start=753
-  _globals['_JOINREPLY']._serialized_end=779
-  _globals['_FOLLOWERMESSAGE']._serialized_start=781
-  _globals['_FOLLOWERMESSAGE']._serialized_end=892
-  _globals['_STEPPLAN']._serialized_start=895
-  _globals['_STEPPLAN']._serialized_end=1260
-  _globals['_PREFILLTASK']._serialized_start=1262
-  _globals['_PREFILLTASK']._serialized_end=1315
-  _globals['_VERIFIED']._serialized_start=1318
-  _globals['_VERIFIED']._serialized_end=1514
-  _globals['_STEPREPLY']._serialized_start=1517
-  _globals['_STEPREPLY']._serialized_end=2142
-  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_start=2045
-  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_end=2091
-  _globals['_STEPREPLY_LORALOADEDENTRY']._serialized_start=2093
-  _globals['_STEPREPLY_LORALOADEDENTRY']._serialized_end=2142
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=2144
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=2166
-  _globals['_WORKERINFO']._serialized_start=2169
-  _globals['_WORKERINFO']._serialized_end=2518
-  _globals['_WORKER']._serialized_start=2521
-  _globals['_WORKER']._serialized_end=2787
+  _globals['_JOINREQUEST']._serialized_start=505
+  _globals['_JOINREQUEST']._serialized_end=670
+  _globals['_LORAADAPTER']._serialized_start=672
+  _globals['_LORAADAPTER']._serialized_end=733
+  _globals['_LORACHANGE']._serialized_start=735
+  _globals['_LORACHANGE']._serialized_end=818
+  _globals['_JOINREPLY']._serialized_start=820
+  _globals['_JOINREPLY']._serialized_end=846
+  _globals['_FOLLOWERMESSAGE']._serialized_start=848
+  _globals['_FOLLOWERMESSAGE']._serialized_end=959
+  _globals['_STEPPLAN']._serialized_start=962
+  _globals['_STEPPLAN']._serialized_end=1327
+  _globals['_PREFILLTASK']._serialized_start=1329
+  _globals['_PREFILLTASK']._serialized_end=1382
+  _globals['_VERIFIED']._serialized_start=1385
+  _globals['_VERIFIED']._serialized_end=1581
+  _globals['_STEPREPLY']._serialized_start=1584
+  _globals['_STEPREPLY']._serialized_end=2256
+  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_start=2159
+  _globals['_STEPREPLY_DRAFTEDENTRY']._serialized_end=2205
+  _globals['_STEPREPLY_LORALOADEDENTRY']._serialized_start=2207
+  _globals['_STEPREPLY_LORALOADEDENTRY']._serialized_end=2256
+  _globals['_EXCHANGEMESSAGE']._serialized_start=2259
+  _globals['_EXCHANGEMESSAGE']._serialized_end=2423
+  _globals['_EXCHANGEDRESULTS']._serialized_start=2425
+  _globals['_EXCHANGEDRESULTS']._serialized_end=2485
+  _globals['_EXCHANGEDDRAFTS']._serialized_start=2487
+  _globals['_EXCHANGEDDRAFTS']._serialized_end=2590
+  _globals['_EXCHANGEREPLY']._serialized_start=2592
+  _globals['_EXCHANGEREPLY']._serialized_end=2607
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2609
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2631
+  _globals['_WORKERINFO']._serialized_start=2634
+  _globals['_WORKERINFO']._serialized_end=3047
+  _globals['_WORKER']._serialized_start=3050
+  _globals['_WORKER']._serialized_end=3388
 # @@protoc_insertion_point(module_scope)

@@ -51,14 +51,20 @@ class VerifyTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keep_bonus: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("epoch", "has_drafter", "lora_adapters")
+    __slots__ = ("epoch", "has_drafter", "lora_adapters", "group", "verifier_address", "drafter_address")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     has_drafter: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    group: str
+    verifier_address: str
+    drafter_address: str
+    def __init__(self, epoch: _Optional[int] = ..., has_drafter: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., group: _Optional[str] = ..., verifier_address: _Optional[str] = ..., drafter_address: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "draft_path")
@@ -145,7 +151,7 @@ class Verified(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial", "draft_after_verify")
+    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial", "draft_after_verify", "pool_queue", "pool_wait_seconds")
     class DraftedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +183,8 @@ class StepReply(_message.Message):
     DRAFT_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     THREAD_TRIAL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AFTER_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    POOL_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    POOL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     verified: _containers.RepeatedCompositeFieldContainer[Verified]
     drafted: _containers.ScalarMap[str, int]
@@ -194,14 +202,52 @@ class StepReply(_message.Message):
     draft_prefix_cache_hits: int
     thread_trial: bool
     draft_after_verify: bool
-    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ..., draft_after_verify: _Optional[bool] = ...) -> None: ...
+    pool_queue: int
+    pool_wait_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ..., draft_after_verify: _Optional[bool] = ..., pool_queue: _Optional[int] = ..., pool_wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ExchangeMessage(_message.Message):
+    __slots__ = ("epoch", "request_ids", "results", "drafts")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    results: ExchangedResults
+    drafts: ExchangedDrafts
+    def __init__(self, epoch: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., results: _Optional[_Union[ExchangedResults, _Mapping]] = ..., drafts: _Optional[_Union[ExchangedDrafts, _Mapping]] = ...) -> None: ...
+
+class ExchangedResults(_message.Message):
+    __slots__ = ("verified",)
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    verified: _containers.RepeatedCompositeFieldContainer[Verified]
+    def __init__(self, verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ...) -> None: ...
+
+class ExchangedDrafts(_message.Message):
+    __slots__ = ("support_size", "counts", "tokens", "q_ids", "q_probs")
+    SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    support_size: int
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q_ids: bytes
+    q_probs: bytes
+    def __init__(self, support_size: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., q_ids: _Optional[bytes] = ..., q_probs: _Optional[bytes] = ...) -> None: ...
+
+class ExchangeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts", "pool_capacity", "pool_groups", "pool_queue")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +263,9 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POOL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    POOL_QUEUE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_active_sequences: int
@@ -232,4 +281,7 @@ class WorkerInfo(_message.Message):
     block_size: int
     draft_num_blocks: int
     drafts: bool
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ...) -> None: ...
+    pool_capacity: int
+    pool_groups: int
+    pool_queue: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ..., pool_capacity: _Optional[int] = ..., pool_groups: _Optional[int] = ..., pool_queue: _Optional[int] = ...) -> None: ...

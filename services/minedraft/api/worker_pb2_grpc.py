@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=minedraft_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/minedraft.v1.Worker/Exchange',
+                request_serializer=minedraft_dot_v1_dot_worker__pb2.ExchangeMessage.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_worker__pb2.ExchangeReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -89,6 +94,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request, context):
+        """A drafter of a pool and its group's verifier rank 0 hand each other a step's drafts and results.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=minedraft_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=minedraft_dot_v1_dot_worker__pb2.ExchangeMessage.FromString,
+                    response_serializer=minedraft_dot_v1_dot_worker__pb2.ExchangeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class Worker:
             '/minedraft.v1.Worker/GetWorkerInfo',
             minedraft_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
             minedraft_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.Worker/Exchange',
+            minedraft_dot_v1_dot_worker__pb2.ExchangeMessage.SerializeToString,
+            minedraft_dot_v1_dot_worker__pb2.ExchangeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -156,6 +156,10 @@ class StepResult:
     thread_trial: bool = False
     # The draft part ran after the verify part, from its results (DraftPlan.after_verify), not beside it.
     draft_after_verify: bool = False
+    # A drafter shared by several groups (a pool member): other groups' draft parts waiting for its model when
+    # this step's came, and the seconds this one waited.
+    drafter_queue: int = 0
+    drafter_wait_seconds: float = 0.0
 
     def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
         self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats

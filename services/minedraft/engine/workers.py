@@ -10,7 +10,7 @@ rejection, and PEARL's continuation windows.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -498,16 +498,19 @@ class DraftWorker(_Worker):
                 seq.tokens.extend(result.token_ids)
                 self._follow_prediction(result.request_id, result.token_ids)
 
-    def take_drafts(self) -> dict[str, Drafts]:
+    def take_drafts(self, owns: Callable[[str], bool] | None = None) -> dict[str, Drafts]:
         """The windows that are still valid after this step's results (a continuation of a window that
-        was not accepted in full is dropped)."""
+        was not accepted in full is dropped). `owns`: only the requests it says yes to (one group's, in a drafter
+        that serves several); the windows the verifier holds are then replaced for those requests alone."""
+        mine = [r for r in self._windows if owns is None or owns(r)]
         valid = {}
-        for request_id, (base, window) in self._windows.items():
+        for request_id in mine:
+            base, window = self._windows.pop(request_id)
             seq = self.sequences.get(request_id)
             if seq is not None and seq.tokens == base:
                 valid[request_id] = window
-        self._windows.clear()
-        self._handed = {request_id: list(window.tokens) for request_id, window in valid.items()}
+        kept = {} if owns is None else {r: t for r, t in self._handed.items() if not owns(r)}
+        self._handed = kept | {request_id: list(window.tokens) for request_id, window in valid.items()}
         return valid
 
 
