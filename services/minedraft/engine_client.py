@@ -18,7 +18,7 @@ from minedraft.engine.request import Request
 from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from minedraft.api.generate_pb2 import ServerInfo
+    from minedraft.api.generate_pb2 import DrafterPoolInfo, ServerInfo
 
 
 @dataclass
@@ -107,3 +107,7 @@ class EngineClient(Protocol):
     async def server_info(self, timeout: float | None) -> ServerInfo:
         """What GetServerInfo answers, within `timeout` seconds (None: the engine's own bound); raises
         `frontends.generate.GenerateError` when it cannot be told."""
+
+    async def drafter_pools(self, timeout: float | None) -> dict[str, DrafterPoolInfo | None]:
+        """Each engine group's drafter pool binding (a DrafterPoolInfo, None without a pool), by the group's
+        address ("" for the group this process is)."""

@@ -125,12 +125,17 @@ class LocalStack:
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
         workers_only: bool = False,
+        drafter_pool: list[str] | None = None,
     ) -> None:
         """`scheduler`: default `scheduler_settings()`. With TLS, the start-up health checks trust its
-        tls_cert (which must name `host`)."""
+        tls_cert (which must name `host`). `drafter_pool`: the group drafts with a member of this pool (started
+        apart, see gateway/local.py) and runs no drafter of its own."""
         self.config = config
         self.scheduler = scheduler or scheduler_settings()
         self.worker = worker or WorkerSettings()
+        self.drafter_pool = drafter_pool or []
+        if self.drafter_pool:
+            self.worker = self.worker.model_copy(update={"colocate_drafter": False})
         if self.worker.colocate_drafter is None:
             self.worker = self.worker.model_copy(update={"colocate_drafter": colocates_by_default(config)})
         if not self.worker.cpu_threads_beside:
@@ -158,8 +163,10 @@ class LocalStack:
         verifier_port, drafter_port, dist_port = free_port(), free_port(), free_port()
         self.verifier_address = f"127.0.0.1:{verifier_port}"
         speculative = self.config.speculative_config is not None
-        drafter_service = speculative and not self.worker.colocate_drafter  # else the verifier drafts itself
+        # else the verifier drafts itself, or the group drafts with a pool's member
+        drafter_service = speculative and not self.worker.colocate_drafter and not self.drafter_pool
         self.drafter_address = f"127.0.0.1:{drafter_port}" if drafter_service else None
+        pool = [arg for address in self.drafter_pool for arg in ("--drafter-pool", address)]
         engine = [*engine_flags(self.config), "--log-level", log_level]
         worker = [*engine, "--dist-addr", "127.0.0.1", "--dist-port", str(dist_port), *settings_flags(self.worker),
                   "--host", "127.0.0.1"]  # fmt: skip
@@ -167,7 +174,7 @@ class LocalStack:
             ("verifier", ["verifier", *worker, "--port", str(verifier_port)]),
             ("drafter", ["drafter", *worker, "--port", str(drafter_port)]),
             ("scheduler", ["scheduler", *engine, "--host", host, "--port", str(self.port), "--verifier",
-                           self.verifier_address, "--drafter", self.drafter_address or "",
+                           self.verifier_address, "--drafter", self.drafter_address or "", *pool,
                            *settings_flags(self.scheduler)]),
         ]  # fmt: skip
         return [c for c in commands if drafter_service or c[0] != "drafter"]

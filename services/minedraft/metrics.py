@@ -112,6 +112,8 @@ class Metrics:
         self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
         self._cache_config: dict[str, str] = {}
         self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
+        self._members_bound: set[str] = set()  # the pool drafters this group was ever bound to
+        self._rebinds_seen = 0
         if model_name is not None:
             ours, self.registry = self.registry, CollectorRegistry()
             self.registry.register(_Everything(ours))
@@ -235,12 +237,33 @@ class Metrics:
         self.verify_seconds = Histogram(
             VERIFY_STEP_SECONDS, "Verification time per step", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.pool_queue = Gauge(
+            "minedraft:drafter_pool_queue", "Other groups' draft parts waiting at this group's pool drafter for its "
+            "model, as of the last step that drafted", registry=r,
+        )  # fmt: skip
+        self.pool_wait_seconds = Histogram(
+            "minedraft:drafter_pool_wait_seconds", "A step's wait at the pool drafter for its shared model",
+            buckets=_FINE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.pool_bound = Gauge("minedraft:drafter_pool_bound", "1 for the pool drafter this group drafts with",
+                                ["member"], registry=r)  # fmt: skip
+        self.pool_rebinds = Counter("minedraft:drafter_pool_rebinds", "Bindings to another pool drafter than the "
+                                    "one before (it died or drains)", registry=r)  # fmt: skip
         self.overlap = Histogram(
             STEP_OVERLAP_RATIO,
             "max(draft, verify) / step time for steps that ran both (1 = perfect overlap)",
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5),
             registry=r,
         )
+
+    def record_binding(self, member: str | None, rebinds: int) -> None:
+        """The pool drafter the group drafts with now (None: none, target-only), and its rebinds so far."""
+        if member is not None:
+            self._members_bound.add(member)
+        for seen in self._members_bound:  # one series per member ever bound; only one reads 1
+            self.pool_bound.labels(member=seen).set(1 if seen == member else 0)
+        self.pool_rebinds.inc(rebinds - self._rebinds_seen)
+        self._rebinds_seen = rebinds
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         try:
@@ -266,6 +289,9 @@ class Metrics:
             self.verify_seconds.observe(result.verify_seconds)
         if result.draft_seconds and result.verify_seconds and result.step_seconds:
             self.overlap.observe(max(result.draft_seconds, result.verify_seconds) / result.step_seconds)
+        if result.draft_seconds and "drafter" in result.worker_seconds:
+            self.pool_queue.set(result.drafter_queue)
+            self.pool_wait_seconds.observe(result.drafter_wait_seconds)
         for verified in result.verified:
             if verified.num_draft_tokens:
                 self.num_drafts.inc()

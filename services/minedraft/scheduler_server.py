@@ -44,12 +44,13 @@ class PublicApi:
 
 
 def build_engine(
-    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, settings: SchedulerSettings
-) -> LLMEngine:
+    config: EngineConfig, tokenizer: Tokenizer, verifier: str, drafter: str | None, settings: SchedulerSettings,
+    drafter_pool: list[str] | None = None,
+) -> LLMEngine:  # fmt: skip
     """Wait for the workers, form their world, then build the engine over them (the scheduler holds no model)."""
     return start_remote_engine(
         config, tokenizer, verifier, drafter, startup_timeout_s=settings.startup_timeout,
-        join_timeout_s=settings.join_timeout, settings=settings,
+        join_timeout_s=settings.join_timeout, settings=settings, drafter_pool=drafter_pool,
     )  # fmt: skip
 
 
@@ -80,7 +81,8 @@ class _Serving:
         await set_public_status(self.health, serving)
 
 
-async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None) -> None:
+async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str, drafter: str | None,
+                          drafter_pool: list[str] | None = None) -> None:  # fmt: skip
     settings = api.settings
     tokenizer = load_tokenizer(config.tokenizer_path)
     limits = Limits.of(settings)
@@ -98,7 +100,8 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     http = None
     try:
         http = await _start_openai(api, config, generator, state, metrics, model_name) if settings.http_port else None
-        engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings)
+        engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings,
+                                       drafter_pool)  # fmt: skip
     except BaseException:
         await stop_http(http)
         await server.stop(grace=None)

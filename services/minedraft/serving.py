@@ -214,6 +214,8 @@ class NodeServicer:
         self.load_error: BaseException | None = None
         self._health: health.HealthServicer | None = None
         self._lock = threading.Lock()
+        self._running = 0  # steps running now
+        self._count = threading.Lock()  # guards _running (a pool drafter runs steps side by side)
         self._last_step = time.monotonic()  # when the last step ended (a draining scheduler's steps stop)
         self._loader: threading.Thread | None = None
 
@@ -238,7 +240,7 @@ class NodeServicer:
         (at most `timeout_s`), so that stopping this worker cuts off no request."""
         deadline = time.monotonic() + timeout_s
         while self.node is not None and time.monotonic() < deadline:
-            if not self._lock.locked() and time.monotonic() - self._last_step >= quiet_s:
+            if not self._running and time.monotonic() - self._last_step >= quiet_s:
                 return
             time.sleep(0.1)
 
@@ -251,6 +253,9 @@ class NodeServicer:
     def Join(self, request, context):  # noqa: N802 (gRPC method name)
         """Form a new world; waits for a step still running in the old one (a dead peer's collective fails)."""
         node = self._ready_node(context)
+        interrupt = getattr(node, "interrupt", None)  # a step waiting for a pool drafter's hand-over gives up
+        if interrupt is not None:
+            interrupt()
         with self._lock:
             try:
                 node.join(request)
@@ -272,9 +277,11 @@ class NodeServicer:
     def _run_step(self, node: WorkerNode, plan: worker_pb2.StepPlan, context) -> worker_pb2.StepReply:
         from minedraft.worker_node import NotInWorld
 
-        with self._lock:
+        with self._step_lock():
             start = time.monotonic()
             idle = start - self._last_step
+            with self._count:
+                self._running += 1
             try:
                 reply = node.step(plan)
             except NotInWorld as exc:
@@ -283,10 +290,30 @@ class NodeServicer:
                 log.exception("step %d failed", plan.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc}")
             finally:
+                with self._count:
+                    self._running -= 1
                 self._last_step = time.monotonic()
             reply.compute_seconds = self._last_step - start
             reply.idle_seconds = idle
             return reply
+
+    def _step_lock(self):
+        """One step at a time (a pool drafter's servicer steps its groups side by side)."""
+        return self._lock
+
+    def Exchange(self, request, context):  # noqa: N802 (gRPC method name)
+        """A pool drafter's or its verifier's half of a step's hand-over: kept for the step that waits for it."""
+        from minedraft.worker_node import NotInWorld
+
+        deliver = getattr(self._ready_node(context), "deliver", None)
+        if deliver is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is in its group's world: it takes "
+                          "drafts and results over torch.distributed, not Exchange")  # fmt: skip
+        try:
+            deliver(request)
+        except NotInWorld as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return worker_pb2.ExchangeReply()
 
     def GetWorkerInfo(self, request, context):  # noqa: N802
         return self._ready_node(context).info()

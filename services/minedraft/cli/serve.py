@@ -52,20 +52,46 @@ class DistSettings(CliModel):
     )
 
 
+class PoolMembership(CliModel):
+    """Whether a drafter serves one engine group or several (a member of a drafter pool)."""
+
+    pool_groups: int = Field(
+        0, ge=0, le=1024, description="0: the drafter of one engine group, in its world; N: a member of a drafter "
+        "pool that serves up to N groups (schedulers started with --drafter-pool), handing drafts and results over "
+        "gRPC",
+    )  # fmt: skip
+
+
 class WorkerAddresses(CliModel):
     """Where the scheduler reaches its workers."""
 
     verifier: str = Field("127.0.0.1:50061", description="verifier rank 0's gRPC address")
     drafter: str = Field("127.0.0.1:50062", description="drafter's gRPC address (ignored without speculation; "
                          "empty: none, for a verifier started with --colocate-drafter)")
+    drafter_pool: list[str] | None = Field(
+        None, description="draft with a member of this drafter pool instead (drafters started with --pool-groups): "
+        "HOST:PORT, repeatable (the variable: comma-separated); a host with several addresses (a headless "
+        "Service) is one member per address. --drafter is then ignored.", json_schema_extra=as_flag(repeat=True),
+    )  # fmt: skip
+
+    @field_validator("drafter_pool", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """MINEDRAFT_DRAFTER_POOL: a comma-separated list."""
+        items = value.split(",") if isinstance(value, str) else value or []
+        return [item.strip() for item in items if item.strip()] or None
 
 
 class EngineGroups(CliModel):
-    """How many engine groups `up` starts."""
+    """How many engine groups `up` starts, and whether they share pool drafters."""
 
     engine_groups: int = Field(
         1, ge=1, description="engine groups (verifier, drafter, scheduler each); above 1 a gateway serves at --port "
         "in front of them",
+    )  # fmt: skip
+    drafter_pool: int = Field(
+        0, ge=0, description="pool drafters shared by all engine groups instead of a drafter per group (0: one per "
+        "group); a gateway serves in front",
     )  # fmt: skip
 
 
@@ -116,6 +142,12 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.drafter.service import serve_drafter
 
+    groups = model_from_args(args, PoolMembership).pool_groups
+    if groups:  # a member of a drafter pool: in no group's world
+        from minedraft.pool.service import serve_pool_drafter
+
+        return _serve_worker(args, lambda config, dist, *rest: serve_pool_drafter(config, groups, *rest),
+                             target=False)  # fmt: skip
     return _serve_worker(args, serve_drafter, target=False)
 
 
@@ -140,7 +172,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     config = engine_config(args)
     check_model_folders(config, draft=False)
     configure_logging(listen.log_level)
-    asyncio.run(serve_scheduler(config, api, verifier=workers.verifier, drafter=workers.drafter or None))
+    if workers.drafter_pool:
+        from minedraft.pool import check_poolable
+
+        check_poolable(config)
+    asyncio.run(serve_scheduler(config, api, verifier=workers.verifier, drafter=workers.drafter or None,
+                                drafter_pool=workers.drafter_pool))  # fmt: skip
     return 0
 
 
@@ -155,12 +192,17 @@ def up_stack(args: argparse.Namespace):
 
     config = engine_config(args, base=UP_DEFAULTS)
     check_model_folders(config)
-    groups, listen = model_from_args(args, EngineGroups).engine_groups, listen_settings(args)
+    topology, listen = model_from_args(args, EngineGroups), listen_settings(args)
+    groups = topology.engine_groups
     scheduler, keys = settings(args, SchedulerSettings), api_keys(args)
     check_tls_files(scheduler)
     options = {"host": listen.host, "port": listen.port, "log_level": listen.log_level, "scheduler": scheduler,
                "worker": settings(args, WorkerSettings, aliases=False), "log_dir": _up_log_dir(args)}  # fmt: skip
-    if groups == 1:
+    if topology.drafter_pool:
+        from minedraft.pool import check_poolable
+
+        check_poolable(config)
+    if groups == 1 and not topology.drafter_pool:
         return LocalStack(config, **options, api_keys=keys.keys)
     # The gateway is the public edge: it takes the public flags; the groups behind it serve gRPC to it alone,
     # in plaintext on this machine.
@@ -169,7 +211,8 @@ def up_stack(args: argparse.Namespace):
         raise ValueError("--backend-tls-ca and --backend-tls-server-name do not apply to up: its engine groups "
                          "serve the gateway in plaintext on this machine (--tls-cert puts TLS on the gateway)")
     options["scheduler"] = scheduler.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})
-    return GatewayStack(config, groups, **options, gateway=gateway, api_keys=keys.keys)
+    return GatewayStack(config, groups, **options, gateway=gateway, api_keys=keys.keys,
+                        drafter_pool=topology.drafter_pool)  # fmt: skip
 
 
 def _up_log_dir(args: argparse.Namespace) -> Path | None:
@@ -272,6 +315,8 @@ def add_serve_parsers(sub: Any) -> None:
         add_engine_args(worker)
         add_listen_args(worker, {"port": port})
         add_group(worker, DistSettings, "torch.distributed (drafter <-> verifier tensors)")
+        if name == "drafter":
+            add_group(worker, PoolMembership, "drafter pool")
         add_settings_args(worker, WorkerSettings, "worker")
         worker.set_defaults(func=func)
     scheduler = sub.add_parser("scheduler", help="run the scheduler (public gRPC and OpenAI HTTP APIs), as a pod does")

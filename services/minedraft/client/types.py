@@ -118,6 +118,28 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class DrafterPoolMember:
+    address: str
+    serving: bool
+    groups: int  # groups bound to it
+    capacity: int  # groups it may serve
+    queue: int  # draft parts waiting for its model
+
+
+@dataclass(frozen=True)
+class DrafterPoolInfo:
+    bound: str  # the member the group drafts with; "" while it decodes target-only
+    members: tuple[DrafterPoolMember, ...]
+    rebinds: int
+    queue: int  # other groups' draft parts waiting at the bound member, as of the group's last step
+
+    @classmethod
+    def from_proto(cls, msg: pb.DrafterPoolInfo) -> DrafterPoolInfo:
+        members = tuple(DrafterPoolMember(m.address, m.serving, m.groups, m.capacity, m.queue) for m in msg.members)
+        return cls(msg.bound, members, msg.rebinds, msg.queue)
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """The `GetServerInfo` answer (see proto/minedraft/v1/generate.proto for the field meanings)."""
 
@@ -141,6 +163,9 @@ class ServerInfo:
     # Adaptive speculation as of the last second: shapes chosen, acceptance, fitted costs (JSON); "": fixed or off
     speculation_json: str = ""
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name (generate's `lora`)
+    # With a drafter pool: the member the group drafts with ("" while target-only), every member's load as the
+    # group last looked (about every second), the group's rebinds; None without a pool.
+    drafter_pool: DrafterPoolInfo | None = None
 
     @property
     def speculation(self) -> dict[str, Any]:
@@ -174,4 +199,5 @@ class ServerInfo:
             draft_quantization=msg.draft_quantization,
             speculation_json=msg.speculation_json,
             lora_adapters=tuple(msg.lora_adapters),
+            drafter_pool=DrafterPoolInfo.from_proto(msg.drafter_pool) if msg.HasField("drafter_pool") else None,
         )

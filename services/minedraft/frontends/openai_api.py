@@ -175,6 +175,7 @@ class OpenAIFrontend:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
         app.add_api_route("/debug/speculation", self.speculation, methods=["GET"], dependencies=auth)
+        app.add_api_route("/debug/drafter-pool", self.drafter_pool, methods=["GET"], dependencies=auth)
         LoraRoutes(self.generator, self.model_name, APIError).add_to(app, auth)
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -220,6 +221,12 @@ class OpenAIFrontend:
         """Why the server speculates as it does: GetServerInfo's speculation_json (null when fixed or off)."""
         return {"speculation": self.generator.check_ready().speculation}
 
+    async def drafter_pool(self) -> dict:
+        """Which pool drafter each engine group drafts with, and each member's load (null: a group without a
+        pool). A scheduler answers for its own group (""), the gateway for every serving group."""
+        pools = await self.generator.check_ready().drafter_pools(10)
+        return {"groups": {address: _pool_view(pool) for address, pool in pools.items()}}
+
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names: None for the base model; 404 in OpenAI's shape for a name not served."""
         if model is None or model == self.model_name:
@@ -231,6 +238,14 @@ class OpenAIFrontend:
     async def health(self) -> Response:
         serving = self.is_serving()
         return Response(status_code=200 if serving else 503, content="" if serving else "not serving")
+
+
+def _pool_view(pool) -> dict | None:
+    if pool is None:
+        return None
+    members = [{"address": m.address, "serving": m.serving, "groups": m.groups, "capacity": m.capacity,
+                "queue": m.queue} for m in pool.members]  # fmt: skip
+    return {"bound": pool.bound, "members": members, "rebinds": pool.rebinds, "queue": pool.queue}
 
 
 def _params(body: SamplingBody, max_tokens: int | None) -> SamplingParams:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -11,7 +12,14 @@ from pathlib import Path
 
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.launcher import LocalStack, child_env, free_port, scheduler_settings
+from minedraft.launcher import (
+    LocalStack,
+    child_env,
+    engine_flags,
+    free_port,
+    scheduler_settings,
+    threads_per_worker,
+)
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
     GatewaySettings,
@@ -46,12 +54,16 @@ class GatewayStack:
         startup_timeout_s: float = 300.0,
         metrics_ports: list[int] | None = None,
         group_configs: Sequence[EngineConfig] | None = None,
+        drafter_pool: int = 0,
+        pool_groups: int | None = None,
     ) -> None:
         """Group i runs group_configs[i] if given (the same target, e.g. with another draft), else `config`.
         Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
         metrics_ports[i], else on scheduler.metrics_port + i (0 = off). With `api_keys` (the clients' keys,
         checked by the gateway) the groups take one key only, made here for the gateway alone. With TLS on the
-        gateway, the start-up health checks trust its tls_cert (which must name `host`)."""
+        gateway, the start-up health checks trust its tls_cert (which must name `host`). `drafter_pool`: that
+        many pool drafters instead of a drafter per group (0), each able to serve `pool_groups` groups (default:
+        every group)."""
         if groups < 1:
             raise ValueError(f"engine groups must be >= 1, got {groups}")
         if group_configs is not None and len(group_configs) != groups:
@@ -62,6 +74,10 @@ class GatewayStack:
         self._backend_key = secrets.token_urlsafe(32) if api_keys else None
         base = scheduler.metrics_port
         metrics_ports = metrics_ports or [base + i if base else 0 for i in range(groups)]
+        if drafter_pool and config.speculative_config is None:
+            raise ValueError("a drafter pool drafts for speculative decoding: give --speculative-config")
+        self.pool = DrafterPoolProcesses(config, drafter_pool, pool_groups or groups, worker or WorkerSettings(),
+                                         log_level, log_dir, startup_timeout_s)  # fmt: skip
         self.groups = [
             LocalStack(
                 group_configs[i] if group_configs is not None else config,
@@ -71,6 +87,7 @@ class GatewayStack:
                 log_dir=_group_dir(log_dir, i),
                 startup_timeout_s=startup_timeout_s,
                 api_keys=[self._backend_key] if self._backend_key else [],
+                drafter_pool=self.pool.addresses,
             )
             for i in range(groups)
         ]
@@ -112,6 +129,7 @@ class GatewayStack:
 
     def start(self) -> None:
         try:
+            self.pool.start()
             for group in self.groups:
                 group.start()
             self.start_gateway()
@@ -155,18 +173,23 @@ class GatewayStack:
     def processes(self) -> list[tuple[str, subprocess.Popen]]:
         """Every service's latest process, named "group <i> <role>" or "gateway" (what `Supervisor` watches)."""
         named = [(f"group {i} {name}", p) for i, g in enumerate(self.groups) for name, p in g.processes()]
+        named += self.pool.processes()
         return named + ([("gateway", self.gateway)] if self.gateway is not None else [])
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start a service ("gateway", "group <i> <role>") again with its unchanged command, after it died."""
         if name == "gateway":
             return self._launch_gateway()
+        if name.startswith("pool "):
+            return self.pool.restart(int(name.split(" ")[1]))
         _, index, role = name.split(" ")
         return self.groups[int(index)].restart(role)
 
     def log_path(self, name: str) -> Path | None:
         if name == "gateway":
             return self._log_dir / "gateway.log" if self._log_dir else None
+        if name.startswith("pool "):
+            return self.pool.log_path(int(name.split(" ")[1]))
         _, index, role = name.split(" ")
         return self.groups[int(index)].log_path(role)
 
@@ -180,6 +203,70 @@ class GatewayStack:
                 self.gateway.wait()
         for group in self.groups:
             group.stop()
+        self.pool.stop()
+
+
+class DrafterPoolProcesses:
+    """The pool drafters of a `GatewayStack` (`minedraft up --drafter-pool N`): `minedraft drafter --pool-groups
+    G` processes; `up` lets each serve all G groups, so that one member left standing takes every group."""
+
+    def __init__(self, config: EngineConfig, size: int, groups: int, worker: WorkerSettings, log_level: str,
+                 log_dir: Path | None, startup_timeout_s: float) -> None:  # fmt: skip
+        self.config = config
+        self.ports = [free_port() for _ in range(size)]
+        self.addresses = [f"127.0.0.1:{port}" for port in self.ports]
+        settings = worker.model_copy(update={"colocate_drafter": False})
+        self._args = [*engine_flags(config), "--log-level", log_level, *settings_flags(settings), "--pool-groups",
+                      str(groups), "--host", "127.0.0.1"]  # fmt: skip
+        self._log_dir = log_dir
+        self._startup_timeout_s = startup_timeout_s
+        self.members: list[subprocess.Popen] = []
+
+    def command(self, index: int) -> list[str]:
+        return [sys.executable, "-m", "minedraft", "drafter", *self._args, "--port", str(self.ports[index])]
+
+    def start(self) -> None:
+        """Start every member and wait until each serves (the groups then start speculating at once)."""
+        self.members = [self._launch(i) for i in range(len(self.ports))]
+        for address, process in zip(self.addresses, self.members):
+            _wait_serving(address, process, self._startup_timeout_s, None, what="pool drafter")
+
+    def _launch(self, index: int) -> subprocess.Popen:
+        options = supervised_child()
+        env = child_env(options.pop("env"))
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
+        path = self.log_path(index)
+        out = open(path, "a") if path else None  # noqa: SIM115
+        return subprocess.Popen(self.command(index), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                **options)  # fmt: skip
+
+    def restart(self, index: int) -> subprocess.Popen:
+        if self.members[index].poll() is None:
+            raise RuntimeError(f"pool drafter {index} is still running (pid {self.members[index].pid})")
+        self.members[index] = self._launch(index)
+        return self.members[index]
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one member, as a lost pod would be."""
+        self.members[index].kill()
+        self.members[index].wait()
+
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(f"pool {i} drafter", p) for i, p in enumerate(self.members)]
+
+    def log_path(self, index: int) -> Path | None:
+        return self._log_dir / f"pool-{index}.log" if self._log_dir else None
+
+    def stop(self) -> None:
+        for process in self.members:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.members:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def _backend_spec(group: LocalStack) -> str:
@@ -194,7 +281,8 @@ def _group_dir(log_dir: Path | None, index: int) -> Path | None:
     return path
 
 
-def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls_cert: str | None) -> None:
+def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls_cert: str | None,
+                  what: str = "gateway") -> None:  # fmt: skip
     import grpc
 
     from minedraft.serving import is_serving
@@ -204,7 +292,7 @@ def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls
     with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as channel:
         while not is_serving(channel, timeout_s=1):
             if process.poll() is not None:
-                raise RuntimeError(f"the gateway exited with code {process.returncode} during start-up")
+                raise RuntimeError(f"the {what} exited with code {process.returncode} during start-up")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway did not become SERVING within {timeout_s:.0f}s")
+                raise TimeoutError(f"the {what} did not become SERVING within {timeout_s:.0f}s")
             time.sleep(0.25)

@@ -150,6 +150,9 @@ class RoutedEngine:
         except Refused as exc:
             raise _refusal(exc) from None
 
+    async def drafter_pools(self, timeout: float | None) -> dict[str, generate_pb2.DrafterPoolInfo | None]:
+        return await self.router.drafter_pools(timeout)
+
     async def _stream(self, migration: Migration, sink: Sink, time_remaining: Callable[[], float | None]) -> None:
         try:
             async for reply in self.router.run(migration, time_remaining, on_placed=sink.started):

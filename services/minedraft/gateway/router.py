@@ -233,6 +233,15 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             raise Refused(exc.code(), exc.details()) from None
 
+    async def drafter_pools(self, timeout: float | None) -> dict[str, generate_pb2.DrafterPoolInfo | None]:
+        """Every serving group's drafter pool binding, by its address (a group that does not answer is left out)."""
+        backends = [b for b in self.pool.backends.values() if b.serving]
+        calls = [b.stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=timeout or 10,
+                                      metadata=self.pool.access.metadata) for b in backends]  # fmt: skip
+        infos = await asyncio.gather(*calls, return_exceptions=True)
+        return {b.address: info.drafter_pool if info.HasField("drafter_pool") else None
+                for b, info in zip(backends, infos) if not isinstance(info, BaseException)}  # fmt: skip
+
 
 def _ended_early(backend: Backend) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(

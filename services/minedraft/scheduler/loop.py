@@ -124,6 +124,8 @@ class EngineLoop:
         self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
         self.lora_adapters = engine.lora_adapters  # replaced (never changed in place) when adapters change
         self._speculation_at = 0.0
+        if metrics is not None and world.pool is not None:  # the binding the engine started with
+            metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
 
     def start(self) -> None:
         self._thread.start()
@@ -155,7 +157,14 @@ class EngineLoop:
 
     async def server_info(self, timeout: float | None) -> generate_pb2.ServerInfo:
         """Read here, from settings fixed at start and the last second's speculation (no worker is asked)."""
-        return server_info(self.engine, self.max_waiting, self.speculation, self.lora_adapters)
+        info = server_info(self.engine, self.max_waiting, self.speculation, self.lora_adapters)
+        if self.world.pool is not None:
+            info.drafter_pool.CopyFrom(self.world.pool.info(bound=self.engine.speculating))
+        return info
+
+    async def drafter_pools(self, timeout: float | None) -> dict[str, generate_pb2.DrafterPoolInfo | None]:
+        info = await self.server_info(timeout)
+        return {"": info.drafter_pool if info.HasField("drafter_pool") else None}
 
     async def load_lora(self, module: LoraModule) -> None:
         """Load an adapter on every worker (see `LLMEngine.load_lora`); raises LoraRefused."""
@@ -300,6 +309,8 @@ class EngineLoop:
         if self._unstarted:
             self._report_started()
         self._record_load()
+        if self.world.pool is not None and engine.last_step is not None:
+            self.world.pool.queue = engine.last_step.drafter_queue
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
             self.metrics.record_choices(engine.pipeline)
@@ -441,19 +452,34 @@ class EngineLoop:
         world = self.world
         if not self._may_form_world() or not world.verifier.serving():
             return False
-        with_drafter = world.drafter is not None and world.drafter.serving()
+        with_drafter = world.choose_drafter()
         self._formed_at.append(time.monotonic())
         try:
             world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
-            log.warning("could not form a world: %s", exc)
-            return False
+            if not (with_drafter and world.pool is not None) or not self._form_without_drafter(exc):
+                log.warning("could not form a world: %s", exc)
+                return False
         self.engine.restart(speculate=world.has_drafter, may_run=self.quarantine.may_run)
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
+        if self.metrics and world.pool is not None:
+            self.metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
         mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
         log.info("world formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
                  len(self.engine.requests))
         self._report(True, mode)
+        return True
+
+    def _form_without_drafter(self, cause: BaseException) -> bool:
+        """A pool drafter that could not take the group (it filled up, or died since it was chosen): the group
+        decodes target-only meanwhile rather than wait."""
+        log.warning("the pool drafter at %s could not take this group (%s): target-only until one can",
+                    self.world.drafter.address if self.world.drafter else "?", cause)  # fmt: skip
+        try:
+            self.world.form_world(self.engine.config, False, timeout_s=self.recovery.join_timeout_s)
+        except Exception as exc:
+            log.warning("could not form a world without the drafter either: %s", exc)
+            return False
         return True
 
     def _may_form_world(self) -> bool:
@@ -474,6 +500,9 @@ class EngineLoop:
         """A world without its drafter checks now and then whether it serves again. The check runs
         in the background: a hung drafter does not answer, and the loop must not wait for it."""
         world = self.world
+        if self.failed is None and world.pool is not None:
+            self._watch_pool()
+            return
         if self.failed is not None or self.engine.speculating or world.drafter is None:
             return
         if self._drafter_probe is None:
@@ -486,6 +515,22 @@ class EngineLoop:
         self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
         if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
             log.info("the drafter at %s serves again: taking it back", world.drafter.address)
+            self._reform()
+
+    def _watch_pool(self) -> None:
+        """With a drafter pool, now and then in the background: while drafting, whether the member stopped serving
+        (it drains: move before it goes); while not, whether a member has room. Either way, bind again."""
+        if self._drafter_probe is None:
+            if time.monotonic() >= self._next_drafter_check:
+                self._drafter_probe = self.world.probe_pool(self.engine.speculating)
+            return
+        if not self._drafter_probe.done():
+            return
+        probe, self._drafter_probe = self._drafter_probe, None
+        self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
+        if probe.exception() is None and probe.result():
+            log.info("binding to the drafter pool again (%s)",
+                     "the member stopped serving" if self.engine.speculating else "a member has room")  # fmt: skip
             self._reform()
 
     def _fail_all(self, reason: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import socket
 import time
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -17,6 +18,8 @@ from minedraft.config import EngineConfig, LoraModule, check_fits_one_request, c
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
+from minedraft.pool import check_poolable
+from minedraft.pool.binding import DrafterPool
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.serving import grpc_options, is_serving
 from minedraft.settings import SchedulerSettings
@@ -71,11 +74,16 @@ class WorkerWorld(Protocol):
 
     verifier: WorkerClient
     drafter: WorkerClient | None
+    pool: DrafterPool | None  # with a drafter pool: the drafter is the member bound to
     members: list[WorkerClient]  # the workers of the current world
     epoch: int
 
     @property
     def has_drafter(self) -> bool: ...
+
+    def choose_drafter(self) -> bool:
+        """Whether a drafter can join the next world (with a pool: bind to a member with room)."""
+        ...
 
     def form_world(
         self, config: EngineConfig, with_drafter: bool, timeout_s: float
@@ -95,10 +103,15 @@ class RemoteExecutor:
     one, so a new scheduler, or one whose worker died and came back, starts from free caches.
     """
 
-    def __init__(self, verifier: str, drafter: str | None, settings: SchedulerSettings) -> None:
+    def __init__(self, verifier: str, drafter: str | None, settings: SchedulerSettings,
+                 drafter_pool: list[str] | None = None) -> None:  # fmt: skip
+        """`drafter_pool`: the members' HOST:PORT specs; the group then drafts with one of them (`drafter` unused)."""
         self.max_in_flight = settings.max_steps_in_flight
         self.verifier = WorkerClient(verifier, "verifier")
-        self.drafter = WorkerClient(drafter, "drafter") if drafter else None
+        self.pool = DrafterPool(drafter_pool, lambda address: WorkerClient(address, "drafter")) if (
+            drafter_pool) else None  # fmt: skip
+        self.drafter = WorkerClient(drafter, "drafter") if drafter and self.pool is None else None
+        self.group = f"{socket.gethostname()}/{secrets.token_hex(3)}"  # how a pool drafter names this group
         self.deadline = StepDeadline(floor_s=settings.step_deadline_floor)
         self.members: list[WorkerClient] = []  # the workers of the current world
         self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) of the verifier of the world
@@ -127,6 +140,18 @@ class RemoteExecutor:
         """Whether the world drafts: a drafter service in it, or a verifier that runs the draft model itself."""
         return self.drafter is not None and self.drafter in self.members or self._verifier_drafts
 
+    def choose_drafter(self) -> bool:
+        if self.pool is None:
+            return self.drafter is not None and self.drafter.serving()
+        bound = self.pool.bind()
+        self.drafter = bound or self.pool.candidate()
+        return bound is not None
+
+    def probe_pool(self, drafting: bool):
+        """In the background: whether binding again would change something (pool/binding.py). A future."""
+        assert self.pool is not None
+        return self._calls.submit(self.pool.wants_binding, drafting)
+
     def form_world(
         self, config: EngineConfig, with_drafter: bool, timeout_s: float
     ) -> dict[str, worker_pb2.WorkerInfo]:
@@ -153,9 +178,7 @@ class RemoteExecutor:
         self.epoch += 1
         if self.loras is None:
             self.loras = {m.name: m for m in config.lora_modules}
-        join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1,
-                                      lora_adapters=[lora_adapter_to_proto(m) for m in self.loras.values()])
-        calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w in members}
+        calls = {self._calls.submit(w.stub.Join, join, timeout=timeout_s): w for w, join in self._joins(members)}
         for call, worker in calls.items():
             try:
                 call.result()
@@ -166,6 +189,21 @@ class RemoteExecutor:
         self._verifier_drafts = verifier_drafts
         self._admit, self._release, self._lora_changes = [], [], []  # the join brought the adapters' changes
         return infos
+
+    def _joins(self, members: list[WorkerClient]) -> list[tuple[WorkerClient, worker_pb2.JoinRequest]]:
+        """What each member is told to join: a world of all (drafts and results as tensors), or, with a pool
+        drafter, the verifier's world and the drafter's place for this group (hand-overs by Exchange calls)."""
+        adapters = [lora_adapter_to_proto(m) for m in self.loras.values()]
+        if self.pool is None or len(members) == 1:
+            join = worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=len(members) > 1, lora_adapters=adapters)
+            return [(w, join) for w in members]
+        verifier, drafter = members
+        return [
+            (verifier, worker_pb2.JoinRequest(epoch=self.epoch, lora_adapters=adapters,
+                                              drafter_address=drafter.address)),
+            (drafter, worker_pb2.JoinRequest(epoch=self.epoch, has_drafter=True, group=self.group,
+                                             verifier_address=verifier.address)),
+        ]  # fmt: skip
 
     def wait_until_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -274,25 +312,34 @@ class RemoteExecutor:
         self._calls.shutdown(wait=False)
         for worker in self.workers:
             worker.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def start_remote_engine(
     config: EngineConfig, tokenizer: Decoder, verifier: str, drafter: str | None, *, startup_timeout_s: float,
-    join_timeout_s: float, settings: SchedulerSettings | None = None,
+    join_timeout_s: float, settings: SchedulerSettings | None = None, drafter_pool: list[str] | None = None,
 ) -> LLMEngine:  # fmt: skip
     """An engine over worker services (the scheduler's, and the offline API's with tensor parallelism): wait
     until the workers serve, form a world (a new epoch: they drop whatever an earlier scheduler left), and
     build the engine over it. The engine holds no model. `settings`: its step deadline and steps in flight
-    (none: the scheduler's defaults)."""
+    (none: the scheduler's defaults). `drafter_pool`: draft with a member of this pool (none serving yet: the
+    group starts target-only and binds when one serves)."""
     drafter = drafter if config.speculative_config is not None else None
-    executor = RemoteExecutor(verifier, drafter, settings or SchedulerSettings())
+    if drafter_pool:
+        check_poolable(config)
+    executor = RemoteExecutor(verifier, drafter, settings or SchedulerSettings(), drafter_pool=drafter_pool)
     try:
         executor.wait_until_serving(startup_timeout_s)
-        infos = executor.form_world(config, with_drafter=True, timeout_s=join_timeout_s)
-        if config.speculative_config is not None and not executor.has_drafter:
+        infos = executor.form_world(config, with_drafter=executor.choose_drafter() or executor.pool is None,
+                                    timeout_s=join_timeout_s)  # fmt: skip
+        if config.speculative_config is not None and not executor.has_drafter and executor.pool is None:
             raise ValueError(f"a speculative config needs a drafter: the verifier at {verifier} does not draft "
                              "(--colocate-drafter) and no drafter address was given (--drafter)")
-        return executor.make_engine(config, tokenizer, infos)
+        engine = executor.make_engine(config, tokenizer, infos)
+        if config.speculative_config is not None and not executor.has_drafter:  # no pool drafter serves yet
+            engine.restart(speculate=False, may_run=lambda request_id: True)
+        return engine
     except BaseException:
         executor.close()
         raise

@@ -15,10 +15,26 @@ from minedraft.engine.local_executor import target_options
 from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
+from minedraft.pool import check_poolable
+from minedraft.pool.link import Inbox, Peer, PoolLink
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
-from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
-from minedraft.worker_node import MissedResults, check_epoch, defers_results, join_world, max_model_len_of, worker_info
+from minedraft.wire import (
+    drafts_from_exchange,
+    lora_adapter_from_proto,
+    lora_changes_from_proto,
+    plan_from_proto,
+    verified_to_proto,
+)
+from minedraft.worker_node import (
+    MissedResults,
+    NotInWorld,
+    check_epoch,
+    defers_results,
+    join_world,
+    max_model_len_of,
+    worker_info,
+)
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -52,6 +68,10 @@ class VerifierNode:
         self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None
         self.epoch: int | None = None
         self.missed = MissedResults(lambda verified: verified.request_id)  # what the drafter has yet to get
+        # A drafter of a pool (JoinRequest.drafter_address) is in no world: rank 0 hands over through `pool`.
+        self.pooled = False
+        self.inbox = Inbox()
+        self.pool: PoolLink | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -67,9 +87,14 @@ class VerifierNode:
         """Drop every request and form the new world: the verifier ranks, and the drafter if there is one.
         A lone verifier rank without a drafter needs no world at all."""
         self.worker.reset()
-        self.worker.prediction_window = 0 if request.has_drafter else self.config.prediction_draft_tokens
+        self.pooled = bool(request.drafter_address)
+        if self.pooled:
+            check_poolable(self.config)
+        drafts = request.has_drafter or self.pooled
+        self.worker.prediction_window = 0 if drafts else self.config.prediction_draft_tokens
         self.missed.take()
         self.epoch, self.channel = None, None
+        self._leave_pool()
         for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
             log.error("verifier rank %d cannot serve LoRA adapter %r: %s", self.rank, name, error)
         if self.groups is not None:
@@ -81,7 +106,26 @@ class VerifierNode:
             self.channel = StepChannel(self.groups, support_size=self.config.draft_support_size)
             if self.config.tensor_parallel_size > 1:
                 self.runner.tp.bind(self.groups.tp_group)
+        if self.pooled and self.is_leader:
+            self.inbox.open(request.epoch)
+            self.pool = PoolLink(Peer(request.drafter_address), self.inbox, request.epoch,
+                                 self.config.draft_support_size, self.dist.timeout_s)  # fmt: skip
         self.epoch = request.epoch
+
+    def _leave_pool(self) -> None:
+        self.inbox.close()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def interrupt(self) -> None:
+        """A new world is coming: a step waiting for the pool drafter's windows gives up now."""
+        self.inbox.close()
+
+    def deliver(self, message: worker_pb2.ExchangeMessage) -> None:
+        """The pool drafter's windows (an Exchange call), for the step that waits for them."""
+        if not self.inbox.put(message):
+            raise NotInWorld(f"the verifier is not in epoch {message.epoch} with a pool drafter")
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
         """Rank 0 (the one the scheduler talks to): forward the plan to the other ranks, then run it."""
@@ -128,7 +172,9 @@ class VerifierNode:
         sits_out = self._has_drafter and draft is None and defers_results(self.config)
         if draft is not None and self._has_drafter and self.is_leader:
             missed = self.missed.take()
-            if missed:  # the drafter applies them before it drafts, while this rank verifies
+            if missed and self.pooled:  # the drafter applies them before it drafts, while this rank verifies
+                self.pool.send_results(missed)
+            elif missed:
                 self.channel.send_missed_results(missed)
         if verify is not None:
             beside = draft is not None and self._has_drafter and not after  # the drafter computes too
@@ -142,11 +188,13 @@ class VerifierNode:
             self.threads.done(reply.verify_seconds)
             reply.thread_trial = self.threads.trying
             reply.verify_tokens = self.worker.take_work()[1]
+            if self.is_leader and sits_out:
+                self.missed.add(results)
+            elif self.is_leader and self.pooled:
+                self.pool.send_results(results)
             if self.channel is not None:  # the drafter and the other ranks commit the same tokens
                 if self.is_leader:
                     self.channel.send_results(results, to_drafter=not sits_out)
-                    if sits_out:
-                        self.missed.add(results)
                     if self._has_drafter and self.config.uses_eagle_head:  # what the EAGLE head reads
                         features = self.worker.features(batch, results)
                         self.channel.send_features(verify.request_ids(), features, self.runner.feature_width)
@@ -155,19 +203,32 @@ class VerifierNode:
             self.worker.commit(batch, results)
             reply.verified.extend(verified_to_proto(results))
         if draft is not None and self._has_drafter:
-            self.worker.receive_drafts(self.channel.recv_drafts([t.request_id for t in draft.tasks]))
+            request_ids = [t.request_id for t in draft.tasks]
+            drafts = self._pool_drafts(request_ids) if self.pooled else self.channel.recv_drafts(request_ids)
+            self.worker.receive_drafts(drafts)
         reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.take_prefix_stats()
         return reply
 
+    def _pool_drafts(self, request_ids: list[str]) -> dict:
+        """The pool drafter's windows: rank 0 receives them and hands the message on to its other ranks."""
+        if self.is_leader:
+            message = self.pool.recv_drafts_message(request_ids)
+            if self.channel is not None:
+                self.channel.broadcast_plan(message.SerializeToString())
+        else:
+            message = worker_pb2.ExchangeMessage.FromString(self.channel.broadcast_plan(None))
+        return drafts_from_exchange(message, self.config.draft_support_size, self.device)
+
     @property
     def _has_drafter(self) -> bool:
-        return self.groups is not None and self.groups.topology.has_drafter
+        return self.pooled or self.groups is not None and self.groups.topology.has_drafter
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_info("verifier", str(self.config.target_path), self.worker, self.rank, self.config, self.epoch)
 
     def close(self) -> None:
         self.worker.reset()
+        self._leave_pool()
         if self.groups is not None:
             self.groups.close()
 
