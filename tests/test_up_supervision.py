@@ -324,6 +324,45 @@ def test_a_service_that_fails_on_every_restart_stops_up_with_one_line(up) -> Non
 KEY = "up-key"
 
 
+def _pools(http_port: int) -> dict[str, dict | None]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/debug/drafter-pool", timeout=30) as reply:
+        return json.loads(reply.read())["groups"]
+
+
+def test_a_killed_pool_drafter_is_restarted_no_request_is_lost_and_both_groups_speculate_again(
+        pair, expected, tmp_path) -> None:  # fmt: skip
+    """`up --engine-groups 2 --drafter-pool 1`: 16 streams per group, the pool's one drafter SIGKILLed mid-stream.
+    Every stream completes with the plain text; `up` restarts the drafter and both groups bind to it again."""
+    http_port = free_port()
+    stack = Up(pair, tmp_path, "--engine-groups", "2", "--drafter-pool", "1", "--http-port", str(http_port))
+    try:
+        assert len(_pools(http_port)) == 2 and all(pool["bound"] for pool in _pools(http_port).values())
+        streams = _streams(stack.address, _prompts() * 2, retries=0)
+        [(_, drafter_port)] = stack.services()["drafter"]
+        _wait_active(f"127.0.0.1:{drafter_port}", at_least=8)
+        old = stack.kill("drafter")
+        assert [f.result(timeout=240) for f in streams] == expected * 2
+        stack.restarted("drafter", old)
+        restarted_at = time.monotonic()
+        while not all(pool and pool["bound"] for pool in _pools(http_port).values()):
+            assert time.monotonic() - restarted_at < 30, f"not every group drafts again: {_pools(http_port)}"
+            time.sleep(0.2)
+        print(f"both groups draft again {time.monotonic() - restarted_at:.1f}s after the restart")
+        assert "the pool 0 drafter was killed by SIGKILL; restarting it in 1s" in stack.said()
+        chaos = subprocess.run(  # `bench --chaos` finds the pool drafter and waits until a group binds to it again
+            [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", stack.address, "--chaos-targets",
+             "drafter", "--chaos-interval", "6", "--chaos-duration", "10", "--dataset", "random", "--input-len", "16",
+             "--num-prompts", "8", "--max-tokens", "32", "--concurrency", "8", "--tokenizer", pair[0]],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert chaos.returncode == 0, chaos.stdout + chaos.stderr
+        assert "SIGKILL pool drafter" in chaos.stdout and "healed after" in chaos.stdout
+        assert "requests lost:          0 of" in chaos.stdout
+        assert "outputs != undisturbed: 0 of" in chaos.stdout
+    finally:
+        stack.stop()
+
+
 @pytest.fixture(scope="module")
 def texts(pair) -> list[str]:
     """Offline autoregressive text of each prompt: what every SSE stream must carry, byte for byte."""

@@ -4,8 +4,9 @@ restarts what died, as the kubelet would. Reports requests lost, greedy outputs 
 undisturbed pass over the same prompts (must be 0), throughput against that pass, and how long each kill took
 to heal.
 
-Healed means: a drafter or verifier is back in its group's world (both workers in the same epoch); a scheduler
-or the gateway serves again (health SERVING). Linux only: `up` and its services are found in /proc.
+Healed means: a drafter or verifier is back in its group's world (both workers in the same epoch); a pool
+drafter (`up --drafter-pool N`) serves a group again; a scheduler or the gateway serves again (health SERVING).
+Linux only: `up` and its services are found in /proc.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from minedraft.bench import CHAOS_ROLES as ROLES
 from minedraft.client import Client, RetryPolicy
 from minedraft.serving import is_serving
 
+POOL = -2  # the "group" of a pool drafter, which serves them all
 # Patient enough to outlast a restart (back-off, start, the group's re-formation) at every kill.
 RETRIES = RetryPolicy(max_attempts=120, max_backoff=1.0)
 
@@ -35,12 +37,14 @@ RETRIES = RetryPolicy(max_attempts=120, max_backoff=1.0)
 @dataclass
 class Kill:
     target: str  # drafter, verifier, scheduler or gateway (of group `group`)
-    group: int  # -1: the gateway
+    group: int  # -1: the gateway, POOL: a pool drafter
     at: float  # seconds into the chaos run
     recovered_after: float | None = None
 
     @property
     def name(self) -> str:
+        if self.group == POOL:
+            return f"pool {self.target}"
         return self.target if self.group < 0 else f"group {self.group} {self.target}"
 
 
@@ -113,7 +117,7 @@ class Service:
     role: str
     pid: int
     port: int
-    group: int  # -1: the gateway
+    group: int  # -1: the gateway, POOL: a pool drafter
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -179,8 +183,9 @@ class Stack:
                 address = args[args.index(f"--{role}") + 1] if f"--{role}" in args else ""
                 if address:  # `--drafter ""`: the verifier drafts itself (colocated, `up`'s default on CPU)
                     group_of[int(address.rsplit(":", 1)[1])] = group_of[port]
-        return [Service(role, pid, port, -1 if role == "gateway" else group_of.get(port, -1))
-                for role, pid, port, _ in found]  # fmt: skip
+        return [Service(role, pid, port, POOL if "--pool-groups" in args else
+                        -1 if role == "gateway" else group_of.get(port, -1))
+                for role, pid, port, args in found]  # fmt: skip
 
     def healed(self, killed: Service) -> bool:
         """The killed service's successor serves, and a worker is in its group's world again."""
@@ -189,6 +194,8 @@ class Stack:
             return False
         if not _serving(killed.port):
             return False
+        if killed.group == POOL:  # a group bound to it again
+            return _info(killed.port).pool_groups > 0
         group = {s.role: s.port for s in now if s.group == killed.group}
         if killed.role not in ("drafter", "verifier") or "drafter" not in group:
             return True  # without a drafter, a verifier that serves is in the group as soon as it is formed
@@ -202,12 +209,17 @@ def _serving(port: int) -> bool:
 
 
 def _epoch(port: int) -> int:
+    return _info(port).epoch
+
+
+def _info(port: int) -> worker_pb2.WorkerInfo:
+    """The worker's info (an empty one when it does not answer)."""
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            return stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=2).epoch
+            return stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=2)
     except grpc.RpcError:
-        return 0
+        return worker_pb2.WorkerInfo()
 
 
 def victims(stack: Stack, targets: list[str]) -> Callable[[], Service | None]:
