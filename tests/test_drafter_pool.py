@@ -26,11 +26,12 @@ from minedraft.api import worker_pb2
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import Drafts, Verified
+from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, Verified
 from minedraft.gateway.local import GatewayStack
 from minedraft.launcher import free_port
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, PeerGone
+from minedraft.pool.member import PoolMember, _Group
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 from minedraft.wire import drafts_from_exchange, drafts_to_exchange, results_to_exchange, verified_from_proto
@@ -114,9 +115,10 @@ def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, s
     prompts = _prompts(8)
     with GatewayStack(_config(pair, **spec), 2, drafter_pool=1, log_dir=tmp_path) as stack:
         member = stack.pool.addresses[0]
-        for group in stack.groups:
-            assert _bound(group.address) == member
-            outs = _generate(group.address, prompts)
+        assert [_bound(group.address) for group in stack.groups] == [member, member]
+        with ThreadPoolExecutor(2) as both:  # at once: the member steps the two groups side by side
+            runs = list(both.map(lambda group: _generate(group.address, prompts), stack.groups))
+        for outs in runs:
             assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in prompts]
             if not spec.get("adaptive"):  # adaptive speculation may choose plain steps for the toy pair
                 assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
@@ -223,6 +225,38 @@ def test_the_cli_refuses_an_eagle_pool_before_starting_anything() -> None:
                           "--drafter-pool", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode != 0
     assert "eagle3 cannot use a drafter pool" in run.stderr
+
+
+def test_draft_parts_that_wait_together_are_drafted_in_one_plan(pair) -> None:
+    """Three groups' parts wait while the model is busy: the first to get it drafts all three at once, and each
+    group's windows equal those it drafts alone (greedy)."""
+    member = PoolMember(_config(pair), capacity=3, timeout_s=10)
+    groups = [_Group(f"g{i}", i, epoch=i + 1, link=None) for i in range(3)]  # no hand-over in this test
+    plans = []
+    for group, prompt in zip(groups, _prompts(3)):
+        request = group.scoped("r")
+        member.worker.admit([Admission(request, prompt, SamplingParams(temperature=0), seed=0)])
+        plans.append(DraftPlan([DraftTask(request, 4)]))
+
+    def draft_each(together: bool) -> list[list[int]]:
+        replies = [worker_pb2.StepReply() for _ in plans]
+        if together:
+            with member._model, ThreadPoolExecutor(3) as pool:  # busy: the three parts queue up
+                futures = [pool.submit(member._draft, plan, reply) for plan, reply in zip(plans, replies)]
+                while len(member._pending) < 3:
+                    time.sleep(0.01)
+                member._model.release()
+                [f.result() for f in futures]
+                member._model.acquire()
+        else:
+            for plan, reply in zip(plans, replies):
+                member._draft(plan, reply)
+        return [list(member.worker.take_drafts(owns=g.owns).popitem()[1].tokens) for g in groups]
+
+    alone = draft_each(together=False)
+    assert member.joint_parts == 0
+    assert draft_each(together=True) == alone
+    assert member.joint_parts == 3
 
 
 def test_an_inbox_keeps_one_world_in_order_and_gives_up_when_it_closes_or_the_peer_dies() -> None:

@@ -247,7 +247,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts", "pool_capacity", "pool_groups", "pool_queue")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts", "pool_capacity", "pool_groups", "pool_queue", "pool_joint_parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class WorkerInfo(_message.Message):
     POOL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     POOL_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    POOL_JOINT_PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_active_sequences: int
@@ -284,4 +285,5 @@ class WorkerInfo(_message.Message):
     pool_capacity: int
     pool_groups: int
     pool_queue: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ..., pool_capacity: _Optional[int] = ..., pool_groups: _Optional[int] = ..., pool_queue: _Optional[int] = ...) -> None: ...
+    pool_joint_parts: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ..., pool_capacity: _Optional[int] = ..., pool_groups: _Optional[int] = ..., pool_queue: _Optional[int] = ..., pool_joint_parts: _Optional[int] = ...) -> None: ...

@@ -2,9 +2,10 @@
 
 Each group joins with its own world (an epoch) and its own step stream, and hands drafts and results over
 with its verifier through Exchange calls (pool/link.py). The draft worker, its KV pool and its prefix cache are
-shared: a group's requests are held under ids scoped by the group, and the model runs one group's draft part
-at a time. Everything a step waits for (its verifier's results) is waited for outside the model's lock, so a
-group whose verifier is slow never holds up the others.
+shared: a group's requests are held under ids scoped by the group, and the draft parts of the groups that wait
+for the model at the same time run as one plan, in shared forwards (each group's reply tells the shared
+forwards' work, which is what its part cost). Everything a step waits for (its verifier's results) is waited
+for outside the model's lock, so a group whose verifier is slow never holds up the others.
 
 A group's scheduler admits by its share of the KV pool (the pool's blocks over the groups it may serve), so
 the groups together never ask for more than the pool holds.
@@ -16,8 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import replace
 
 from minedraft.api import worker_pb2
@@ -34,6 +34,17 @@ log = logging.getLogger("minedraft.pool")
 
 class PoolFull(RuntimeError):
     """A group asked to join a member that serves as many groups as it may."""
+
+
+class _Ticket:
+    """One group's draft part, waiting for the model; filled in by whoever drafts it."""
+
+    def __init__(self, plan: DraftPlan) -> None:
+        self.plan = plan
+        self.asked = self.started = time.perf_counter()
+        self.seconds = 0.0
+        self.work = (0, 0)  # forwards and tokens of the forward it shared
+        self.done = False
 
 
 class _Group:
@@ -68,8 +79,9 @@ class PoolMember:
         self._inboxes: dict[int, Inbox] = {}
         self._state = threading.Lock()  # guards the two maps above
         self._model = threading.Lock()  # one group's work on the shared worker at a time
-        self._count = threading.Lock()  # guards _waiting (taken with or without the model's lock, never _state)
-        self._waiting = 0  # draft parts waiting for the model or running on it now
+        self._count = threading.Lock()  # guards _pending (taken with or without the model's lock, never _state)
+        self._pending: list[_Ticket] = []  # draft parts waiting for the model
+        self.joint_parts = 0  # draft parts drafted in one plan with another group's
         self._indexes = itertools.count()
 
     # -- worlds ---------------------------------------------------------------------------------------------
@@ -162,27 +174,38 @@ class PoolMember:
             self.worker.apply_results(scoped)
 
     def _draft(self, draft: DraftPlan, reply: worker_pb2.StepReply) -> None:
-        asked = time.perf_counter()
-        with self._queued() as waiting:
-            reply.pool_queue = waiting
-            start = time.perf_counter()
-            reply.pool_wait_seconds = start - asked
-            self.worker.draft(draft)
-            reply.draft_seconds = time.perf_counter() - start
-            reply.draft_forwards, reply.draft_tokens = self.worker.take_work()
-
-    @contextmanager
-    def _queued(self) -> Iterator[int]:
-        """The model's lock, counting the draft parts at it (yields how many were waiting or running ahead)."""
+        """Draft this group's part, in one forward with the parts of other groups that wait for the model too
+        (the first to get the model drafts every waiting part; the others find theirs done)."""
+        ticket = _Ticket(draft)
         with self._count:
-            ahead = self._waiting
-            self._waiting += 1
-        try:
-            with self._model:
-                yield ahead
-        finally:
-            with self._count:
-                self._waiting -= 1
+            reply.pool_queue = len(self._pending)
+            self._pending.append(ticket)
+        with self._model:
+            if not ticket.done:
+                self._draft_together(ticket)
+        reply.pool_wait_seconds = ticket.started - ticket.asked
+        reply.draft_seconds = ticket.seconds
+        reply.draft_forwards, reply.draft_tokens = ticket.work
+
+    def _draft_together(self, ticket: _Ticket) -> None:
+        """With the model's lock: every waiting part as one plan (a Tetris plan, which selects over its own batch,
+        alone). The windows land in the shared worker, where each group takes its own."""
+        with self._count:
+            if ticket.plan.tetris_capacity is None:
+                batch = [t for t in self._pending if t.plan.tetris_capacity is None]
+            else:
+                batch = [ticket]
+            self._pending = [t for t in self._pending if t not in batch]
+        start = time.perf_counter()
+        plans = [t.plan for t in batch]
+        merged = replace(plans[0], tasks=[task for p in plans for task in p.tasks],
+                         prefill=[chunk for p in plans for chunk in p.prefill])  # fmt: skip
+        self.worker.draft(merged)
+        seconds, work = time.perf_counter() - start, self.worker.take_work()
+        for done in batch:
+            done.started, done.seconds, done.work, done.done = start, seconds, work, True
+        if len(batch) > 1:
+            self.joint_parts += len(batch)
 
     # -- what it tells the schedulers -----------------------------------------------------------------------
 
@@ -195,7 +218,8 @@ class PoolMember:
             role="drafter", model=str(config.draft_path), block_size=config.block_size,
             num_active_sequences=worker.num_active, max_model_len=worker.max_seq_len,
             tensor_parallel_size=config.tensor_parallel_size, engine_config_json=config.model_dump_json(),
-            num_blocks=share, pool_capacity=self.capacity, pool_groups=len(self._groups), pool_queue=self._waiting,
+            num_blocks=share, pool_capacity=self.capacity, pool_groups=len(self._groups), pool_queue=len(self._pending),
+            pool_joint_parts=self.joint_parts,
         )  # fmt: skip
         if runner is not None:
             info.vocab_size = runner.config.vocab_size
