@@ -3,8 +3,9 @@
 The served model is the bundled target under a Hermes / Qwen style chat template that renders `tools`
 (written here into a copy of its tokenizer_config.json). A required or named tool choice must return calls
 whose arguments validate against the tool's schema, sampled or greedy, streamed or not; auto parses the
-`<tool_call>` blocks the model writes (here made to write one by a choice grammar); the rendered prompt
-equals transformers' apply_chat_template with the same tools and messages.
+`<tool_call>` blocks the model writes (here made to write one by a choice grammar); calls cut short by
+max_tokens are still calls, as OpenAI's; the rendered prompt equals transformers' apply_chat_template with
+the same tools and messages.
 """
 
 from __future__ import annotations
@@ -116,6 +117,40 @@ def test_a_named_functions_arguments_stream_as_they_come(client) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def _answer(client, stream: bool, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) of a one-choice chat completion, streamed or not."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content, calls = "", {}
+    for delta in (chunk.choices[0].delta for chunk in chunks):
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            name, arguments = calls.get(piece.index, (piece.function.name, ""))
+            calls[piece.index] = (name, arguments + (piece.function.arguments or ""))
+    return content or None, [calls[i] for i in sorted(calls)], chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_arguments_cut_by_max_tokens_are_still_a_call(client, tool_choice, stream: bool) -> None:
+    """As OpenAI's: tool_calls holding the arguments produced so far, and finish_reason "length"."""
+    kwargs = {"model": "minedraft-target", "messages": CHAT, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False, "temperature": 0}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs, max_tokens=120)
+    (call,) = whole.choices[0].message.tool_calls
+    # Eight tokens short of the whole output: inside the arguments (the tiny model's tokens are characters).
+    content, calls, finish_reason = _answer(client, stream, **kwargs, max_tokens=whole.usage.completion_tokens - 8)
+    assert finish_reason == "length" and not content
+    ((name, arguments),) = calls
+    assert name == call.function.name
+    assert arguments and call.function.arguments.startswith(arguments) and arguments != call.function.arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)
+
+
 def test_auto_parses_the_calls_the_model_writes(client) -> None:
     """The tiny model would not write a call of its own: a choice grammar makes it write one after text."""
     written = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
@@ -176,3 +211,15 @@ def test_calls_are_parsed_from_hermes_blocks() -> None:
     assert len(ToolUse(tools, "auto", parallel=False).parse(two)[1]) == 1
     for text in ["no call here", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>']:
         assert auto.parse(text) == (text, [])
+
+
+def test_cut_arrays_of_calls_keep_the_calls_whose_names_are_whole() -> None:
+    required = ToolUse([Tool.model_validate(t) for t in TOOLS], "required", parallel=True)
+    two = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"ci'
+    content, calls = required.parse(two)
+    assert content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("add", '{"a": 1, "b": 2}'), ("get_weather", '{"ci')]  # fmt: skip
+    assert [c["function"]["arguments"] for c in required.parse('[{"name": "add", "arguments": ')[1]] == [""]
+    for text in ['[{"name": "ad', "[", ""]:
+        assert required.parse(text) == (text, [])

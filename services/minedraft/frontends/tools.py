@@ -7,6 +7,9 @@
   the given tools, each `{"name": ..., "arguments": ...}` with arguments valid against the tool's schema.
 - a named function: structured output guarantees that function's arguments (its parameters' schema).
 
+Output cut by max_tokens under required or a named function is still calls, as OpenAI's: the arguments
+hold the text produced so far and the finish reason stays "length".
+
 Streamed, a named function's arguments go out as they come; the calls of auto and required are parsed
 from the whole output, so those choices are sent whole at their finish.
 """
@@ -24,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from minedraft.sampling.params import Text
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_WHITESPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
 # A function with no parameters' schema takes any JSON object.
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
 
@@ -81,8 +86,10 @@ class ToolUse:
         return {"json": {"type": "array", "items": calls, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}}
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of an output. Text that does not hold what the choice expects (cut by
-        max_tokens, or no call under auto) is all content, with no calls."""
+        """(content, tool_calls) of an output. Under a named function the output is its arguments, whole or
+        cut short; under required, the calls of the array, the last one's arguments cut short where the
+        output is (a call is known once its name is whole). Text that holds no call (auto without one, an
+        array cut before its first name ends) is all content, with no calls."""
         if self.named is not None:
             return _parsed_named(text, self.named.name)
         if self.choice == "required":
@@ -125,18 +132,76 @@ def _name(call: dict[str, Any]) -> str:
 
 
 def _parsed_named(text: str, name: str) -> tuple[str | None, list[dict[str, Any]]]:
-    try:
-        json.loads(text)
-    except ValueError:
-        return text, []
-    return None, [_call(name, text)]
+    """The grammar makes the output the function's arguments (cut short by max_tokens, they are the text
+    produced so far, as a streamed call's pieces are)."""
+    return (None, [_call(name, text)]) if text else (text, [])
 
 
 def _parsed_array(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     try:
         return None, [_call(_name(c), c["arguments"]) for c in json.loads(text)]
     except (ValueError, TypeError, KeyError):
-        return text, []
+        calls = _cut_array(text)
+        return (None, calls) if calls else (text, [])
+
+
+def _cut_array(text: str) -> list[dict[str, Any]]:
+    """The calls of an array of calls cut short: the whole ones, then the cut one if its name is whole."""
+    pos, calls = _skip(text, 0), []
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    while True:
+        pos = _skip(text, pos)
+        try:
+            call, pos = _DECODER.raw_decode(text, pos)
+            calls.append(_call(_name(call), call["arguments"]))
+        except ValueError:
+            cut = _cut_call(text, pos)
+            return calls + ([cut] if cut else [])
+        except (TypeError, KeyError):
+            return []
+        pos = _skip(text, pos)
+        if not text.startswith(",", pos):
+            return calls
+        pos += 1
+
+
+def _cut_call(text: str, pos: int) -> dict[str, Any] | None:
+    """`{"name": ..., "arguments": ...` cut anywhere: the call with the arguments produced so far, or None
+    before its name is whole."""
+    if not text.startswith("{", pos):
+        return None
+    name, arguments, pos = None, "", pos + 1
+    while True:
+        try:
+            key, pos = _DECODER.raw_decode(text, _skip(text, pos))
+        except ValueError:
+            break  # cut in a key
+        pos = _skip(text, pos)
+        if not text.startswith(":", pos):
+            break
+        start = _skip(text, pos + 1)
+        try:
+            value, pos = _DECODER.raw_decode(text, start)
+        except ValueError:  # cut in this value
+            if key == "arguments":
+                arguments = text[start:]
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key == "arguments":
+            arguments = json.dumps(value, ensure_ascii=False)
+        pos = _skip(text, pos)
+        if not text.startswith(",", pos):
+            break
+        pos += 1
+    return _call(name, arguments) if name is not None else None
+
+
+def _skip(text: str, pos: int) -> int:
+    """The position of the first non-whitespace character from `pos`."""
+    return _WHITESPACE.match(text, pos).end()
 
 
 def _parsed_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
