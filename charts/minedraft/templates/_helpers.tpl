@@ -59,6 +59,24 @@ app.kubernetes.io/part-of: minedraft
 {{- if and .Values.speculativeConfig (has (default "draft_model" .Values.speculativeConfig.method) (list "ngram" "suffix")) }}true{{ end }}
 {{- end }}
 
+{{/* "true" when a drafter pool drafts for the engine groups (drafterPool.replicas >= 1, with speculation): then
+     no group has a drafter of its own, and each scheduler finds the pool's members through its headless Service. */}}
+{{- define "minedraft.pool" -}}
+{{- if and (include "minedraft.speculative" .) (ge (int .Values.drafterPool.replicas) 1) }}true{{ end }}
+{{- end }}
+
+{{/* The pool's resource name: "-drafter-pool" is 13 characters, so the prefix is cut to 50 (a Service name is
+     a DNS label of at most 63). */}}
+{{- define "minedraft.poolName" -}}
+{{- printf "%s-drafter-pool" (include "minedraft.fullname" . | trunc 50 | trimSuffix "-") }}
+{{- end }}
+
+{{/* What a scheduler of a pool is given (MINEDRAFT_DRAFTER_POOL): the headless Service, each of whose addresses
+     is one member. */}}
+{{- define "minedraft.drafterPoolAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "minedraft.poolName" .) .Release.Namespace (int .Values.drafterPool.port) }}
+{{- end }}
+
 {{- define "minedraft.gpu" -}}
 {{- if ne .Values.engine.device "cpu" }}true{{ end }}
 {{- end }}
@@ -154,6 +172,43 @@ Cross-field checks the JSON schema cannot phrase clearly; each fails the install
 {{- fail "models.draft is set but speculativeConfig is null: without speculation there is no drafter" }}
 {{- end }}
 {{- include "minedraft.validateLora" . }}
+{{- include "minedraft.validatePool" . }}
+{{- end }}
+
+{{/* What a drafter pool cannot do, and the sizes it needs; every message names drafterPool. */}}
+{{- define "minedraft.validatePool" -}}
+{{- $p := .Values.drafterPool }}
+{{- if ge (int $p.replicas) 1 }}
+{{- if not (include "minedraft.speculative" .) }}
+{{- fail (printf "drafterPool.replicas is %d but speculativeConfig is null: without speculation nothing is drafted; set drafterPool.replicas: 0" (int $p.replicas)) }}
+{{- end }}
+{{- $method := default "draft_model" .Values.speculativeConfig.method }}
+{{- if has $method (list "eagle" "eagle3") }}
+{{- fail (printf "drafterPool cannot serve speculativeConfig.method %s: an EAGLE head reads the target's hidden states every step, and a pool member is reached over the network, so keep a drafter beside each verifier (drafterPool.replicas: 0) or draft with method draft_model, ngram or suffix" $method) }}
+{{- end }}
+{{- $e := .Values.engine }}
+{{- if or $e.enableLora $e.loraModules $e.allowRuntimeLoraUpdating }}
+{{- fail "a drafter pool does not serve LoRA adapters: engine.enableLora (engine.loraModules, engine.allowRuntimeLoraUpdating) needs a drafter per engine group (drafterPool.replicas: 0)" }}
+{{- end }}
+{{- $a := $p.autoscaling }}
+{{- $members := ternary (int $a.maxReplicas) (int $p.replicas) (not (not $a.enabled)) }}
+{{- $groups := ternary (int .Values.autoscaling.maxGroups) (int .Values.engineGroups) (not (not .Values.autoscaling.enabled)) }}
+{{- if lt (mul $members (int $p.poolGroups)) $groups }}
+{{- fail (printf "drafterPool serves at most %d engine groups (%d members x drafterPool.poolGroups %d) but the release runs up to %d: a group without a member decodes target-only; raise drafterPool.%s or drafterPool.poolGroups" (mul $members (int $p.poolGroups)) $members (int $p.poolGroups) $groups (ternary "autoscaling.maxReplicas" "replicas" (not (not $a.enabled)))) }}
+{{- end }}
+{{- if $a.enabled }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "drafterPool.autoscaling.minReplicas (%d) is above drafterPool.autoscaling.maxReplicas (%d)" (int $a.minReplicas) (int $a.maxReplicas)) }}
+{{- end }}
+{{- if not .Values.scheduler.metricsPort }}
+{{- fail "drafterPool.autoscaling reads the schedulers' minedraft:drafter_pool_queue: scheduler.metricsPort must not be 0" }}
+{{- end }}
+{{- end }}
+{{- $drain := int .Values.scheduler.drainTimeoutSeconds }}
+{{- if lt (int $p.terminationGracePeriodSeconds) (add $drain 10 | int) }}
+{{- fail (printf "drafterPool.terminationGracePeriodSeconds (%d) must be at least scheduler.drainTimeoutSeconds + 10 (%d): the pod would be killed while it drains" (int $p.terminationGracePeriodSeconds) (add $drain 10 | int)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "minedraft.validateLora" -}}
@@ -288,6 +343,13 @@ the scheduler must rebuild its engine over the fresh workers.
 {{- define "minedraft.groupChecksum" -}}
 {{- $group := dict "config" (include (print .Template.BasePath "/configmap.yaml") .) "image" .Values.image.worker "verifier" .Values.verifier "drafter" .Values.drafter "models" .Values.models "distributed" .Values.distributed "security" (list .Values.podSecurityContext .Values.securityContext) }}
 {{- toJson $group | sha256sum }}
+{{- end }}
+
+{{/* Checksum of what a pool member runs: the engine config, the worker image, its own values (not its size, PDB or scaling) and the models.
+     The pool is apart from the groups: a change of a group's workers alone does not restart it. */}}
+{{- define "minedraft.poolChecksum" -}}
+{{- $pool := dict "config" (include (print .Template.BasePath "/configmap.yaml") .) "image" .Values.image.worker "pool" (omit .Values.drafterPool "replicas" "autoscaling" "podDisruptionBudget") "models" .Values.models "security" (list .Values.podSecurityContext .Values.securityContext) }}
+{{- toJson $pool | sha256sum }}
 {{- end }}
 
 {{- define "minedraft.podSecurityContext" -}}
