@@ -29,7 +29,7 @@ SCHEDULER = SchedulerSettings(
     http_port=8123, served_model_name="tiny", tls_cert="cert.pem", tls_key="key.pem", max_prompt_bytes=4096,
     max_waiting_requests=7, metrics_port=9300, startup_timeout=77.0, worker_wait=11.0, join_timeout=12.0,
     request_drain_timeout=5.0, step_deadline_floor=13.0, max_steps_in_flight=1, log_stats_interval=3.0,
-    per_request_spec_decode_metrics="detailed",
+    per_request_spec_decode_metrics="detailed", seeded_drafter_wait=7.0,
 )  # fmt: skip
 # `up --engine-groups N`: the gateway is the public edge (HTTP port, TLS); the groups serve gRPC to it alone
 GROUPS_SCHEDULER = SCHEDULER.model_copy(update={"http_port": 0, "tls_cert": None, "tls_key": None})

@@ -96,6 +96,12 @@ class SchedulerSettings(PublicApiSettings):
         "then they fail with UNAVAILABLE.",
     )  # fmt: skip
     join_timeout: float = Field(180.0, gt=0, description="Seconds the workers may take to form a new world.")
+    seeded_drafter_wait: float = Field(
+        60.0, ge=0, description="Seconds a seeded sampled request waits for a drafter while its group decodes "
+        "target-only (its drafter died): where its windows fall decides its text, so waiting keeps the text a run "
+        "with a drafter gives; past this wait it decodes target-only (still a sample of the target's distribution, "
+        "another one). 0 = never wait.",
+    )  # fmt: skip
     request_drain_timeout: float = Field(
         30.0, ge=0, description="On SIGTERM: stop admitting (NOT_SERVING, new requests get UNAVAILABLE) and give "
         "the running requests this many seconds to finish; the rest then get UNAVAILABLE.",

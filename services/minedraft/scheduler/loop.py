@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.api import generate_pb2
 from minedraft.config import LoraModule
+from minedraft.engine.adaptive import seeded_sampling
 from minedraft.engine.engine import LLMEngine, LoraRefused
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
@@ -61,12 +62,14 @@ class Recovery:
 
     worker_wait_s: float  # how long requests are held while no verifier is back
     join_timeout_s: float  # how long forming a world may take
+    seeded_wait_s: float = 60.0  # how long a seeded sampled request waits for a drafter (see `_may_run`)
     drafter_check_s: float = 1.0  # how often a world without its drafter looks for it
     max_worlds_per_minute: int = 20  # re-formations; past that the loop waits, never spins
 
     @classmethod
     def of(cls, settings: SchedulerSettings) -> Recovery:
-        return cls(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout)
+        return cls(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout,
+                   seeded_wait_s=settings.seeded_drafter_wait)  # fmt: skip
 
 
 class Draining(EngineFailed):
@@ -124,6 +127,9 @@ class EngineLoop:
         self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
         self.lora_adapters = engine.lora_adapters  # replaced (never changed in place) when adapters change
         self._speculation_at = 0.0
+        # Since when the group decodes target-only although it has a speculative config (None: it drafts).
+        self._target_only_since = None if engine.speculating or engine.config.speculative_config is None else (
+            time.monotonic())  # fmt: skip
         if metrics is not None and world.pool is not None:  # the binding the engine started with
             metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
 
@@ -198,6 +204,7 @@ class EngineLoop:
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
             self._take_drafter_back()
+            self._release_waiting_seeds()
             self._settle_loras()
             if (self.engine.has_unfinished() or self.engine.in_flight) and self.failed is None:
                 self._safe(self._step)
@@ -272,8 +279,8 @@ class EngineLoop:
             return
         self._sinks[command.request_id] = command.sink
         self._unstarted.add(command.request_id)
-        if not self.quarantine.may_run(command.request_id):
-            self.engine.hold(command.request_id)  # a search for a poison request is on: wait outside the world
+        if not self._may_run(command.request_id):
+            self.engine.hold(command.request_id)  # a poison request search, or a seeded one waiting for a drafter
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -284,7 +291,7 @@ class EngineLoop:
     def _left(self, request_id: str) -> None:
         """A request left the engine: a search for a poison request may now let held requests in."""
         if self.quarantine.forget(request_id):
-            self.engine.release_held(self.quarantine.may_run)
+            self.engine.release_held(self._may_run)
 
     def _report_started(self) -> None:
         """Tell the frontends which requests left the waiting queue (they count waiting requests)."""
@@ -305,7 +312,7 @@ class EngineLoop:
         if touched is None:
             return
         if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
-            engine.release_held(self.quarantine.may_run)
+            engine.release_held(self._may_run)
         if self._unstarted:
             self._report_started()
         self._record_load()
@@ -420,7 +427,7 @@ class EngineLoop:
         if sink is not None:
             sink.put(RequestFailed(f"the engine failed every step that ran this request, and no other request "
                                    f"made it fail; it was stopped so that the others can run (last error: {cause})"))
-        self.engine.release_held(self.quarantine.may_run)
+        self.engine.release_held(self._may_run)
 
     def _recover(self, cause: BaseException) -> None:
         """Hold every request until a new world is formed, at most `worker_wait_s`."""
@@ -460,7 +467,11 @@ class EngineLoop:
             if not (with_drafter and world.pool is not None) or not self._form_without_drafter(exc):
                 log.warning("could not form a world: %s", exc)
                 return False
-        self.engine.restart(speculate=world.has_drafter, may_run=self.quarantine.may_run)
+        if world.has_drafter or self.engine.config.speculative_config is None:
+            self._target_only_since = None
+        elif self._target_only_since is None:  # the outage goes on across re-formations without a drafter
+            self._target_only_since = time.monotonic()
+        self.engine.restart(speculate=world.has_drafter, may_run=self._may_run)
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
         if self.metrics and world.pool is not None:
             self.metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
@@ -481,6 +492,23 @@ class EngineLoop:
             log.warning("could not form a world without the drafter either: %s", exc)
             return False
         return True
+
+    def _may_run(self, request_id: str) -> bool:
+        """Whether a request may run in the world now: not while a search for a poison request keeps it out
+        (engine/quarantine.py), nor, for a seeded sampled request, while the group decodes target-only, for at most
+        `seeded_wait_s` of it: its text depends on where its windows fall, and a stretch decoded without windows
+        would give another sample than a run with its drafter (docs/services.md)."""
+        if not self.quarantine.may_run(request_id):
+            return False
+        request = self.engine.requests.get(request_id)
+        return (self._target_only_since is None or request is None or not seeded_sampling(request)
+                or time.monotonic() - self._target_only_since >= self.recovery.seeded_wait_s)  # fmt: skip
+
+    def _release_waiting_seeds(self) -> None:
+        """Past the wait, the seeded requests held for a drafter decode target-only."""
+        if (self._target_only_since is not None and self.engine.held
+                and time.monotonic() - self._target_only_since >= self.recovery.seeded_wait_s):  # fmt: skip
+            self.engine.release_held(self._may_run)
 
     def _may_form_world(self) -> bool:
         """At most `max_worlds_per_minute` formations in any minute: a failure that keeps coming back is
