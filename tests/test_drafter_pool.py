@@ -173,50 +173,63 @@ def test_a_sigkilled_pool_drafter_costs_no_request_and_both_groups_speculate_aga
         assert sum(o.spec_decode_stats.num_accepted_tokens for o in after) > 0
 
 
+def _sampled(address: str, prompts: list[list[int]], strike=None) -> list[list[int]]:
+    """Stream each prompt seeded-sampled (seed 100 + its index) at once; `strike()` once 60 tokens came."""
+    produced, lock, struck = [0], threading.Lock(), threading.Event()
+
+    def one(i_prompt) -> list[int]:
+        i, prompt = i_prompt
+        tokens = []
+        with Client(address, timeout=300) as client:
+            for delta in client.stream(prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i,
+                                       ignore_eos=True):  # fmt: skip
+                tokens += delta.token_ids
+                with lock:
+                    produced[0] += len(delta.token_ids)
+                    fire = strike is not None and produced[0] >= 60 and not struck.is_set()
+                    if fire:
+                        struck.set()
+                if fire:
+                    strike()
+        return tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(one, enumerate(prompts)))
+    assert strike is None or struck.is_set(), "the requests finished before the strike"
+    return outputs
+
+
 def test_seeded_sampled_streams_wait_for_the_pool_drafter_and_keep_their_text(pair, tmp_path) -> None:
     """Seeded sampling: where a request's windows fall decides its text. With the pool drafter SIGKILLed mid-stream
     (and back a second later, as `up` restarts it), the seeded requests wait instead of decoding target-only, so
     each text equals the undisturbed run's, token for token."""
     prompts = _prompts(8)
 
-    def sampled(address: str, strike=None) -> list[list[int]]:
-        produced, lock, struck = [0], threading.Lock(), threading.Event()
-
-        def one(i_prompt) -> list[int]:
-            i, prompt = i_prompt
-            tokens = []
-            with Client(address, timeout=300) as client:
-                for delta in client.stream(prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i,
-                                           ignore_eos=True):  # fmt: skip
-                    tokens += delta.token_ids
-                    with lock:
-                        produced[0] += len(delta.token_ids)
-                        fire = strike is not None and produced[0] >= 60 and not struck.is_set()
-                        if fire:
-                            struck.set()
-                    if fire:
-                        strike()
-            return tokens
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outputs = list(pool.map(one, enumerate(prompts)))
-        assert strike is None or struck.is_set(), "the requests finished before the strike"
-        return outputs
-
     texts = {}
     for wait in (60.0, 0.0):  # 0: the control, decoding target-only at once, gives other texts
         scheduler = scheduler_settings(seeded_drafter_wait=wait)
         with GatewayStack(_config(pair), 1, drafter_pool=1, scheduler=scheduler, log_dir=tmp_path / str(wait)) as stack:
             group = stack.groups[0].address
-            undisturbed = sampled(group)
+            undisturbed = _sampled(group, prompts)
 
             def kill_and_restart() -> None:
                 stack.pool.kill(0)
                 threading.Timer(1.0, stack.pool.restart, args=(0,)).start()
 
-            texts[wait] = (undisturbed, sampled(group, strike=kill_and_restart))
+            texts[wait] = (undisturbed, _sampled(group, prompts, strike=kill_and_restart))
     assert texts[60.0][1] == texts[60.0][0]
     assert texts[0.0][1] != texts[0.0][0], "the control: without the wait, a target-only stretch changes the text"
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_seeded_sampled_streams_migrated_mid_window_keep_their_text(pair, tmp_path, adaptive) -> None:
+    """Through the gateway, MineDraft mode: one group SIGKILLed mid-stream (its scheduler and verifier; the pool
+    drafter serves on), its seeded streams resubmitted to the other group from the tokens streamed so far. Each
+    re-enters at a verification's end, where its next window starts in the undisturbed run too: same texts."""
+    prompts = _prompts(8)
+    with GatewayStack(_config(pair, adaptive=adaptive), 2, drafter_pool=1, log_dir=tmp_path) as stack:
+        undisturbed = _sampled(stack.address, prompts)
+        assert _sampled(stack.address, prompts, strike=lambda: stack.kill_group(0)) == undisturbed
 
 
 def test_two_pool_drafters_share_the_groups_and_a_killed_one_hands_its_group_over(pair, plain, tmp_path) -> None:
