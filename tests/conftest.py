@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models, services
 
-from minedraft.config import EngineConfig  # noqa: E402
+from minedraft.config import REPO_ROOT, EngineConfig  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -42,6 +42,16 @@ def pair(tmp_path_factory) -> tuple[str, str]:
     under its own embeddings and head: it agrees with the target now and then, so windows are accepted in
     part."""
     return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def require_weights(*checkpoints: Path) -> None:
+    """Fail, naming them, when committed checkpoints have no weights: the tests on them check a guarantee
+    (greedy equivalence on the real models), which a skip would turn green."""
+    missing = [Path(c) / "model.safetensors" for c in checkpoints if not (Path(c) / "model.safetensors").is_file()]
+    if missing:
+        names = ", ".join(str(m.relative_to(REPO_ROOT)) if m.is_relative_to(REPO_ROOT) else str(m) for m in missing)
+        pytest.fail(f"committed weights are missing: {names} (restore them from git, `git checkout -- models/`, "
+                    "or retrain them, `python models/train.py`)", pytrace=False)  # fmt: skip
 
 
 def pard_draft(draft: str | Path, root: Path, mask_token: int = 7) -> str:

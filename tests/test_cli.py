@@ -13,10 +13,12 @@ from minedraft import LLM, SamplingParams
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
 from minedraft.launcher import free_port
 
-pytestmark = pytest.mark.skipif(
-    not all((p / "model.safetensors").is_file() for p in (BUNDLED_TARGET, BUNDLED_DRAFT)),
-    reason="bundled models not trained yet (python models/train.py)",
-)
+from conftest import require_weights
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _committed_weights() -> None:
+    require_weights(BUNDLED_TARGET, BUNDLED_DRAFT)
 
 
 def _minedraft(*args: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from minedraft.model.kv_cache import bytes_per_block
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
 
-from conftest import pard_draft
+from conftest import pard_draft, require_weights
 
 STRICT = {"device": "cpu", "batch_invariant": True}
 # A mismatch is excused only where the target's two best logits are closer than this.
@@ -228,17 +228,12 @@ def test_draft_equal_to_target_accepts_everything(pair, mode: str) -> None:
     _assert_same(target, work, expected, engine_got, mode)
 
 
-@pytest.mark.skipif(
-    not all((p / "model.safetensors").is_file() for p in (BUNDLED_TARGET, BUNDLED_DRAFT)),
-    reason="bundled models not trained yet (python models/train.py)",
-)
 @pytest.mark.parametrize("mode", [*MODES, *PARD_MODES])
 def test_bundled_pair_matches_autoregressive(mode: str) -> None:
     from minedraft.bench.prompts import load_prompts
     from minedraft.model.tokenizer import load_tokenizer
 
-    if mode in PARD_MODES and not (BUNDLED_PARD_DRAFT / "model.safetensors").is_file():
-        pytest.skip("bundled PARD draft not trained yet (python models/train.py --phase pard)")
+    require_weights(BUNDLED_TARGET, BUNDLED_DRAFT, *([BUNDLED_PARD_DRAFT] if mode in PARD_MODES else []))
 
     tokenizer = load_tokenizer(BUNDLED_TARGET)
     prompts = [tokenizer.encode(p) for p in load_prompts(limit=12)]
