@@ -515,3 +515,22 @@ def test_schema_rejects_bad_pool_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError) as error:
         renderer.render(gpu_ok(values))
     assert message in str(error.value)
+
+
+# --- the capacity table --------------------------------------------------------------------------------------
+
+
+def test_the_capacity_table_in_the_docs_is_what_the_script_prints(capsys) -> None:
+    """docs/kubernetes.md shows `python benchmarks/pool_capacity.py` as it prints today (a model: no GPU runs)."""
+    capacity = _load("pool_capacity", ROOT / "benchmarks" / "pool_capacity.py")
+    assert capacity.main([]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed in (ROOT / "docs" / "kubernetes.md").read_text()
+    # the model's sizes are Qwen3's: the parameter counts agree with the model cards'
+    for model in [capacity.TARGET, *capacity.DRAFTS]:
+        assert f"{model.params() / 1e9:.1f}B" == model.card_params, model.name
+    # what a shared forward buys: never fewer groups than drafting them one at a time
+    for draft in capacity.DRAFTS:
+        for batch in (1, 8, 32, 64):
+            c = capacity.capacity(draft, batch, 4, 1024, 4)
+            assert c.shared >= c.alone and c.groups <= c.memory
