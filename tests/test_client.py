@@ -1,7 +1,10 @@
 """The gRPC client SDK (minedraft.client) against a real grpc server on 127.0.0.1.
 
-The server here is a test double of the scheduler's public API (the real service does not exist yet):
-it streams a fixed script of deltas and fails on demand. The client is what is under test.
+The server here is `ScriptedFaults`, a double of the scheduler's public API that streams a fixed script of
+deltas and fails where a test scripts it (UNAVAILABLE before or after the first message, a bearer token to
+require, delays, a stream without a finish), so that retries, resumption, deadlines and cancellation are
+driven exactly. The client is what is under test; it runs against the real service in the end-to-end tests
+(test_services_e2e.py).
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ INFO = pb.ServerInfo(
 FAST_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.01)
 
 
-class FakeMineDraft(generate_pb2_grpc.MineDraftServicer):
-    """Test double of the MineDraft server side, configured per test through its attributes."""
+class ScriptedFaults(generate_pb2_grpc.MineDraftServicer):
+    """The MineDraft service's script and the faults a test sets through its attributes (`reset` clears them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -122,7 +125,7 @@ class FakeMineDraft(generate_pb2_grpc.MineDraftServicer):
 
 
 def _start_server(
-    servicer: FakeMineDraft, health_servicer: health.HealthServicer, creds: grpc.ServerCredentials | None = None
+    servicer: ScriptedFaults, health_servicer: health.HealthServicer, creds: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
@@ -134,15 +137,15 @@ def _start_server(
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[FakeMineDraft, health.HealthServicer, str]]:
-    servicer, health_servicer = FakeMineDraft(), health.HealthServicer()
+def server() -> Iterator[tuple[ScriptedFaults, health.HealthServicer, str]]:
+    servicer, health_servicer = ScriptedFaults(), health.HealthServicer()
     grpc_server, address = _start_server(servicer, health_servicer)
     yield servicer, health_servicer, address
     grpc_server.stop(grace=None)
 
 
 @pytest.fixture
-def fake(server: tuple[FakeMineDraft, health.HealthServicer, str]) -> FakeMineDraft:
+def scripted(server: tuple[ScriptedFaults, health.HealthServicer, str]) -> ScriptedFaults:
     servicer, health_servicer, _ = server
     servicer.reset()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -150,7 +153,7 @@ def fake(server: tuple[FakeMineDraft, health.HealthServicer, str]) -> FakeMineDr
 
 
 @pytest.fixture
-def address(server: tuple[FakeMineDraft, health.HealthServicer, str], fake: FakeMineDraft) -> str:
+def address(server: tuple[ScriptedFaults, health.HealthServicer, str], scripted: ScriptedFaults) -> str:
     return server[2]
 
 
@@ -188,56 +191,56 @@ def test_stream_yields_deltas_with_the_final_one_carrying_the_stats(address: str
         _check_deltas(list(client.stream("Hello there")))
 
 
-def test_length_finish_and_token_id_prompt(address: str, fake: FakeMineDraft) -> None:
+def test_length_finish_and_token_id_prompt(address: str, scripted: ScriptedFaults) -> None:
     with Client(address) as client:
         completion = client.generate([1, 2, 3], max_tokens=4)
     assert (completion.text, completion.token_ids, completion.finish_reason) == ("H", [10, 11], "length")
     assert completion.usage.prompt_tokens == 3
-    request = fake.requests[-1]
+    request = scripted.requests[-1]
     assert request.WhichOneof("input") == "prompt_token_ids" and list(request.prompt_token_ids.ids) == [1, 2, 3]
 
 
-def test_only_the_sampling_fields_the_caller_set_are_sent(address: str, fake: FakeMineDraft) -> None:
+def test_only_the_sampling_fields_the_caller_set_are_sent(address: str, scripted: ScriptedFaults) -> None:
     with Client(address) as client:
         client.generate("a b")
         client.generate("a b", temperature=0.0, top_p=0.5, top_k=5, seed=7, stop="\n", max_tokens=32, ignore_eos=True)
-    default, custom = (r.sampling for r in fake.requests)
+    default, custom = (r.sampling for r in scripted.requests)
     assert not any(default.HasField(f) for f in ("temperature", "top_p", "top_k", "seed", "max_tokens"))
     assert list(default.stop) == [] and not default.ignore_eos
     assert all(custom.HasField(f) for f in ("temperature", "top_p", "top_k", "seed", "max_tokens"))
     assert (custom.temperature, custom.top_p, custom.top_k, custom.seed, custom.max_tokens) == (0.0, 0.5, 5, 7, 32)
     assert list(custom.stop) == ["\n"] and custom.ignore_eos
-    assert fake.requests[0].prompt == "a b"
+    assert scripted.requests[0].prompt == "a b"
 
 
-def test_bad_prompt_type_fails_before_any_call(address: str, fake: FakeMineDraft) -> None:
+def test_bad_prompt_type_fails_before_any_call(address: str, scripted: ScriptedFaults) -> None:
     with Client(address) as client, pytest.raises(TypeError):
         client.generate(3.5)  # type: ignore[arg-type]
-    assert fake.calls == 0
+    assert scripted.calls == 0
 
 
-def test_invalid_argument_surfaces_with_code_and_details(address: str, fake: FakeMineDraft) -> None:
+def test_invalid_argument_surfaces_with_code_and_details(address: str, scripted: ScriptedFaults) -> None:
     with Client(address) as client, pytest.raises(grpc.RpcError) as info:
         client.generate("x", temperature=-1.0)
     assert isinstance(info.value, MineDraftError)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "temperature must be >= 0"
-    assert fake.calls == 1  # not retried
+    assert scripted.calls == 1  # not retried
 
 
-def test_bearer_token_is_sent_on_every_call(address: str, fake: FakeMineDraft) -> None:
-    fake.token = "s3cret"
+def test_bearer_token_is_sent_on_every_call(address: str, scripted: ScriptedFaults) -> None:
+    scripted.token = "s3cret"
     with Client(address) as client, pytest.raises(MineDraftError) as info:
         client.generate("x")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with Client(address, token="s3cret") as client:
         assert client.generate("x").text == FULL_TEXT
         assert client.server_info().mode == "minedraft"
-    assert [m.get("authorization") for m in fake.metadata] == [None, "Bearer s3cret", "Bearer s3cret"]
+    assert [m.get("authorization") for m in scripted.metadata] == [None, "Bearer s3cret", "Bearer s3cret"]
 
 
-def test_server_info_and_health(server, address: str, fake: FakeMineDraft) -> None:
-    fake.unavailable_first = 1  # unary calls are retried too
+def test_server_info_and_health(server, address: str, scripted: ScriptedFaults) -> None:
+    scripted.unavailable_first = 1  # unary calls are retried too
     with Client(address, retries=FAST_RETRY) as client:
         info = client.server_info()
         assert (info.target_model, info.draft_model, info.tensor_parallel_size, info.vocab_size) == (
@@ -250,31 +253,31 @@ def test_server_info_and_health(server, address: str, fake: FakeMineDraft) -> No
         with pytest.raises(MineDraftError) as err:
             client.health("no.such.Service")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert fake.calls == 2
+    assert scripted.calls == 2
 
 
-def test_unavailable_is_retried_until_the_first_message(address: str, fake: FakeMineDraft) -> None:
-    fake.unavailable_first = 2
+def test_unavailable_is_retried_until_the_first_message(address: str, scripted: ScriptedFaults) -> None:
+    scripted.unavailable_first = 2
     with Client(address, retries=FAST_RETRY) as client:
         assert client.generate("x").text == FULL_TEXT
-    assert fake.calls == 3
+    assert scripted.calls == 3
 
 
-def test_retries_are_bounded(address: str, fake: FakeMineDraft) -> None:
-    fake.unavailable_first = 100
+def test_retries_are_bounded(address: str, scripted: ScriptedFaults) -> None:
+    scripted.unavailable_first = 100
     with Client(address, retries=2) as client, pytest.raises(MineDraftError) as info:
         client.generate("x")
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "warming up")
-    assert fake.calls == 3
-    fake.reset()
-    fake.unavailable_first = 100
+    assert scripted.calls == 3
+    scripted.reset()
+    scripted.unavailable_first = 100
     with Client(address, retries=0) as client, pytest.raises(MineDraftError):
         client.generate("x")
-    assert fake.calls == 1
+    assert scripted.calls == 1
 
 
-def test_no_retry_after_the_first_message(address: str, fake: FakeMineDraft) -> None:
-    fake.fail_after_first = True
+def test_no_retry_after_the_first_message(address: str, scripted: ScriptedFaults) -> None:
+    scripted.fail_after_first = True
     with Client(address, retries=FAST_RETRY) as client:
         stream = client.stream("x")
         assert next(stream).text == "H"
@@ -283,61 +286,61 @@ def test_no_retry_after_the_first_message(address: str, fake: FakeMineDraft) -> 
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "worker lost")
         with pytest.raises(MineDraftError):
             client.generate("x")
-    assert fake.calls == 2  # one per call: neither retried
+    assert scripted.calls == 2  # one per call: neither retried
 
 
-def test_a_token_id_stream_that_breaks_is_resumed_where_it_broke(address: str, fake: FakeMineDraft) -> None:
+def test_a_token_id_stream_that_breaks_is_resumed_where_it_broke(address: str, scripted: ScriptedFaults) -> None:
     """Resubmitted as the gateway migrates a request: prompt + tokens received, marked resumed, the rest of
     max_tokens, and the seed the client pinned on the first submission; the caller sees one stream."""
-    fake.break_once = True
+    scripted.break_once = True
     with Client(address, retries=FAST_RETRY) as client:
         deltas = list(client.stream([1, 2, 3], top_k=5))
-    _check_resumed(deltas, fake)
+    _check_resumed(deltas, scripted)
 
 
-def test_async_stream_that_breaks_is_resumed_where_it_broke(address: str, fake: FakeMineDraft) -> None:
+def test_async_stream_that_breaks_is_resumed_where_it_broke(address: str, scripted: ScriptedFaults) -> None:
     async def main() -> list:
         async with AsyncClient(address, retries=FAST_RETRY) as client:
             return [d async for d in client.stream([1, 2, 3], top_k=5)]
 
-    fake.break_once = True
-    _check_resumed(asyncio.run(main()), fake)
+    scripted.break_once = True
+    _check_resumed(asyncio.run(main()), scripted)
 
 
-def _check_resumed(deltas: list, fake: FakeMineDraft) -> None:
+def _check_resumed(deltas: list, scripted: ScriptedFaults) -> None:
     assert "".join(d.text for d in deltas) == FULL_TEXT
     assert [t for d in deltas for t in d.token_ids] == FULL_IDS
     assert deltas[-1].usage.prompt_tokens == 3 and deltas[-1].usage.completion_tokens == len(FULL_IDS)
-    first, second = fake.requests
+    first, second = scripted.requests
     assert first.sampling.HasField("seed") and second.sampling.seed == first.sampling.seed
     assert list(second.prompt_token_ids.ids) == [1, 2, 3, 10]
     assert (second.sampling.resumed_tokens, second.sampling.max_tokens, second.sampling.top_k) == (1, 15, 5)
 
 
-def test_a_text_or_stop_string_stream_is_not_resumed(address: str, fake: FakeMineDraft) -> None:
+def test_a_text_or_stop_string_stream_is_not_resumed(address: str, scripted: ScriptedFaults) -> None:
     """A text prompt's token ids are known to the server alone; text held back for a stop string at the break
     was never sent: neither could be resumed exactly, so the break surfaces."""
     for prompt, stop in (("x", None), ([1, 2, 3], "?")):
-        fake.reset()
-        fake.break_once = True
+        scripted.reset()
+        scripted.break_once = True
         with Client(address, retries=FAST_RETRY) as client, pytest.raises(MineDraftError) as info:
             list(client.stream(prompt, stop=stop))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and fake.calls == 1
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and scripted.calls == 1
 
 
-def test_retries_respect_the_overall_deadline(address: str, fake: FakeMineDraft) -> None:
-    fake.unavailable_first = 1000
+def test_retries_respect_the_overall_deadline(address: str, scripted: ScriptedFaults) -> None:
+    scripted.unavailable_first = 1000
     policy = RetryPolicy(max_attempts=1000, initial_backoff=0.05, multiplier=1.0, jitter=0.0)
     start = time.monotonic()
     with Client(address, retries=policy, timeout=0.3) as client, pytest.raises(MineDraftError) as info:
         client.generate("x")
     elapsed = time.monotonic() - start
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # the real cause, seen before the deadline
-    assert elapsed < 0.3 + 0.5 and 2 <= fake.calls < 10
+    assert elapsed < 0.3 + 0.5 and 2 <= scripted.calls < 10
 
 
-def test_deadline_exceeded_surfaces_and_is_overridable_per_call(address: str, fake: FakeMineDraft) -> None:
-    fake.delay = 0.05  # the whole script takes 0.4 s
+def test_deadline_exceeded_surfaces_and_is_overridable_per_call(address: str, scripted: ScriptedFaults) -> None:
+    scripted.delay = 0.05  # the whole script takes 0.4 s
     with Client(address, timeout=0.15) as client:
         with pytest.raises(MineDraftError) as info:
             client.generate("x")
@@ -346,17 +349,17 @@ def test_deadline_exceeded_surfaces_and_is_overridable_per_call(address: str, fa
         assert client.generate("x", timeout=5.0).text == FULL_TEXT
 
 
-def test_stopping_a_stream_early_cancels_the_call(address: str, fake: FakeMineDraft) -> None:
-    fake.delay = 0.05
+def test_stopping_a_stream_early_cancels_the_call(address: str, scripted: ScriptedFaults) -> None:
+    scripted.delay = 0.05
     with Client(address) as client:
         for delta in client.stream("x"):
             assert delta.text == "H"
             break
-        assert fake.cancelled.wait(timeout=5)
+        assert scripted.cancelled.wait(timeout=5)
 
 
-def test_stream_ending_without_a_finish_reason_is_an_error(address: str, fake: FakeMineDraft) -> None:
-    fake.no_finish = True
+def test_stream_ending_without_a_finish_reason_is_an_error(address: str, scripted: ScriptedFaults) -> None:
+    scripted.no_finish = True
     with Client(address) as client, pytest.raises(MineDraftError) as info:
         client.generate("x")
     assert info.value.code() == grpc.StatusCode.UNKNOWN
@@ -365,8 +368,8 @@ def test_stream_ending_without_a_finish_reason_is_an_error(address: str, fake: F
 # --- async client ------------------------------------------------------------------------------------------
 
 
-def test_async_generate_stream_info_and_health(address: str, fake: FakeMineDraft) -> None:
-    fake.token = "t"
+def test_async_generate_stream_info_and_health(address: str, scripted: ScriptedFaults) -> None:
+    scripted.token = "t"
 
     async def main() -> None:
         async with AsyncClient(address, token="t") as client:
@@ -376,10 +379,10 @@ def test_async_generate_stream_info_and_health(address: str, fake: FakeMineDraft
             assert await client.health()
 
     asyncio.run(main())
-    assert all(m["authorization"] == "Bearer t" for m in fake.metadata)
+    assert all(m["authorization"] == "Bearer t" for m in scripted.metadata)
 
 
-def test_async_errors_and_retries(address: str, fake: FakeMineDraft) -> None:
+def test_async_errors_and_retries(address: str, scripted: ScriptedFaults) -> None:
     async def main() -> None:
         async with AsyncClient(address, retries=FAST_RETRY) as client:
             with pytest.raises(TypeError):
@@ -389,27 +392,27 @@ def test_async_errors_and_retries(address: str, fake: FakeMineDraft) -> None:
             assert (info.value.code(), info.value.details()) == (
                 grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0",
             )  # fmt: skip
-            assert fake.calls == 1
+            assert scripted.calls == 1
 
-            fake.reset()
-            fake.unavailable_first = 2
+            scripted.reset()
+            scripted.unavailable_first = 2
             assert (await client.generate("x")).text == FULL_TEXT
-            assert fake.calls == 3
+            assert scripted.calls == 3
 
-            fake.reset()
-            fake.fail_after_first = True
+            scripted.reset()
+            scripted.fail_after_first = True
             received = []
             with pytest.raises(MineDraftError) as info:
                 async for delta in client.stream("x"):
                     received.append(delta.text)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert received == ["H"] and fake.calls == 1
+            assert received == ["H"] and scripted.calls == 1
 
     asyncio.run(main())
 
 
-def test_async_deadline_and_early_close(address: str, fake: FakeMineDraft) -> None:
-    fake.delay = 0.05
+def test_async_deadline_and_early_close(address: str, scripted: ScriptedFaults) -> None:
+    scripted.delay = 0.05
 
     async def main() -> None:
         async with AsyncClient(address, timeout=0.15) as client:
@@ -417,10 +420,10 @@ def test_async_deadline_and_early_close(address: str, fake: FakeMineDraft) -> No
                 await client.generate("x")
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert (await client.generate("x", timeout=None)).text == FULL_TEXT
-            fake.cancelled.clear()
+            scripted.cancelled.clear()
             async for _ in client.stream("x", timeout=None):
                 break
-        assert await asyncio.get_running_loop().run_in_executor(None, fake.cancelled.wait, 5)
+        assert await asyncio.get_running_loop().run_in_executor(None, scripted.cancelled.wait, 5)
 
     asyncio.run(main())
 
@@ -450,12 +453,12 @@ def test_importing_the_client_does_not_import_torch() -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeMineDraft, str, Path]]:
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ScriptedFaults, str, Path]]:
     """The test double behind TLS with a throwaway self-signed certificate for 127.0.0.1."""
     key_pem, cert_pem = self_signed_cert()
     cert_path = tmp_path_factory.mktemp("tls") / "ca.pem"
     cert_path.write_bytes(cert_pem)
-    servicer = FakeMineDraft()
+    servicer = ScriptedFaults()
     creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
     grpc_server, address = _start_server(servicer, health.HealthServicer(), creds)
     yield servicer, address, cert_path
