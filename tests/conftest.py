@@ -37,11 +37,21 @@ def make_pair(root: Path, seed: int = 1, draft_hidden_size: int = 64, draft_seed
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory) -> tuple[str, str]:
+def _pairs() -> dict[int, tuple[str, str]]:
+    """The tiny pairs made this session, by seed."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory, _pairs) -> tuple[str, str]:
     """The tiny pair most tests run: (target folder, draft folder). The draft is the target's first layer
     under its own embeddings and head: it agrees with the target now and then, so windows are accepted in
-    part."""
-    return make_pair(tmp_path_factory.mktemp("pair"))
+    part. Made from seed 1, or from the seed a module names (`PAIR_SEED = 3`, where its tests were written
+    against that pair); each seed's pair is made once a session, and tests only read it."""
+    seed = getattr(request.module, "PAIR_SEED", 1)
+    if seed not in _pairs:
+        _pairs[seed] = make_pair(tmp_path_factory.mktemp(f"pair-seed{seed}"), seed=seed)
+    return _pairs[seed]
 
 
 def require_weights(*checkpoints: Path) -> None:

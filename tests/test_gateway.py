@@ -29,16 +29,14 @@ from minedraft.launcher import free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 
-from conftest import make_pair, tiny_config
+from conftest import tiny_config
 from services import children, overload_codes
 
 NUM_STREAMS = 32
 MAX_TOKENS = 100
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    return make_pair(tmp_path_factory.mktemp("gateway"), seed=5)
+PAIR_SEED = 5  # conftest's `pair` from this seed
 
 
 def _config(pair, speculative: bool = True) -> EngineConfig:

@@ -31,7 +31,7 @@ from minedraft.metrics import scrape
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 
-from conftest import make_pair, tiny_config
+from conftest import tiny_config
 from services import wait_health
 from tls_certs import write_self_signed_cert
 
@@ -43,9 +43,7 @@ MAX_PROMPT_BYTES = 4096
 TEXT_PROMPT = "def read(path):"  # tokenized at the gateway, as a scheduler would
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    return make_pair(tmp_path_factory.mktemp("edge"), seed=3)
+PAIR_SEED = 3  # conftest's `pair` from this seed
 
 
 @pytest.fixture(scope="module")

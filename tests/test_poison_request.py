@@ -23,19 +23,13 @@ from minedraft.engine.workers import FAULT_PREFIX_ENV
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy
-from tiny_models import make_tiny_checkpoint
 
 NUM_STREAMS = 16
 MAX_TOKENS = 80
 POISON = [317, 318, 319]  # no stream's prompt starts with these
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("poison")
-    target = make_tiny_checkpoint(root / "target", arch="qwen3", hidden_size=64, num_layers=2, seed=5)
-    draft = make_tiny_checkpoint(root / "draft", arch="qwen3", hidden_size=64, num_layers=1, seed=5)
-    return str(target), str(draft)
+PAIR_SEED = 5  # conftest's `pair` from this seed
 
 
 def _config(pair, speculative: bool) -> EngineConfig:

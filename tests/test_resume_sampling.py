@@ -19,8 +19,6 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.sampling.params import SamplingParams
 
-from conftest import make_pair
-
 PROMPTS = [[5, 17, 42], [7, 7, 1, 300, 2], [99]]
 MAX_TOKENS = 24
 MODES = {
@@ -30,10 +28,9 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    # The draft is the target's first layer: close enough that windows are accepted in part.
-    return make_pair(tmp_path_factory.mktemp("resume"), seed=3)
+# conftest's `pair` from this seed: the draft is the target's first layer, close enough that windows are
+# accepted in part.
+PAIR_SEED = 3
 
 
 def _engine(pair, spec) -> LLMEngine:

@@ -24,16 +24,14 @@ from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.settings import WorkerSettings
 
-from conftest import make_pair, offline_greedy, tiny_config
+from conftest import offline_greedy, tiny_config
 from services import TWO_PROCESSES, serving, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    return make_pair(tmp_path_factory.mktemp("healing"), seed=3)
+PAIR_SEED = 3  # conftest's `pair` from this seed
 
 
 def _config(pair, speculative: bool = True, tp: int = 1) -> EngineConfig:

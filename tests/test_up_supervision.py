@@ -33,7 +33,7 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.settings import SupervisorSettings
 from minedraft.supervision import Supervisor
 
-from conftest import make_pair, offline_greedy, tiny_config
+from conftest import offline_greedy, tiny_config
 from services import children, health, serving, worker_info
 
 NUM_STREAMS = 16
@@ -49,9 +49,7 @@ if marker and os.path.exists(marker) and b"minedraft" in args and args[args.inde
 """
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    return make_pair(tmp_path_factory.mktemp("up-healing"), seed=4)
+PAIR_SEED = 4  # conftest's `pair` from this seed
 
 
 def _prompts() -> list[list[int]]:
