@@ -1,13 +1,15 @@
 """One request that makes every step fail is found and failed alone; every other stream completes unchanged.
 
-The poison is real, not a mock: the verifier's test hook (`MINEDRAFT_TEST_FAULT_PREFIX`, see
-engine/workers.py) makes its forward raise whenever a request whose tokens start with a given prefix is in
-the batch, as a kernel might on an input it cannot handle. Everything else is the real stack: scheduler,
-drafter and verifier processes, gRPC, a gloo world that is re-formed after each failed step.
+The poison is real, not a mock: in the stack's processes (a `sitecustomize` on their PYTHONPATH, as
+test_up_supervision.py kills a drafter) the verifier's forward raises whenever a request whose tokens start
+with a given prefix is in the batch, as a kernel might on an input it cannot handle. Everything else is the
+real stack: scheduler, drafter and verifier processes, gRPC, a gloo world that is re-formed after each failed
+step.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -19,7 +21,6 @@ import pytest
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.engine.workers import FAULT_PREFIX_ENV
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy
@@ -27,6 +28,20 @@ from conftest import offline_greedy
 NUM_STREAMS = 16
 MAX_TOKENS = 80
 POISON = [317, 318, 319]  # no stream's prompt starts with these
+# Run by every process of the stack before its main: VerifyWorker.forward raises on a batch holding the poison.
+FAULT = f"""from minedraft.engine.workers import VerifyWorker
+
+_forward = VerifyWorker.forward
+
+
+def forward(self, plan):
+    if any(self.sequences[t.request_id].tokens[:{len(POISON)}] == {POISON!r} for t in plan.tasks):
+        raise RuntimeError("injected fault: a poison request is in the batch")
+    return _forward(self, plan)
+
+
+VerifyWorker.forward = forward
+"""
 
 
 PAIR_SEED = 5  # conftest's `pair` from this seed
@@ -58,7 +73,10 @@ def _quarantined(stack: LocalStack) -> float:
 def test_a_poison_request_fails_alone_and_sixteen_streams_complete_unchanged(
     pair, expected, speculative, tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setenv(FAULT_PREFIX_ENV, ",".join(map(str, POISON)))  # the worker processes inherit it
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(FAULT)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "fault"), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)  # the stack's processes inherit it
     settings = scheduler_settings(http_port=free_port())
     with LocalStack(_config(pair, speculative), scheduler=settings, log_dir=tmp_path) as stack, \
             Client(stack.address, timeout=300, retries=0) as client:  # fmt: skip

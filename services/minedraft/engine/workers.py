@@ -9,7 +9,6 @@ rejection, and PEARL's continuation windows.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -42,10 +41,6 @@ if TYPE_CHECKING:  # xgrammar is optional: sampling.grammar is imported when a r
     from minedraft.sampling.grammar import GrammarBook, GrammarState
 
 _TAIL_SCAN = 64
-# A test hook: a request whose tokens start with these ids (comma-separated) makes the verifier's forward
-# raise, as a kernel might on an input it cannot handle. The failure tests set it; unset, it costs nothing.
-FAULT_PREFIX_ENV = "MINEDRAFT_TEST_FAULT_PREFIX"
-_FAULT_PREFIX = [int(t) for t in os.environ.get(FAULT_PREFIX_ENV, "").split(",") if t.strip()]
 
 
 @dataclass
@@ -595,8 +590,6 @@ class VerifyWorker(_Worker):
     def forward(self, plan: VerifyPlan) -> VerifyBatch:
         """Run the target over every task's pending tokens + drafts (collective under tensor parallelism)."""
         seqs = [self.sequences[t.request_id] for t in plan.tasks]
-        if _FAULT_PREFIX and any(seq.tokens[: len(_FAULT_PREFIX)] == _FAULT_PREFIX for seq in seqs):
-            raise RuntimeError(f"injected fault ({FAULT_PREFIX_ENV})")
         windows = [self._drafts.pop(t.request_id, None) or self._predicted(t.request_id) for t in plan.tasks]
         for seq, window in zip(seqs, windows):  # a plan made ahead may run a request once past its end
             window.truncate(max(0, self.runner.max_seq_len - len(seq.tokens)))
