@@ -68,13 +68,15 @@ class Run:
 
 @dataclass
 class Load:
-    """What the client sends: greedy requests of token-id prompts (resumable), `concurrency` at a time."""
+    """What the client sends: requests of token-id prompts (resumable), `concurrency` at a time; greedy, or with
+    `temperature` above 0 sampled with each prompt's index as its seed (so both passes draw the same)."""
 
     address: str
     prompts: list[list[int]]
     concurrency: int
     max_tokens: int
     token: str | None = None
+    temperature: float = 0.0
 
 
 def run_load(load: Load, duration_s: float | None = None) -> Run:
@@ -106,7 +108,9 @@ def run_load(load: Load, duration_s: float | None = None) -> Run:
 
 def _generate(client: Client, load: Load, prompt: int) -> tuple[list[int], str | None]:
     try:
-        completion = client.generate(load.prompts[prompt], max_tokens=load.max_tokens, temperature=0, ignore_eos=True)
+        seed = {"seed": prompt} if load.temperature > 0 else {}
+        completion = client.generate(load.prompts[prompt], max_tokens=load.max_tokens, temperature=load.temperature,
+                                     ignore_eos=True, **seed)  # fmt: skip
         return completion.token_ids, None
     except grpc.RpcError as exc:
         return [], exc.code().name
@@ -270,8 +274,10 @@ class Chaos:
 
 def run_chaos(stack: Stack, load: Load, chaos: Chaos, out: Callable[[str], None] = print) -> tuple[str, bool]:
     """An undisturbed pass, then the chaos pass; the report, and whether nothing was lost or changed."""
-    out(f"undisturbed pass: {len(load.prompts)} prompts x {load.max_tokens} tokens, concurrency {load.concurrency}")
-    run_load(Load(load.address, load.prompts[:2], 2, 8, load.token))  # warm-up
+    sampling = f"sampled at temperature {load.temperature:g}, seeded" if load.temperature > 0 else "greedy"
+    out(f"undisturbed pass: {len(load.prompts)} prompts x {load.max_tokens} tokens, concurrency {load.concurrency}, "
+        f"{sampling}")
+    run_load(Load(load.address, load.prompts[:2], 2, 8, load.token, load.temperature))  # warm-up
     calm = run_load(load)
     out(f"chaos pass: {chaos.duration_s:g}s, SIGKILL every {chaos.every_s:g}s, rotating "
         f"{'/'.join(chaos.targets)}; minedraft up restarts what died")  # fmt: skip

@@ -79,7 +79,7 @@ def _bench_chaos(options: BenchOptions, config: EngineConfig, requests: list) ->
     tokenizer = _bench_tokenizer(config)
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     token = options.bench_api_key or os.environ.get("OPENAI_API_KEY")
-    load = Load(options.target, prompts, options.concurrency, options.max_tokens, token)
+    load = Load(options.target, prompts, options.concurrency, options.max_tokens, token, options.temperature)
     chaos = Chaos(options.chaos_interval, options.chaos_duration, options.chaos_targets.split(","))
     text, clean = run_chaos(stack, load, chaos, out=lambda line: print(line, flush=True))
     print(text)

@@ -197,9 +197,10 @@ class ChaosOptions(CliModel):
     """`bench --chaos`: kill the services of a local `minedraft up` under load."""
 
     chaos: bool = Field(
-        False, description="SIGKILL the services of the `minedraft up` serving --target, one at a time, under greedy "
-        "load through the client SDK (retries and resumption on); report requests lost, outputs changed against an "
-        "undisturbed first pass, and time to heal",
+        False, description="SIGKILL the services of the `minedraft up` serving --target, one at a time, under load "
+        "through the client SDK (retries and resumption on; greedy, or with --temperature above 0 sampled with each "
+        "prompt's index as its seed); report requests lost, outputs changed against an undisturbed first pass, and "
+        "time to heal",
     )  # fmt: skip
     chaos_interval: float = Field(20.0, gt=0, description="seconds between kills")
     chaos_duration: float = Field(60.0, gt=0, description="seconds of the chaos pass")
