@@ -1,11 +1,14 @@
 """A drafter pool: pool drafters that serve several engine groups, real processes throughout.
 
-- two groups drafting with one pool drafter: greedy output of each equals offline plain decoding, in sd and
-  MineDraft modes, fixed and adaptive, and drafts were accepted;
+- two groups drafting with one pool drafter at once: greedy output of each equals offline plain decoding, in sd
+  and adaptive MineDraft modes, and drafts were accepted (fixed MineDraft: the tests after it);
 - the pool drafter SIGKILLed while 16 requests per group stream: 32/32 complete with the plain text, and both
   groups speculate again after it restarts;
+- seeded sampling: streams wait for the killed pool drafter and keep their text (against a control that does
+  not wait), and streams migrated mid-window by the gateway keep theirs;
 - two pool drafters: the groups spread over them, and killing one moves its group to the other;
 - a pool drafter that is full takes no more groups: the group left over decodes target-only, text unchanged;
+- draft parts that wait together are drafted in one plan;
 - what a pool cannot serve (EAGLE heads, LoRA) is refused by name; the hand-over's pieces (inbox, wire).
 
 Strict kernels throughout, so speculative and plain outputs are bit-identical.
@@ -36,15 +39,9 @@ from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
 from minedraft.wire import drafts_from_exchange, drafts_to_exchange, results_to_exchange, verified_from_proto
 
-from conftest import make_pair
-
 MAX_TOKENS = 40
+PAIR_SEED = 3  # the pair of conftest's `pair`
 FIELDS = {"max_num_seqs": 16, "max_model_len": 160, "device": "cpu", "batch_invariant": True}
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    return make_pair(tmp_path_factory.mktemp("drafter-pool"), seed=3)
 
 
 def _config(pair, **spec) -> EngineConfig:
@@ -108,9 +105,8 @@ def _wait_bound(address: str, timeout_s: float, unlike: str = "") -> tuple[str, 
 
 @pytest.mark.parametrize("spec", [
     {"is_parallel": False},
-    {},
     {"adaptive": True},
-], ids=["sd", "minedraft", "minedraft-adaptive"])  # fmt: skip
+], ids=["sd", "minedraft-adaptive"])  # fixed MineDraft: the SIGKILL and migration tests below
 def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, spec, tmp_path) -> None:
     prompts = _prompts(8)
     with GatewayStack(_config(pair, **spec), 2, drafter_pool=1, log_dir=tmp_path) as stack:

@@ -349,7 +349,7 @@ def test_a_killed_pool_drafter_is_restarted_no_request_is_lost_and_both_groups_s
         assert "the pool 0 drafter was killed by SIGKILL; restarting it in 1s" in stack.said()
         chaos = subprocess.run(  # `bench --chaos` finds the pool drafter and waits until a group binds to it again
             [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", stack.address, "--chaos-targets",
-             "drafter", "--chaos-interval", "6", "--chaos-duration", "10", "--dataset", "random", "--input-len", "16",
+             "drafter", "--chaos-interval", "4", "--chaos-duration", "6", "--dataset", "random", "--input-len", "16",
              "--num-prompts", "8", "--max-tokens", "32", "--concurrency", "8", "--tokenizer", pair[0]],
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
