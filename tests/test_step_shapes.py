@@ -1,4 +1,4 @@
-"""The step-shape controller (engine/adaptive.py) as tables: synthetic machines, no models, milliseconds.
+"""The step-shape controller (engine/adaptive/) as tables: synthetic machines, no models, milliseconds.
 
 Each row is a machine: what a verify part and a draft part cost (seconds per step, per token, per forward),
 how much slower each part runs beside the other (`beside`: 1.0 when the drafter has compute of its own, about
@@ -166,10 +166,10 @@ def test_the_shape_the_machine_makes_fastest_is_chosen(machine: Machine, shapes,
 
 
 def test_steps_on_a_thread_count_being_tried_do_not_judge_their_shape() -> None:
-    """A worker tries another intra-op thread count for a run of six steps of a kind now and then (engine/threads.py):
-    here every 64th plain step starts a run 40% slower, and the step says so (StepResult.thread_trial). Plain steps
-    win on this machine (drafts accepted 40% of the time); read as what plain steps cost, those runs sent the
-    controller to one-batch steps for most of the decisions (16% plain)."""
+    """A worker tries another intra-op thread count for a run of six steps of a kind now and then
+    (engine/adaptive/threads.py): here every 64th plain step starts a run 40% slower, and the step says so
+    (StepResult.thread_trial). Plain steps win on this machine (drafts accepted 40% of the time); read as what
+    plain steps cost, those runs sent the controller to one-batch steps for most of the decisions (16% plain)."""
     machine = Machine(verify_step=2 * MS, verify_token=0.1 * MS, draft_forward=0.3 * MS, draft_token=0.02 * MS,
                       beside=1.0, acceptance=0.4)  # fmt: skip
     clock = Clock()

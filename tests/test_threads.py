@@ -1,4 +1,4 @@
-"""How a worker picks its torch thread count per kind of step (`engine/threads.py`): a share beside the
+"""How a worker picks its torch thread count per kind of step (`engine/adaptive/threads.py`): a share beside the
 other part, the fastest count measured alone, trials that settle, and the in-process engine doing the same."""
 
 from collections import Counter
@@ -6,8 +6,8 @@ from collections import Counter
 import torch
 
 from minedraft.config import EngineConfig
+from minedraft.engine.adaptive.threads import StepKind, StepThreads, ThreadCounts
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.threads import StepKind, StepThreads, ThreadCounts
 from minedraft.sampling.params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Trials (`engine/fits.py`) as tables: how often the choice among candidates changes, with noise, bursts of
+"""Trials (`engine/adaptive/trials.py`) as tables: how often the choice among candidates changes, with noise, bursts of
 other work, probes that back off and predictions that put a candidate out of reach. No models, no clocks."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from minedraft.engine.fits import Trials
+from minedraft.engine.adaptive.trials import Trials
 
 
 def _run_trials(trials: Trials, costs: dict[str, float], picks: int, noise: float, rng: random.Random) -> list[str]:

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import torch
 
 from minedraft.config import EngineConfig
+from minedraft.engine.adaptive.threads import StepThreads
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.lookup_drafter import LookupDraftWorker
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
-from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.checkpoint import resolve_checkpoint
 from minedraft.model.config import ModelConfig, load_model_config

@@ -29,7 +29,7 @@ class Pipeline(ABC):
     # Whether the next step can be planned before the last one's results are applied (see
     # `LLMEngine.submit_step`): true where a schedule needs only what it planned itself.
     plans_ahead = True
-    # The speculative step shapes the mode allows, its own (the fixed one) first (adaptive.py).
+    # The speculative step shapes the mode allows, its own (the fixed one) first (adaptive/).
     shapes: tuple[Shape, ...] = ()
 
     def __init__(self, config: EngineConfig) -> None:
@@ -167,7 +167,7 @@ class TwoBatchPipeline(Pipeline):
       window from its results (one step a window); with none pending it only drafts. Chosen after overlapped
       steps, it verifies the windows held and drafts after them too;
     - plain: nothing is drafted; every running request is decoded, its pending window verified with it.
-    Fixed speculation runs the mode's own shape; adaptive speculation chooses each step's (adaptive.py). When
+    Fixed speculation runs the mode's own shape; adaptive speculation chooses each step's (adaptive/). When
     one batch is empty, overlap degrades to one-batch steps on the other.
     """
 

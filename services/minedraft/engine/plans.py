@@ -151,7 +151,7 @@ class StepResult:
 
     # Each adapter this step's plan loaded: "" when every worker holds it now, else why one could not.
     lora_loaded: dict[str, str] = field(default_factory=dict)
-    # A part ran on a thread count being tried, not the best known (engine/threads.py): a slower count's step
+    # A part ran on a thread count being tried, not the best known (engine/adaptive/threads.py): a slower count's step
     # says nothing of its shape (the adaptive controller does not judge shapes by it).
     thread_trial: bool = False
     # The draft part ran after the verify part, from its results (DraftPlan.after_verify), not beside it.
