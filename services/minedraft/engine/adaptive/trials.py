@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from minedraft.engine.adaptive.fits import Decayed
+
 
 class Trials:
     """Per kind of situation, the candidate whose runs cost the least per unit of work here (seconds per token,
@@ -36,8 +38,8 @@ class Trials:
         self.run, self.probe_every, self.decay = run, probe_every, decay
         self.margin, self.max_backoff, self.drift, self.reach = margin, max_backoff, drift, reach
         self.first_runs = first_runs
-        # kind -> candidate -> (decayed seconds, decayed work); kind -> where its picks stand.
-        self._cost: dict[Hashable, dict[Hashable, tuple[float, float]]] = {}
+        # kind -> candidate -> its decayed seconds over work; kind -> where its picks stand.
+        self._cost: dict[Hashable, dict[Hashable, Decayed]] = {}
         self._state: dict[Hashable, _KindState] = {}
 
     def pick(self, kind: Hashable, candidates: Sequence[Hashable], scale: Mapping[Hashable, float] | None = None,
@@ -58,7 +60,7 @@ class Trials:
                 state.current, state.left = state.settled, self.run - 1
                 return state.current
             if won:  # twice: what its runs measured is what it costs now
-                self._cost[kind][state.probed] = state.fresh
+                self._cost[kind][state.probed] = Decayed(*state.fresh)
             state.won_once, state.probed = False, None
             state.interval = self.probe_every if won else min(2 * state.interval, self.max_backoff * self.probe_every)
             state.next_probe = state.picks + state.interval
@@ -148,13 +150,11 @@ class Trials:
         return self.cost(kind, candidate) * (scale[candidate] if scale is not None else 1.0)
 
     def cost(self, kind: Hashable, candidate: Hashable) -> float:
-        seconds, work = self._cost.get(kind, {}).get(candidate, (0.0, 0.0))
-        return seconds / work if work > 0 else float("inf")
+        sums = self._cost.get(kind, {}).get(candidate)
+        return sums.per(empty=float("inf")) if sums is not None else float("inf")
 
     def add(self, kind: Hashable, candidate: Hashable, seconds: float, work: float) -> None:
-        costs = self._cost.setdefault(kind, {})
-        total, done = costs.get(candidate, (0.0, 0.0))
-        costs[candidate] = (total * self.decay + seconds, done * self.decay + work)
+        self._cost.setdefault(kind, {}).setdefault(candidate, Decayed()).add(seconds, work, self.decay)
         state = self._state.get(kind)
         if state is not None and state.probed == candidate:
             state.fresh = (state.fresh[0] + seconds, state.fresh[1] + work)
