@@ -9,13 +9,9 @@ from collections.abc import Sequence
 from minedraft.engine.adaptive.fits import DECAY
 from minedraft.engine.request import Request
 
-# Verifications' weight of the global acceptance in a request's own estimate (docs/engine.md, "Adaptive
-# speculation: step shapes and k").
-_REQUEST_PRIOR = 6.0
-# Per step a request runs without drafts, what its own verifications keep of their weight: a request on plain
-# steps learns nothing more of its drafts (docs/engine.md, "Adaptive speculation: step shapes and k").
-_REQUEST_FADE = 0.8
-_MAX_ACCEPT = 0.995  # the most any position's chance may be: no window is certain to be accepted
+_REQUEST_PRIOR = 6.0  # the global acceptance's weight in a request's, in verifications; docs/engine.md#tuning-constants
+_REQUEST_FADE = 0.8  # what a request's verifications keep per step it runs plainly; docs/engine.md#tuning-constants
+_MAX_ACCEPT = 0.995  # the most any position's chance may be; docs/engine.md#tuning-constants
 
 
 class Acceptance:

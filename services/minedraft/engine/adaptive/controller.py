@@ -21,19 +21,13 @@ from minedraft.engine.plans import StepResult
 # so that an operator can follow why the engine runs the shapes it does (`--log-level DEBUG`).
 log = logging.getLogger("minedraft.engine.adaptive")
 
-# The shapes are tried in runs of _RUN decisions, and one run of another shape every _PROBE_EVERY decisions of a
-# load; the first _SETTLE steps of a run of a shape do not count (they carry the change); each shape is first
-# tried in _FIRST_RUNS interleaved runs (docs/engine.md, "Adaptive speculation: step shapes and k").
-_RUN, _PROBE_EVERY, _SETTLE, _FIRST_RUNS = 4, 128, 2, 3
-# Per step of a shape, its measured factor's decay (wall over predicted): a probe's steps outweigh older ones
-# (docs/engine.md, "Adaptive speculation: step shapes and k").
-_SHAPE_DECAY = 0.9
-# Steps learned from before the cost model is solved again (docs/engine.md, "Adaptive speculation: step shapes
-# and k").
-_RESOLVE_EVERY = 4
-# Steps of the same requests that one decision drafting nothing may serve (`decide`; docs/engine.md, "Adaptive
-# speculation: step shapes and k").
-_HOLD = 8
+_RUN = 4  # decisions a shape runs for when tried or probed; docs/engine.md#tuning-constants
+_PROBE_EVERY = 128  # decisions of a load from a probe of another shape to the next; docs/engine.md#tuning-constants
+_SETTLE = 2  # first steps of a run of a shape (they carry the change), not counted; docs/engine.md#tuning-constants
+_FIRST_RUNS = 3  # runs each shape is tried in, interleaved, before one is settled on; docs/engine.md#tuning-constants
+_SHAPE_DECAY = 0.9  # per step, of a shape's measured factor: probes outweigh old steps; docs/engine.md#tuning-constants
+_RESOLVE_EVERY = 4  # steps learned from before the cost model is solved again; docs/engine.md#tuning-constants
+_HOLD = 8  # steps of the same requests a decision drafting nothing may serve; docs/engine.md#tuning-constants
 
 
 class SpeculationController:

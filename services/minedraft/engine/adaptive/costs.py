@@ -13,9 +13,7 @@ from minedraft.engine.adaptive.fits import Decayed, OnlineFit, Ratio
 from minedraft.engine.adaptive.shapes import Candidates, Shape
 from minedraft.engine.plans import StepResult
 
-# Steps of a kind seen before its cost fits are trusted; until then the shape runs as it is (docs/engine.md,
-# "Adaptive speculation: step shapes and k").
-WARMUP_STEPS = 4
+WARMUP_STEPS = 4  # steps of a part seen before its fit is trusted; docs/engine.md#tuning-constants
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DECAY = 0.98  # forgetting per sample: the last ~50 carry a fit (docs/engine.md, "Adaptive speculation")
+DECAY = 0.98  # forgetting per sample (the last ~50 samples carry a fit); docs/engine.md#tuning-constants
 
 
 @dataclass

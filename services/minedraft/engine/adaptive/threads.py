@@ -5,10 +5,10 @@ scheduler and its clients. A part that runs while the other worker computes too 
 share of the cores, since two thread pools that oversubscribe them spin against each other. A part that runs
 alone takes the thread count measured fastest here for steps of its size (`ThreadCounts`), timed from its start
 to the next part's: what the whole stack makes of the count, not the forward alone. On a quiet machine every
-core wins at any batch; served at one request the scheduler and the clients wake on every token, and a forward
-of a few hundred small parallel regions on both cores of a 2-core machine waits at each barrier for a thread that
-lost its core: there one thread made 3.5 ms per token where two made 4.2, while from 8 requests a step on two
-threads win. Switching costs a few microseconds when the count changes (torch keeps its pool)."""
+core wins at any batch; served at few requests the scheduler and the clients wake on every token, and a forward
+of many small parallel regions waits at each barrier for a thread that lost its core, so fewer threads can win
+(the figures: docs/engine.md, "Tuning constants"). Switching costs a few microseconds when
+the count changes (torch keeps its pool)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from minedraft.engine.adaptive.trials import Trials
 # DEBUG: each kind's best count as it changes, with what each count measured (`--log-level DEBUG`).
 log = logging.getLogger("minedraft.engine.threads")  # the name operators filter on
 
-# A part's cycle (its start to the next part's) counts while under this many times its own seconds plus the slack.
-_CYCLE_WITHIN, _CYCLE_SLACK = 3.0, 0.005
+# A part's cycle (its start to the next part's) counts while under _CYCLE_WITHIN x its own seconds + _CYCLE_SLACK.
+_CYCLE_WITHIN = 3.0  # x its seconds: a longer cycle waited for work, not the count; docs/engine.md#tuning-constants
+_CYCLE_SLACK = 0.005  # seconds a cycle may exceed that by, however short its part; docs/engine.md#tuning-constants
 
 
 class StepThreads:
@@ -120,26 +121,21 @@ class ThreadCounts:
     thread count whose steps took the least time here (`Trials`, a step's cycle its cost). A count is tried for a run of
     steps and only the steps after the first few of a run count: what a count does to the other processes on the
     cores (a scheduler that falls behind, say) shows only after a few steps, so one step alone would carry its
-    predecessors' effect. A run's settled steps count as their median, each: one cycle that waited for a client
-    (its next request, at one request in flight: several steps' time) otherwise decided a trial of four steps,
-    and the choice between one and two threads served at one request flipped every few probes.
+    predecessors' effect. A run's settled steps count as their median, each, so that one cycle that waited for a
+    client does not decide a trial.
 
     A kind is tried on fewer threads than all only while no kind it covers (the same forward for as many requests,
-    on fewer tokens) measured every thread fastest: more tokens per parallel region only widen that lead. Rare
-    large steps decided this: a wave of 31 prompts read in one 4,000-token verification, a kind seen once a wave,
-    spent its first tries on one thread (600 ms where two took 400), and served at 32 in flight the default's first
-    tokens came 250 ms after plain decoding's. Not across requests: the few steps of 1-7 requests while a load ramps
-    up, measured on a quiet machine, then held a load of 8 on two threads beside a busy neighbour, where one was
-    faster (served plain decoding lost 15%).
+    on fewer tokens) measured every thread fastest: more tokens per parallel region only widen that lead, and the
+    tries of a rare large step cost the most. Not across numbers of requests: a load measured while it ramped up on
+    a quiet machine says nothing of the same load beside a busy neighbour.
 
     A step that reads prompts is never tried on fewer threads: it is hundreds of tokens a parallel region, and a
-    kind seen once a wave of new requests. Served at 32 in flight on a 2-core CPU, two threads read a wave at
-    11,000-12,000 tokens/s and one at 6,600, and a wave of 32 prompts (4,500 tokens) timed as a decoding step of
-    32 requests, where one thread had won, took 690 ms where it takes 400."""
+    kind seen once a wave of new requests (the figures behind each rule: docs/engine.md, "Tuning constants")."""
 
-    _RUN, _SETTLE = 6, 2  # steps a candidate runs when tried, and the first of them that do not count
-    _PROBE_EVERY = 256
-    _DECAY = 0.8  # per sample: a probe's few settled steps outweigh what that count measured long ago
+    _RUN = 6  # steps a count runs when tried or probed; docs/engine.md#tuning-constants
+    _SETTLE = 2  # first steps of a run (they carry the steps before), not counted; docs/engine.md#tuning-constants
+    _PROBE_EVERY = 256  # steps of a kind from a probe of another count to the next; docs/engine.md#tuning-constants
+    _DECAY = 0.8  # per sample: a probe's steps outweigh what a count measured long ago; docs/engine.md#tuning-constants
 
     def __init__(self, most: int) -> None:
         self.most = most
@@ -156,8 +152,7 @@ class ThreadCounts:
     def pick(self, kind: StepKind) -> int:
         """The count for the next part of `kind`; `trying` says whether it is a try or a probe, not the best known.
         Between the samples that can change a choice (one every few steps), a kind settled on its count keeps it
-        without weighing the counts again: offline at one request a step takes half a millisecond, and the
-        weighing took 1-2% of it."""
+        without weighing the counts again (the weighing is a measurable share of a short step)."""
         last, streak = self._runs.get(kind, (0, 0))
         if kind in self._steady and self._trials.keep(kind, last):
             self._runs[kind], self.trying = (last, streak + 1), False

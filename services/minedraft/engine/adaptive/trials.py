@@ -31,7 +31,8 @@ class Trials:
     doubles the picks to the next one, from `probe_every` up to `max_backoff` times it; once the candidate in use
     costs more or less than it did by `drift` (a fraction), the probes come at `probe_every` again. Where a
     candidate's measured cost is scaled by a prediction (`pick`'s `scale`), a probe runs only for candidates that
-    could win: measured `reach` (a fraction) cheaper than the cheapest measured here (`_contenders`)."""
+    could win: measured `reach` (a fraction) cheaper than the cheapest measured here (`_contenders`). The defaults'
+    values: docs/engine.md, "Tuning constants"."""
 
     def __init__(self, run: int, probe_every: int, decay: float, margin: float = 0.03, max_backoff: int = 8,
                  drift: float = 0.1, first_runs: int = 1, reach: float = 0.15) -> None:
@@ -91,9 +92,8 @@ class Trials:
                     scale: Mapping[Hashable, float] | None) -> list[Hashable]:
         """The candidates a probe could find cheaper than the settled one: with `scale` (what each candidate's
         measured cost is worth now), those that would win measured `reach` cheaper than the best measured here.
-        Where the prediction alone puts a candidate out of reach, its probe only costs: offline at 8 requests on a
-        2-core CPU, where plain decoding beat speculation by 20% and overlap by 40%, the default's probes of both
-        (each with the drafter's catch-up over every running request) took 6% of its time."""
+        Where the prediction alone puts a candidate out of reach, its probe only costs (docs/engine.md, "Adaptive
+        speculation: step shapes and k")."""
         measured = self._cost.get(kind, {})
         if scale is None or not measured:
             return others
