@@ -7,10 +7,10 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.adaptive.threads import StepThreads
 from minedraft.engine.eagle_drafter import EagleDraftWorker
 from minedraft.engine.local_executor import build_drafter
 from minedraft.engine.plans import VerifyPlan
-from minedraft.engine.threads import StepThreads
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto

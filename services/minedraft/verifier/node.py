@@ -11,8 +11,8 @@ import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
+from minedraft.engine.adaptive.threads import StepThreads
 from minedraft.engine.local_executor import target_options
-from minedraft.engine.threads import StepThreads
 from minedraft.engine.workers import VerifyWorker
 from minedraft.model.runner import ModelRunner
 from minedraft.pool import check_poolable
