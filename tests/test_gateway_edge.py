@@ -11,7 +11,6 @@ from __future__ import annotations
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -229,27 +228,25 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_http_streams_continue_when_their_group_is_sigkilled(stack, client, expected, tls) -> None:
     """Last: it leaves one group. Every prompt streams over HTTP; group 0 dies mid-stream; every text still
     equals the offline one."""
-    chunks = 0
-    lock = threading.Lock()
 
     def one(prompt: list[int]) -> str:
-        nonlocal chunks
         text = ""
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
         for chunk in stream:
             text += chunk.choices[0].text if chunk.choices else ""
-            with lock:
-                chunks += 1
         return text
 
     before = [_finished(group.metrics_port) for group in stack.groups]
+    generated = _generated(stack.groups[0].metrics_port)
     resubmitted_before = _gateway_metrics(stack, tls)["minedraft:gateway_resubmissions_total"]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = [pool.submit(one, p) for p in PROMPTS]
         deadline = time.monotonic() + 120
-        while chunks < len(PROMPTS):  # early: the client reads behind the groups
-            assert time.monotonic() < deadline, "the streams did not start"
+        # Killed once group 0 has made a few tokens, by its own count: the client reads behind the groups, and a
+        # kill timed by the chunks it had read could land after a fast group 0 had finished every stream.
+        while _generated(stack.groups[0].metrics_port) < generated + 8:
+            assert time.monotonic() < deadline, "group 0 never streamed"
             time.sleep(0.01)
         stack.kill_group(0)
         assert [r.result(timeout=240) for r in results] == expected
@@ -280,3 +277,7 @@ def _gateway_metrics(stack, tls) -> dict[str, float]:
 
 def _finished(metrics_port: int) -> float:
     return scrape(f"http://127.0.0.1:{metrics_port}/metrics").get("minedraft:request_success_total", 0.0)
+
+
+def _generated(metrics_port: int) -> float:
+    return scrape(f"http://127.0.0.1:{metrics_port}/metrics").get("minedraft:generation_tokens_total", 0.0)
