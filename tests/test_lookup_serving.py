@@ -149,7 +149,10 @@ def test_a_lookup_drafter_is_colocated_by_default() -> None:
 def test_a_sigkilled_lookup_drafter_costs_no_request_and_predictions_still_draft(pair, ascii_bias) -> None:
     prompts = _prompts()[:4]
     expected = _offline(pair, prompts, ascii_bias)
-    with LocalStack(_config(pair, NGRAM), worker=TWO_PROCESSES) as stack, Client(stack.address, timeout=120) as client:
+    # A gloo send to the killed drafter may wait out the world's timeout instead of failing (when its connection was
+    # not made yet): a short one, as for a hung peer, keeps that wait within the client's.
+    workers = TWO_PROCESSES.model_copy(update={"dist_timeout": 15.0})
+    with LocalStack(_config(pair, NGRAM), worker=workers) as stack, Client(stack.address, timeout=120) as client:
         predictions = [_edited(text) for _, text in expected]
         outputs = _stream_and_strike(client, prompts, predictions, ascii_bias, 8,
                                      lambda: stack.process("drafter").send_signal(signal.SIGKILL))  # fmt: skip
