@@ -6,6 +6,7 @@
   groups speculate again after it restarts;
 - seeded sampling: streams wait for the killed pool drafter and keep their text (against a control that does
   not wait), and streams migrated mid-window by the gateway keep theirs;
+- a group with two verifier ranks: rank 0 hands the pool drafter's windows on to rank 1;
 - two pool drafters: the groups spread over them, and killing one moves its group to the other;
 - a pool drafter that is full takes no more groups: the group left over decodes target-only, text unchanged;
 - draft parts that wait together are drafted in one plan;
@@ -44,9 +45,9 @@ PAIR_SEED = 3  # the pair of conftest's `pair`
 FIELDS = {"max_num_seqs": 16, "max_model_len": 160, "device": "cpu", "batch_invariant": True}
 
 
-def _config(pair, **spec) -> EngineConfig:
+def _config(pair, tensor_parallel_size: int = 1, **spec) -> EngineConfig:
     spec = {"model": pair[1], "num_speculative_tokens": 4, "is_parallel": True, "adaptive": False, **spec}
-    return EngineConfig(model=pair[0], speculative_config=spec, **FIELDS)
+    return EngineConfig(model=pair[0], speculative_config=spec, tensor_parallel_size=tensor_parallel_size, **FIELDS)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -119,6 +120,15 @@ def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, s
             if not spec.get("adaptive"):  # adaptive speculation may choose plain steps for the toy pair
                 assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
         assert _members(stack.groups[0].address, lambda m: m[0][2] == 2) == [(member, True, 2, 2)]
+
+
+def test_a_pool_drafter_serves_a_group_with_two_verifier_ranks(pair, plain, tmp_path) -> None:
+    """Tensor parallelism: verifier rank 0 takes the pool drafter's windows and hands them on to rank 1."""
+    prompts = _prompts(6)
+    with GatewayStack(_config(pair, tensor_parallel_size=2), 1, drafter_pool=1, log_dir=tmp_path) as stack:
+        outs = _generate(stack.groups[0].address, prompts)
+        assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in prompts]
+        assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
 
 
 def _stream_all(stack: GatewayStack, prompts: list[list[int]], strike, after_tokens: int) -> dict:
