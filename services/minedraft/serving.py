@@ -198,6 +198,19 @@ def wait_for_termination(stop: Callable[[], None]) -> None:
     stop()
 
 
+def serve_until_stopped(servicer: NodeServicer, server: grpc.Server, drain_timeout_s: float) -> None:
+    """A drafter's life after start: until SIGINT or SIGTERM, then let a draining scheduler's last steps finish,
+    stop the server and close the node."""
+
+    def stop() -> None:
+        servicer.wait_until_quiet(drain_timeout_s)
+        server.stop(grace=5).wait()
+        if servicer.node is not None:
+            servicer.node.close()
+
+    wait_for_termination(stop)
+
+
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

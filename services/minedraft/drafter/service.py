@@ -6,7 +6,7 @@ import logging
 
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.drafter.node import DrafterNode
-from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.serving import NodeServicer, serve_until_stopped, start_worker_server
 from minedraft.settings import WorkerSettings
 
 log = logging.getLogger("minedraft.drafter")
@@ -24,10 +24,4 @@ def serve_drafter(
         "drafter listening on %s:%d, joining the verifier at %s:%d", host, bound, dist.master_addr, dist.master_port
     )
 
-    def stop() -> None:
-        servicer.wait_until_quiet(settings.step_drain_timeout)
-        server.stop(grace=5).wait()
-        if servicer.node is not None:
-            servicer.node.close()
-
-    wait_for_termination(stop)
+    serve_until_stopped(servicer, server, settings.step_drain_timeout)

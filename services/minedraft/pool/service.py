@@ -10,7 +10,7 @@ import grpc
 from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig
 from minedraft.pool.member import PoolFull, PoolMember
-from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.serving import NodeServicer, serve_until_stopped, start_worker_server
 from minedraft.settings import WorkerSettings
 
 log = logging.getLogger("minedraft.pool")
@@ -53,10 +53,4 @@ def serve_pool_drafter(config: EngineConfig, groups: int, settings: WorkerSettin
     servicer.start_loading(lambda: PoolMember(config, groups, settings.dist_timeout), health)
     log.info("pool drafter listening on %s:%d, for up to %d engine groups", host, bound, groups)
 
-    def stop() -> None:
-        servicer.wait_until_quiet(settings.step_drain_timeout)
-        server.stop(grace=5).wait()
-        if servicer.node is not None:
-            servicer.node.close()
-
-    wait_for_termination(stop)
+    serve_until_stopped(servicer, server, settings.step_drain_timeout)
