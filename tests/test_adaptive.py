@@ -147,3 +147,30 @@ def test_more_than_the_servers_num_speculative_tokens_is_refused(pair) -> None:
     engine = LLMEngine.local(EngineConfig(model=target, device="cpu", speculative_config={"model": draft}))
     with pytest.raises(ValueError, match=r"num_speculative_tokens: must be in \[0, 4\]"):
         engine.add_request([5, 6], SamplingParams(num_speculative_tokens=5))
+
+
+@pytest.mark.parametrize("mode", ["sd", "minedraft", "pearl"])
+def test_the_metrics_count_each_step_as_it_was_chosen(pair, mode) -> None:
+    """Metrics counts the steps by shape, the k chosen and the plain decisions from the record each step carries
+    (StepResult.choice), two steps in flight: the same totals as the pipeline's and the controller's own."""
+    from prometheus_client import CollectorRegistry
+
+    from minedraft.metrics import CHOSEN_K, PLAIN_STEPS, STEPS_BY_SHAPE, Metrics
+
+    target, draft = pair
+    spec = {"model": draft, "num_speculative_tokens": K, "is_parallel": mode != "sd", "force_pearl": mode == "pearl"}
+    engine = LLMEngine.local(EngineConfig(model=target, device="cpu", max_num_seqs=4, speculative_config=spec),
+                             max_in_flight=2)  # fmt: skip
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    for i in range(4):
+        engine.add_request([5 + i, 17, 9], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished() or engine.in_flight:
+        if engine.advance() is not None:
+            metrics.record_step(engine.last_step)
+    pipeline, controller = engine.pipeline, engine.pipeline.controller
+    value = lambda name, **labels: registry.get_sample_value(name + "_total", labels) or 0.0  # noqa: E731
+    assert {s: value(STEPS_BY_SHAPE, shape=s.value) for s in pipeline.steps_by_shape} == pipeline.steps_by_shape
+    assert sum(pipeline.steps_by_shape.values()) == engine.step_stats.num_steps
+    assert {k: value(CHOSEN_K, k=str(k)) for k in controller.windows} == controller.windows
+    assert value(PLAIN_STEPS) == controller.num_plain and controller.num_decisions > 0

@@ -8,6 +8,7 @@ renamed at scrape time (no second count that could drift); `minedraft:` stays th
 
 from __future__ import annotations
 
+import collections
 import urllib.request
 from collections.abc import Iterator
 
@@ -16,8 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from minedraft.engine.adaptive import Shape, SpeculationController
-from minedraft.engine.pipelines import Pipeline
+from minedraft.engine.adaptive import StepChoice
 from minedraft.engine.plans import StepResult
 from minedraft.engine.request import Request
 from minedraft.settings import ListenError
@@ -109,9 +109,7 @@ class Metrics:
         self._declare_speculation(self.registry)
         self._declare_cache(self.registry)
         self._declare_steps(self.registry)
-        self._choices_seen: tuple[SpeculationController | None, dict[int, int], int] = (None, {}, 0)
         self._cache_config: dict[str, str] = {}
-        self._shapes_seen: tuple[Pipeline | None, dict[Shape, int]] = (None, {})
         self._members_bound: set[str] = set()  # the pool drafters this group was ever bound to
         self._rebinds_seen = 0
         if model_name is not None:
@@ -299,27 +297,19 @@ class Metrics:
                 self.num_accepted_tokens.inc(verified.num_accepted)
                 for pos in range(verified.num_accepted):
                     self.accepted_per_pos.labels(position=str(pos)).inc()
+        if result.choice is not None:
+            self._record_choice(result.choice)
 
-    def record_choices(self, pipeline: Pipeline) -> None:
-        """The pipeline's steps by shape and its adaptive controller's decisions since the last call (a restarted
-        engine brings a new pipeline)."""
-        seen_pipeline, shapes = self._shapes_seen
-        shapes = shapes if seen_pipeline is pipeline else {}
-        for shape, count in pipeline.steps_by_shape.items():
-            if count > shapes.get(shape, 0):
-                self.steps_by_shape.labels(shape=shape.value).inc(count - shapes.get(shape, 0))
-        self._shapes_seen = (pipeline, dict(pipeline.steps_by_shape))
-        controller = pipeline.controller
-        if controller is None:
+    def _record_choice(self, choice: StepChoice) -> None:
+        """How the step was chosen (the record it carried in flight): its shape and, where adaptive speculation
+        decided it, each request's window and whether it drafted nothing."""
+        self.steps_by_shape.labels(shape=choice.shape.value).inc()
+        if choice.windows is None:
             return
-        seen, windows, plain = self._choices_seen
-        if seen is not controller:
-            windows, plain = {}, 0
-        for k, count in controller.windows.items():
-            if count > windows.get(k, 0):
-                self.chosen_k.labels(k=str(k)).inc(count - windows.get(k, 0))
-        self.plain_steps.inc(controller.num_plain - plain)
-        self._choices_seen = (controller, dict(controller.windows), controller.num_plain)
+        for k, count in collections.Counter(choice.windows).items():
+            self.chosen_k.labels(k=str(k)).inc(count)
+        if choice.plain:
+            self.plain_steps.inc()
 
     def declare_decoding(self, decoding: dict[str, str], num_speculative_tokens: int, adaptive: bool) -> None:
         """How the server decodes (`decoding_info`), and the speculation series it will export, at 0 from the

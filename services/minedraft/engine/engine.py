@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minedraft.config import EngineConfig, LoraModule, num_slots
-from minedraft.engine.adaptive import Shape
+from minedraft.engine.adaptive import StepChoice
 from minedraft.engine.batch_manager import BlockBudget
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.pipelines import Pipeline, make_pipeline
@@ -105,8 +105,8 @@ class LLMEngine:
         self.step_stats = StepStats()
         self.num_preemptions = 0  # requests sent back to the queue for lack of KV blocks, over the engine's life
         self.last_step: StepResult | None = None
-        # The steps handed over and not applied, oldest first: their numbers and shapes.
-        self._in_flight: deque[tuple[int, Shape]] = deque()
+        # The steps handed over and not applied, oldest first: their numbers and how they were chosen.
+        self._in_flight: deque[tuple[int, StepChoice]] = deque()
         self._num_planned = 0
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
@@ -367,16 +367,17 @@ class LLMEngine:
         if draft is None and verify is None:
             return False
         self.executor.submit(draft, verify)
-        self._in_flight.append((self._num_planned, self.pipeline.step_shape))
+        self._in_flight.append((self._num_planned, self.pipeline.planned))
         return True
 
     def collect_step(self) -> list[Request]:
         """Apply the oldest step in flight; return the requests that got new tokens or finished in it."""
-        step, shape = self._in_flight.popleft()
+        step, choice = self._in_flight.popleft()
         result = self.executor.collect()
+        result.choice = choice
         self._loras_loaded(result)
         if self.pipeline.controller is not None:
-            self.pipeline.controller.observe(result, shape)
+            self.pipeline.controller.observe(result, choice.shape)
         self.step_stats.add(result)
         self.last_step = result
         touched = []

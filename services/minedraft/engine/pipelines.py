@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import replace
 
 from minedraft.config import EngineConfig, Mode, SpeculativeConfig
-from minedraft.engine.adaptive import Shape, SpeculationController, seeded_sampling
+from minedraft.engine.adaptive import Candidates, Decision, Shape, SpeculationController, StepChoice, seeded_sampling
 from minedraft.engine.batch_manager import BatchManager
 from minedraft.engine.plans import DraftPlan, DraftTask, PrefillTask, VerifyPlan, VerifyTask
 from minedraft.engine.request import Request
@@ -40,8 +40,10 @@ class Pipeline(ABC):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
         self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
-        self.steps_by_shape: Counter[Shape] = Counter()  # planned steps, for the metrics
-        self.step_shape = Shape.PLAIN  # the shape of the step planned last (its result teaches the controller)
+        self.steps_by_shape: Counter[Shape] = Counter()  # planned steps, for `describe`
+        self.step_shape = Shape.PLAIN  # the shape of the step being planned
+        self.planned = StepChoice()  # how the step planned last was chosen (it travels with the step)
+        self._decided: tuple[int, ...] | None = None  # the windows the controller chose for the step being planned
         spec = self.spec
         self.controller = (
             SpeculationController(spec.num_speculative_tokens, self.shapes, one_forward_drafts=spec.parallel_drafting)
@@ -60,8 +62,11 @@ class Pipeline(ABC):
         return 0 if self.spec else self._prediction_window
 
     def schedule(self) -> Schedule:
-        """Admit requests and plan the next step: (admitted, draft plan, verify plan)."""
+        """Admit requests and plan the next step: (admitted, draft plan, verify plan); how it was chosen goes
+        to `planned`."""
+        self._decided = None
         admitted, draft, verify = self._schedule()
+        self.planned = StepChoice(self.step_shape, self._decided)
         if draft is not None or verify is not None:
             self.steps_by_shape[self.step_shape] += 1
         for request in admitted:
@@ -113,6 +118,12 @@ class Pipeline(ABC):
         if self.spec is not None and (draft_tasks or chunks):
             new_draft = replace(draft, tasks=draft_tasks, prefill=chunks) if draft else DraftPlan([], prefill=chunks)
         return new_draft, VerifyPlan(verify_tasks, prefill=chunks) if verify_tasks or chunks else None
+
+    def _decide_adaptively(self, candidates: Candidates, everyone: int) -> Decision:
+        """The controller's decision for the step being planned, recorded for it (`planned`)."""
+        decision = self.controller.decide(candidates, everyone=everyone)
+        self._decided = tuple(decision.request_windows(everyone))
+        return decision
 
     def _tetris(self, requests: list[Request]) -> bool:
         return bool(self.spec and self.spec.tetris and len(requests) >= self.spec.tetris_turn_on_batch_size)
@@ -239,8 +250,8 @@ class TwoBatchPipeline(Pipeline):
             # one part at a time, as a one-batch step does, so it is not a choice then.
             others = len(everyone) > len(own)
             shapes = [s for s in self.shapes if s is not Shape.OVERLAP or others or len(self.shapes) == 1]
-            decision = self.controller.decide({s: (candidates[s], self._caps(candidates[s])) for s in shapes},
-                                              everyone=len(everyone))  # fmt: skip
+            decision = self._decide_adaptively({s: (candidates[s], self._caps(candidates[s])) for s in shapes},
+                                               len(everyone))  # fmt: skip
             shape, windows = decision.shape, decision.windows
             requests = candidates.get(shape, [])
         return (shape, windows, requests) if any(windows) else (Shape.PLAIN, [], [])
@@ -285,7 +296,7 @@ class PearlPipeline(Pipeline):
         continuing = frozenset(r.request_id for r in verifying)
         windows = self._caps(batch, continuing)
         if self.controller is not None and not self._tetris(batch):
-            decision = self.controller.decide({Shape.OVERLAP: (batch, windows)}, everyone=len(batch))
+            decision = self._decide_adaptively({Shape.OVERLAP: (batch, windows)}, len(batch))
             windows = decision.windows or [0] * len(batch)
         self.step_shape = Shape.OVERLAP if any(windows) else Shape.PLAIN
         draft = self._draft_plan(batch, windows, continuing) if batch and self.spec else None

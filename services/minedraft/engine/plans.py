@@ -25,6 +25,8 @@ from minedraft.sampling.params import SamplingParams, TokenLogprob
 if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
     import torch
 
+    from minedraft.engine.adaptive import StepChoice
+
 # A change to the LoRA adapters served, made while serving: an adapter to load, or the name of one to unload.
 LoraChange = LoraModule | str
 
@@ -160,6 +162,9 @@ class StepResult:
     # this step's came, and the seconds this one waited.
     drafter_queue: int = 0
     drafter_wait_seconds: float = 0.0
+    # How the engine chose the step (its shape, the adaptive decision's windows): set by the engine when it collects
+    # the result, from the record the step carried in flight; the workers leave it None.
+    choice: StepChoice | None = None
 
     def record_prefix_cache(self, role: str, stats: tuple[int, int]) -> None:
         self.prefix_cache_queries[role], self.prefix_cache_hits[role] = stats

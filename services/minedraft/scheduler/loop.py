@@ -320,7 +320,6 @@ class EngineLoop:
             self.world.pool.queue = engine.last_step.drafter_queue
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
-            self.metrics.record_choices(engine.pipeline)
         self._note_speculation()
         was_busy, self._was_busy = self._was_busy, engine.has_unfinished()
         outbox = []

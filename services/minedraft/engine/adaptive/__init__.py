@@ -33,7 +33,7 @@ and `threads` (a worker's thread count per kind of step, chosen by trials too).
 from minedraft.engine.adaptive.acceptance import Acceptance
 from minedraft.engine.adaptive.controller import SpeculationController
 from minedraft.engine.adaptive.costs import Costs, PartCosts
-from minedraft.engine.adaptive.shapes import Candidates, Decision, Shape, load_kind, seeded_sampling
+from minedraft.engine.adaptive.shapes import Candidates, Decision, Shape, StepChoice, load_kind, seeded_sampling
 
 __all__ = ["Acceptance", "Candidates", "Costs", "Decision", "PartCosts", "Shape", "SpeculationController",
-           "load_kind", "seeded_sampling"]
+           "StepChoice", "load_kind", "seeded_sampling"]

@@ -62,7 +62,7 @@ class SpeculationController:
         self.last_rates: dict[str, float] = {}  # each option's predicted tokens/second, when it was last predicted
         self.last_catch_up: dict[Shape, float] = {}  # the catch-up charged per token, by shape, when last decided
         self._reading = Decayed()  # the drafter's reads beyond windows: seconds over tokens read
-        # Over the controller's life, for the metrics and the tests: windows chosen (k -> request windows),
+        # Over the controller's life, for `describe` and the tests: windows chosen (k -> request windows),
         # decisions by shape, and decisions that drafted nothing (plain decoding).
         self.windows: Counter[int] = Counter()
         self.chosen: Counter[Shape] = Counter()
@@ -309,13 +309,11 @@ class SpeculationController:
         return decisions, rates
 
     def _record(self, decision: Decision, everyone: int) -> Decision:
-        """The one place each decision is counted: the last decision, its windows (a plain one: a window of 0
-        for every running request), its shape, and whether it drafted nothing."""
+        """The controller's own tally of its decisions (for `describe` and its tests; the metrics count each step's
+        from its `StepChoice`): the last decision, its windows (`Decision.request_windows`), its shape, and whether
+        it drafted nothing."""
         self.last = decision
-        if decision.windows:
-            self.windows.update(decision.windows)
-        else:  # plain
-            self.windows[0] += everyone
+        self.windows.update(decision.request_windows(everyone))
         self.chosen[decision.shape] += 1
         self.num_plain += not any(decision.windows)
         return decision

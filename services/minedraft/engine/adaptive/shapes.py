@@ -1,4 +1,5 @@
-"""What a decision is about: the shapes a step can take, the decision itself, and the load it is made at."""
+"""What a decision is about: the shapes a step can take, the decision itself, the record of a planned step, and the
+load a decision is made at."""
 
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ class Shape(str, Enum):
 class Decision:
     shape: Shape
     windows: list[int]  # draft tokens for each of the shape's candidates (PLAIN: none)
+
+    def request_windows(self, everyone: int) -> list[int]:
+        """The window each request was given: a plain decision's is 0 for each of the `everyone` it decodes."""
+        return self.windows if self.windows else [0] * everyone
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """How a step was planned, recorded once when it is: its shape and, where adaptive speculation decided it, the
+    window chosen for each request (`Decision.request_windows`). It stays with the step while the step is in
+    flight and comes back on its result (`StepResult.choice`), where the controller learns from it and `Metrics`
+    counts it."""
+
+    shape: Shape = Shape.PLAIN
+    windows: tuple[int, ...] | None = None  # None: no decision this step (fixed speculation, or only verifying)
+
+    @property
+    def plain(self) -> bool:
+        """A decision that drafted nothing (plain decoding)."""
+        return self.windows is not None and not any(self.windows)
 
 
 # For each speculative shape possible now: the requests it would draft and each one's cap.
