@@ -21,7 +21,8 @@ from scipy.stats import chisquare
 from test_lora import make_adapter, merged_checkpoint
 
 from minedraft.config import EngineConfig, LoraModule
-from minedraft.engine.engine import LLMEngine, LoraRefused
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine.loras import LoraRefused
 from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import SupervisorSettings

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -13,43 +12,12 @@ from minedraft.config import EngineConfig, LoraModule, num_slots
 from minedraft.engine.adaptive import StepChoice
 from minedraft.engine.batch_manager import BlockBudget
 from minedraft.engine.detokenizer import Decoder
+from minedraft.engine.intake import bad_words_ids, check_request, prediction_ids
+from minedraft.engine.loras import LoraAdapters, LoraDone
 from minedraft.engine.pipelines import Pipeline, make_pipeline
 from minedraft.engine.plans import Admission, Executor, StepResult
 from minedraft.engine.request import Request, RequestStatus, SpecDecodeStats
-from minedraft.extras import require
-from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
-
-
-def check_structured_outputs(structured: StructuredOutputs) -> None:
-    """ValueError when the grammar library is not installed or the schema or regex is malformed."""
-    require("xgrammar", "structured output on this server")
-    # xgrammar is optional: sampling.grammar is imported only when a request asks for a grammar
-    from minedraft.sampling.grammar import check_grammar
-
-    check_grammar(structured)
-
-
-class LoraRefused(ValueError):
-    """A run-time LoRA load or unload the engine refuses: `kind` is off (not enabled), invalid (a bad name, path
-    or folder), exists (a name already served) or not_found (a name not served); the message says why."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-LoraDone = Callable[[LoraRefused | None], None]
-
-
-def rooted(path: str, root: str, name: str) -> str:
-    """`path` (absolute, or relative to `root`) as an absolute path, if it lies inside `root`. Only the words of
-    the path are compared (the workers read the folder; this process may not see it)."""
-    base = os.path.normpath(os.path.abspath(root))
-    full = os.path.normpath(os.path.join(base, path))
-    if os.path.commonpath([full, base]) != base:
-        raise LoraRefused("invalid", f"{name} {path!r} is outside lora_root ({root}): adapters are loaded from there "
-                          "only")  # fmt: skip
-    return full
+from minedraft.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -111,22 +79,12 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
-        self.lora_modules = {m.name: m for m in config.lora_modules}  # the adapters served, run-time loads included
-        self._lora_loading: dict[str, LoraDone] = {}  # loads sent to the workers, waiting for their word
-        self._lora_closing: dict[str, LoraDone] = {}  # unloads waiting for their requests to finish
+        self.loras = LoraAdapters(config, executor)
 
-    def add_request(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        lora: str | None = None,
-    ) -> Request:
-        """Validate and queue a request (through LoRA adapter `lora`, a name in lora_modules). Raises ValueError
-        with a message on bad input."""
-        request = self.make_request(prompt_ids, params, request_id=request_id, prompt=prompt, lora=lora)
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, **options: str | None) -> Request:
+        """Validate and queue a request (`options`: make_request's). Raises ValueError with a message on bad
+        input."""
+        request = self.make_request(prompt_ids, params, **options)
         self.enqueue(request)
         return request
 
@@ -139,7 +97,8 @@ class LLMEngine:
         prompt: str | None = None,
         lora: str | None = None,
     ) -> Request:
-        """Validate a request without queueing it (so a caller can check a whole batch first)."""
+        """Validate a request without queueing it (so a caller can check a whole batch first); it runs through
+        LoRA adapter `lora`, a name in lora_modules."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -154,135 +113,44 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             prompt=prompt,
         )
-        request.bad_words_ids = self._bad_words_ids(params.bad_words)
-        request.prediction_ids = self._prediction_ids(params.prediction)
-        request.lora = self._check_lora(lora)
+        request.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
+        request.prediction_ids = prediction_ids(self, params.prediction)
+        request.lora = self.loras.check(lora)
         return request
 
-    def _prediction_ids(self, prediction: str | None) -> list[int]:
-        """The prediction as the target tokenizes it (the drafter proposes its tokens), within the bounds."""
-        if not prediction:
-            return []
-        if not hasattr(self.tokenizer, "encode"):
-            raise ValueError("prediction: this engine has no tokenizer to turn it into tokens")
-        ids = self.tokenizer.encode(prediction, add_special_tokens=False)
-        most = min(self.config.max_prediction_tokens, self.max_model_len)
-        if len(ids) > most:
-            which = "max_prediction_tokens" if most == self.config.max_prediction_tokens else "max_model_len"
-            raise ValueError(f"prediction: {len(ids)} tokens is more than this server takes ({most}, its {which})")
-        return ids
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The bounds that depend on the model (intake.check_request), checked before a request reaches any step;
+        any thread may call it."""
+        check_request(self, prompt_ids, params)
 
-    def _check_lora(self, name: str | None) -> str | None:
-        served = self.lora_adapters
-        if name is not None and name not in served:
-            raise ValueError(f"unknown LoRA adapter {name!r}: this server has {served or 'none'}")
-        return name
+    @property
+    def lora_modules(self) -> dict[str, LoraModule]:
+        """The adapters served, run-time loads included."""
+        return self.loras.modules
 
     @property
     def lora_adapters(self) -> list[str]:
         """The adapters a new request may run through: not one still loading, nor one being unloaded."""
-        return [n for n in self.lora_modules if n not in self._lora_loading and n not in self._lora_closing]
+        return self.loras.names
 
     def load_lora(self, module: LoraModule, done: LoraDone) -> None:
         """Load an adapter while serving (allow_runtime_lora_updating; its folders inside lora_root). It goes to
         every worker with the next step; `done(None)` once all of them hold it, `done(refusal)` naming the file
         if one could not (it is unloaded again). Raises LoraRefused for what is refused before the workers."""
-        root = self._check_lora_updating()
-        if module.name in self.lora_modules:
-            raise LoraRefused("exists", f"LoRA adapter {module.name!r} is already loaded: unload it first")
-        draft = module.draft_path and rooted(module.draft_path, root, "draft_path")
-        if draft and self.config.speculative_config is not None and (
-                self.config.uses_eagle_head or self.config.speculative_config.parallel_drafting
-                or self.config.drafts_without_model):
-            raise LoraRefused("invalid", "draft_path: a drafter adapter is for draft-model drafting, not EAGLE heads "
-                              "or PARD (parallel_drafting)")  # fmt: skip
-        module = LoraModule(name=module.name, path=rooted(module.path, root, "lora_path"), draft_path=draft or None)
-        self.lora_modules[module.name] = module
-        self._lora_loading[module.name] = done
-        self.executor.change_loras([module])
+        self.loras.load(module, done)
 
     def unload_lora(self, name: str, done: LoraDone) -> None:
         """Unload an adapter: new requests for it are refused from now on; the running and waiting ones finish
         first, then the workers drop it and `done(None)` is called (see `settle_loras`)."""
-        self._check_lora_updating()
-        if name not in self.lora_adapters:
-            raise LoraRefused("not_found", f"LoRA adapter {name!r} is not loaded (loaded: {self.lora_adapters})")
-        self._lora_closing[name] = done
-        self.settle_loras()
+        self.loras.unload(name, done, (r.lora for r in self.requests.values()))
 
     def settle_loras(self) -> None:
         """Finish each unload whose adapter no request (running, waiting or held) uses any more."""
-        if not self._lora_closing:
-            return
-        in_use = {r.lora for r in self.requests.values()}
-        for name in [n for n in self._lora_closing if n not in in_use]:
-            del self.lora_modules[name]
-            self.executor.change_loras([name])
-            self._lora_closing.pop(name)(None)
-
-    def _check_lora_updating(self) -> str:
-        if not (self.config.allow_runtime_lora_updating and self.config.lora_root):
-            raise LoraRefused("off", "loading and unloading LoRA adapters at run time is off on this server (start it "
-                              "with --enable-lora --allow-runtime-lora-updating --lora-root DIR)")  # fmt: skip
-        return self.config.lora_root
-
-    def _loras_loaded(self, result: StepResult | None) -> None:
-        """The workers' word on the loads a step carried: a load one of them refused is undone everywhere."""
-        for name, error in (result.lora_loaded if result is not None else {}).items():
-            done = self._lora_loading.pop(name, None)
-            if done is None:
-                continue
-            if error:
-                del self.lora_modules[name]
-                self.executor.change_loras([name])
-            done(LoraRefused("invalid", error) if error else None)
+        self.loras.settle(r.lora for r in self.requests.values())
 
     def flush(self) -> None:
         """Apply pending admissions, releases and adapter changes now (the engine is idle)."""
-        self._loras_loaded(self.executor.flush())
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as the target tokenizes it, without and with a leading space (as vLLM does): the
-        workers ban by token sequences."""
-        if words and not hasattr(self.tokenizer, "encode"):
-            raise ValueError("bad_words: this engine has no tokenizer to turn them into tokens")
-        variants = [self.tokenizer.encode(text, add_special_tokens=False) for word in words
-                    for text in (word.lstrip(), " " + word.lstrip())]  # fmt: skip
-        return [ids for i, ids in enumerate(variants) if ids and ids not in variants[:i]]
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The bounds that depend on the model, checked before a request reaches any step (the static ones
-        are SamplingParams'). Raises ValueError naming the field and its range. Reads only settings fixed at
-        start, so the frontends may call it from another thread."""
-        if not prompt_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: no room "
-                             "is left for output")  # fmt: skip
-        vocab_size = getattr(self.tokenizer, "vocab_size", None)
-        if vocab_size is not None:
-            if any(not 0 <= t < vocab_size for t in prompt_ids):
-                raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
-            if any(t >= vocab_size for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
-            if any(t >= vocab_size for t in params.logit_bias):
-                raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size})")
-            if params.top_k > vocab_size:
-                raise ValueError(f"top_k: must be -1 (all) or in [1, {vocab_size}] (the vocabulary size)")
-        if params.resumed_tokens >= len(prompt_ids):
-            raise ValueError(f"resumed_tokens: must be less than the prompt's {len(prompt_ids)} tokens (at least one "
-                             f"is prompt); got {params.resumed_tokens}")  # fmt: skip
-        spec = self.config.speculative_config
-        most = spec.num_speculative_tokens if spec else self.config.prediction_draft_tokens
-        if params.num_speculative_tokens is not None and params.num_speculative_tokens > most:
-            raise ValueError(f"num_speculative_tokens: must be in [0, {most}] (the server's num_speculative_tokens); "
-                             f"got {params.num_speculative_tokens}")  # fmt: skip
-        if params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: must be in [1, {self.max_model_len}] (max_model_len); got {params.max_tokens}"
-            )
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)
+        self.loras.loaded(self.executor.flush())
 
     def enqueue(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -375,7 +243,7 @@ class LLMEngine:
         step, choice = self._in_flight.popleft()
         result = self.executor.collect()
         result.choice = choice
-        self._loras_loaded(result)
+        self.loras.loaded(result)
         if self.pipeline.controller is not None:
             self.pipeline.controller.observe(result, choice.shape)
         self.step_stats.add(result)
@@ -427,8 +295,7 @@ class LLMEngine:
         exactly the requests for which `may_run` is false are held (see `hold`): held ones that may run now
         are queued again."""
         self._in_flight.clear()  # the steps in flight were lost with the old world
-        if self._lora_loading:  # the new world's join brought them; their word comes with the next step
-            self.executor.change_loras([self.lora_modules[n] for n in self._lora_loading])
+        self.loras.send_loading_again()
         batches = self.pipeline.batches
         running = sorted((r for b in batches.batches for r in b), key=lambda r: r.arrival_time)
         for request in [r for r in running if r.finished]:

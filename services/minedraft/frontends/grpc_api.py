@@ -12,7 +12,7 @@ import grpc
 
 from minedraft.api import generate_pb2
 from minedraft.config import LoraModule
-from minedraft.engine.engine import LoraRefused
+from minedraft.engine.loras import LoraRefused
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
 from minedraft.serving import parse_generate, parse_request, request_prompt

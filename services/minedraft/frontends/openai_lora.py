@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from minedraft.config import LoraModule
-from minedraft.engine.engine import LoraRefused
+from minedraft.engine.loras import LoraRefused
 from minedraft.frontends.generate import Generator
 
 # LoraRefused.kind -> (HTTP status, the body field it concerns, OpenAI's error code)

@@ -17,7 +17,7 @@ import grpc
 
 from minedraft.api import generate_pb2
 from minedraft.config import EngineConfig, LoraModule
-from minedraft.engine.engine import LLMEngine
+from minedraft.engine.intake import check_request
 from minedraft.engine_client import Sink, StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError
 from minedraft.frontends.grpc_api import lora_refusal
@@ -95,7 +95,7 @@ class RoutedEngine:
         """The engine's own checks, here before a group is asked: they read `max_model_len`, `tokenizer` and
         `config.speculative_config`, which this class has as the engine does once a group told them."""
         if self.info is not None or not prompt_ids:
-            LLMEngine.check_request(self, prompt_ids, params)  # an empty prompt is refused before anything
+            check_request(self, prompt_ids, params)  # an empty prompt is refused before anything
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
                sink: Sink, lora: str | None = None, deadline: float | None = None) -> None:  # fmt: skip

@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2
 from minedraft.api import generate_pb2
 from minedraft.config import LoraModule
 from minedraft.engine.adaptive import seeded_sampling
-from minedraft.engine.engine import LLMEngine, LoraRefused
+from minedraft.engine.engine import LLMEngine
+from minedraft.engine.loras import LoraRefused
 from minedraft.engine.quarantine import Quarantine
 from minedraft.engine.request import Request, RequestStatus
 from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamItem, send_all
