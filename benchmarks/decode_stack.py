@@ -1,4 +1,5 @@
-"""A decode step's forward as one C call (model/cpu_stack.py) against the same model's layers one by one, on CPU.
+"""A decode step's forward as one C call (model/kernels/cpu_stack.py) against the same model's layers one by one,
+on CPU.
 
     python benchmarks/decode_stack.py                 # the bundled target and draft, 1 and 2 threads
     python benchmarks/decode_stack.py --rounds 9 --threads 1
@@ -22,8 +23,8 @@ import time
 import torch
 
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
-from minedraft.model import cpu_stack
 from minedraft.model.checkpoint import resolve_checkpoint
+from minedraft.model.kernels import cpu_stack
 from minedraft.model.runner import ModelRunner, SeqInput
 
 CONTEXT = 200  # tokens each sequence holds before the timed steps

@@ -85,8 +85,8 @@ def step_triton(args: argparse.Namespace) -> dict:
     import torch
 
     from minedraft.model.attention import attend, plan_attention
+    from minedraft.model.kernels.triton_attention import _INTERPRETED, paged_attention, paged_meta
     from minedraft.model.kv_cache import NULL_BLOCK
-    from minedraft.model.triton_attention import _INTERPRETED, paged_attention, paged_meta
 
     device = torch.device("cpu") if args.dry_run or not torch.cuda.is_available() else torch.device("cuda")
     if device.type == "cuda":  # Llama-3-8B's attention shape, decode to prefill
@@ -118,14 +118,14 @@ def step_triton(args: argparse.Namespace) -> dict:
 
 
 def _fused_kernel_errors(torch, device) -> dict[str, float]:
-    """The fused layer kernels (model/triton_fused.py) in bf16 against the torch ops they replace on the same
+    """The fused layer kernels (model/kernels/triton_fused.py) in bf16 against the torch ops they replace on the same
     device, at Llama-3-8B's shapes on a GPU (smaller, interpreted): the largest difference over the largest
     value (compiled, the kernels round as torch does; the norms' sums differ in order only)."""
     import torch.nn.functional as F
 
     from minedraft.model.config import RopeConfig
+    from minedraft.model.kernels.triton_fused import add_rms_norm, rope_write_kv, silu_and_mul
     from minedraft.model.layers import RotaryEmbedding, rms_normalize
-    from minedraft.model.triton_fused import add_rms_norm, rope_write_kv, silu_and_mul
 
     cuda = device.type == "cuda"
     hidden, size, heads, kv_heads, dim = (4096, 14336, 32, 8, 128) if cuda else (64, 200, 4, 2, 32)
@@ -158,8 +158,8 @@ def step_quant(args: argparse.Namespace) -> dict:
     GEMM on the same dense weight (Llama-3-8B's MLP down projection, 14336 -> 4096, at 1, 16 and 64 rows)."""
     import torch
 
+    from minedraft.model.kernels.triton_quant import _INTERPRETED, awq_matmul, fp8_block_matmul
     from minedraft.model.quantization import dequantize_awq, dequantize_fp8
-    from minedraft.model.triton_quant import _INTERPRETED, awq_matmul, fp8_block_matmul
 
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
@@ -192,7 +192,7 @@ def step_quant(args: argparse.Namespace) -> dict:
 
 
 def step_moe(args: argparse.Namespace) -> dict:
-    """The grouped expert GEMMs (model/triton_moe.py) on Qwen3-235B-A22B's experts at 4-way tensor
+    """The grouped expert GEMMs (model/kernels/triton_moe.py) on Qwen3-235B-A22B's experts at 4-way tensor
     parallelism (128 experts, hidden 4096, 384 intermediate rows per rank, top 8; random FP8 and AWQ stacks):
     a MoE step (gate/up, SiLU x up, down, weighted combine) against the same experts dequantized to bf16 and
     run expert by expert as the model's unquantized path does (error), and the time of each at 1 to 256
@@ -200,8 +200,8 @@ def step_moe(args: argparse.Namespace) -> dict:
     expert-by-expert loop, which syncs with the host, by wall clock."""
     import torch
 
+    from minedraft.model.kernels.triton_moe import _INTERPRETED, fused_experts
     from minedraft.model.quantization import QuantConfig
-    from minedraft.model.triton_moe import _INTERPRETED, fused_experts
 
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,8 +1,8 @@
-"""Tiles for the FP8 and AWQ Triton GEMMs (model/triton_quant.py), swept on one CUDA GPU.
+"""Tiles for the FP8 and AWQ Triton GEMMs (model/kernels/triton_quant.py), swept on one CUDA GPU.
 
     python benchmarks/quant_tiles.py                 # Llama-3-8B's projections at 1, 16 and 64 rows
     python benchmarks/quant_tiles.py --rows 1 --quick
-    python benchmarks/quant_tiles.py --grouped       # the grouped expert GEMMs (model/triton_moe.py) on
+    python benchmarks/quant_tiles.py --grouped       # the grouped expert GEMMs (model/kernels/triton_moe.py) on
                                                      # Qwen3-235B-A22B's experts at 4-way TP, 1 to 256 tokens
 
 For every projection shape and row count it times each tile choice, torch's bf16 GEMM on the dense weight
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from minedraft.model.kernels.triton_moe import grouped_matmul, grouped_tiles, route, row_block
+from minedraft.model.kernels.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul, pick_tiles
 from minedraft.model.quantization import dequantize_awq, dequantize_fp8
-from minedraft.model.triton_moe import grouped_matmul, grouped_tiles, route, row_block
-from minedraft.model.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul, pick_tiles
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 

@@ -1,4 +1,4 @@
-"""The C paged-attention kernel for CPU (model/cpu_attention.py) against the torch path we already trust.
+"""The C paged-attention kernel for CPU (model/kernels/cpu_attention.py) against the torch path we already trust.
 
 Built for real with this machine's C compiler, as a user's first start builds it. Cases: decode at every
 context length around block boundaries, k + 1 verification windows, short prompts, block tables out of
@@ -20,8 +20,8 @@ import textwrap
 import pytest
 import torch
 
-from minedraft.model import cpu_attention
 from minedraft.model.attention import attend, plan_attention
+from minedraft.model.kernels import cpu_attention
 from minedraft.model.kv_cache import NULL_BLOCK
 from minedraft.model.runner import ModelRunner
 

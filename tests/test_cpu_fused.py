@@ -1,5 +1,5 @@
-"""The CPU fused layer kernels (model/cpu_fused.py, C in model/fused_layers.c) against the torch ops they
-replace, row by row alone and in batches, then the model runner with them against the runner without."""
+"""The CPU fused layer kernels (model/kernels/cpu_fused.py, C in model/kernels/fused_layers.c) against the torch
+ops they replace, row by row alone and in batches, then the model runner with them against the runner without."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from minedraft.model import cpu_fused
 from minedraft.model.config import RopeConfig
+from minedraft.model.kernels import cpu_fused
 from minedraft.model.kv_cache import KVCache
 from minedraft.model.layers import RotaryEmbedding, rms_normalize
 from minedraft.model.runner import ModelRunner, SeqInput

@@ -1,5 +1,5 @@
-"""A decode step's forward as one C call (model/cpu_stack.py, model/decode_stack.c) against the same model's
-layers run one by one."""
+"""A decode step's forward as one C call (model/kernels/cpu_stack.py, model/kernels/decode_stack.c) against the
+same model's layers run one by one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from minedraft.config import BUNDLED_DRAFT, EngineConfig, SpeculativeConfig
 from minedraft.engine.local_executor import draft_runner
-from minedraft.model.cpu_stack import MAX_ROWS, DecodeStack
+from minedraft.model.kernels.cpu_stack import MAX_ROWS, DecodeStack
 from minedraft.model.runner import ModelRunner, SeqInput
 
 from tiny_models import make_tiny_checkpoint

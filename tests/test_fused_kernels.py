@@ -1,4 +1,4 @@
-"""The fused layer kernels (model/triton_fused.py) against the torch ops they replace, on CPU through
+"""The fused layer kernels (model/kernels/triton_fused.py) against the torch ops they replace, on CPU through
 Triton's interpreter, then the model runner with them against the runner without.
 
 The interpreter converts fp32 to bf16 by truncation where a GPU rounds to nearest, so bf16 results may
@@ -17,10 +17,10 @@ pytest.importorskip("triton")
 
 from minedraft.model.config import RopeConfig  # noqa: E402
 from minedraft.model.graphs import StaticForward  # noqa: E402
+from minedraft.model.kernels.triton_fused import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul  # noqa: E402
 from minedraft.model.kv_cache import KVCache  # noqa: E402
 from minedraft.model.layers import RotaryEmbedding, rms_normalize  # noqa: E402
 from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
-from minedraft.model.triton_fused import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint, unfused_qkv  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The GPU path for quantized checkpoints, without a GPU: the Triton GEMMs (model/triton_quant.py) under
+"""The GPU path for quantized checkpoints, without a GPU: the Triton GEMMs (model/kernels/triton_quant.py) under
 Triton's interpreter against the CPU path's dequantized weights, and the model runner keeping FP8 and AWQ
 weights as stored (QuantizedWeight) against the runner that dequantizes at load.
 
@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from test_quantization import _pack_awq, awq_pair, fp8_pair  # noqa: E402
 
+from minedraft.model.kernels.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul, k_tile  # noqa: E402
 from minedraft.model.layers import LinearBase  # noqa: E402
 from minedraft.model.quantization import (  # noqa: E402
     DequantizedTensor,
@@ -26,7 +27,6 @@ from minedraft.model.quantization import (  # noqa: E402
     dequantize_fp8,
 )
 from minedraft.model.runner import ModelRunner, SeqInput  # noqa: E402
-from minedraft.model.triton_quant import GemmTiles, awq_matmul, fp8_block_matmul, k_tile  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 

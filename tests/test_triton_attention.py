@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 from minedraft.model.attention import attend, plan_attention  # noqa: E402
+from minedraft.model.kernels.triton_attention import paged_attention, paged_meta, supports  # noqa: E402
 from minedraft.model.kv_cache import NULL_BLOCK  # noqa: E402
 from minedraft.model.runner import ModelRunner  # noqa: E402
-from minedraft.model.triton_attention import paged_attention, paged_meta, supports  # noqa: E402
 
 from tiny_models import assert_runners_agree, make_tiny_checkpoint  # noqa: E402
 

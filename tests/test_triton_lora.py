@@ -1,4 +1,4 @@
-"""Batched LoRA's Triton kernels (model/triton_lora.py) against lora.py's torch math, on CPU through Triton's
+"""Batched LoRA's Triton kernels (model/kernels/triton_lora.py) against lora.py's torch math, on CPU through Triton's
 interpreter: packed q/k/v and gate/up projections and a row-parallel one, a tensor-parallel rank's share,
 three adapters of ranks 8 and 16 (one on some parts only) mixed with tokens of none, batches of one token
 and of several tiles; then a model runner whose adapters run as the kernels, its decode and verification

@@ -1,4 +1,4 @@
-"""MoE experts kept quantized, without a GPU: the grouped expert GEMMs (model/triton_moe.py) under Triton's
+"""MoE experts kept quantized, without a GPU: the grouped expert GEMMs (model/kernels/triton_moe.py) under Triton's
 interpreter against the experts dequantized at load (the CPU path), from checkpoint tensors the tests
 write: FP8 block-scaled and AWQ experts, a tensor-parallel rank's slice, uneven token counts per expert
 with experts that get none; and the model runner on a tiny quantized Qwen3-MoE checkpoint, experts kept
@@ -23,14 +23,14 @@ from test_quantization import _pack_awq, awq_pair, fp8_pair  # noqa: E402
 from test_quantized_kernels import _logits  # noqa: E402
 
 from minedraft.model.checkpoint import CheckpointReader  # noqa: E402
+from minedraft.model.kernels.triton_moe import route  # noqa: E402
+from minedraft.model.kernels.triton_quant import pick_tiles  # noqa: E402
 from minedraft.model.layers import quantized_linears  # noqa: E402
 from minedraft.model.loader import weight_bytes  # noqa: E402
 from minedraft.model.moe import StackedExperts  # noqa: E402
 from minedraft.model.parallel import TensorParallel  # noqa: E402
 from minedraft.model.quantization import QuantConfig  # noqa: E402
 from minedraft.model.runner import ModelRunner  # noqa: E402
-from minedraft.model.triton_moe import route  # noqa: E402
-from minedraft.model.triton_quant import pick_tiles  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -196,7 +196,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minedraft.model import triton_moe
+from minedraft.model.kernels import triton_moe
 
 rows = {"Y": "*bf16", "SortedPairs": "*i32", "TileExperts": "*i32", "num_pairs": "i32", "x_div": "i32", "N": "i32",
         "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}

@@ -12,7 +12,7 @@ every sequence's blocks in place. Three kernels on CPU (the GPU's paged Triton k
   queries padded to the longest, a mask hiding what each query may not see. Long queries (prefill) get
   a call each, so one long prompt never pads the whole batch.
 * ``cpu`` (the CPU default for float32 models, where the machine's C compiler builds it): short queries
-  go to a C kernel that reads each sequence's blocks in place (model/cpu_attention.py); long queries keep
+  go to a C kernel that reads each sequence's blocks in place (model/kernels/cpu_attention.py); long queries keep
   sdpa's calls.
 * ``batch-invariant``: the same math with every GEMM and reduction at a fixed shape (Q_BLOCK query rows
   x KV_BLOCK keys, key blocks combined strictly left to right), so a token's output is bit-identical
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minedraft.model.cpu_attention import CpuPagedMeta, cpu_paged_meta
-from minedraft.model.cpu_attention import paged_attention as cpu_paged_attention
+from minedraft.model.kernels.cpu_attention import CpuPagedMeta, cpu_paged_meta
+from minedraft.model.kernels.cpu_attention import paged_attention as cpu_paged_attention
 from minedraft.model.kv_cache import NULL_BLOCK
 
 Q_BLOCK = 8  # query rows per fixed-shape block
@@ -95,7 +95,7 @@ def plan_attention(starts: list[int], lengths: list[int], tables: list[list[int]
                    paged_kernel: bool = False, cpu_kernel: bool = False) -> AttentionPlan:
     """Host-side bookkeeping shared by all layers of one forward pass."""
     if paged_kernel:
-        from minedraft.model.triton_attention import paged_meta  # triton is imported only where it runs
+        from minedraft.model.kernels.triton_attention import paged_meta  # triton is imported only where it runs
 
         return AttentionPlan([], [], paged=paged_meta(starts, lengths, tables, NULL_BLOCK, device))
     offsets = [0, *itertools.accumulate(lengths)][:-1]
@@ -257,7 +257,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
            scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] of the whole batch; caches: [kv_heads, blocks, block_size, head_dim]."""
     if plan.paged is not None:
-        from minedraft.model.triton_attention import paged_attention
+        from minedraft.model.kernels.triton_attention import paged_attention
 
         return paged_attention(q, k_cache, v_cache, plan.paged, scale)
     if plan.padded is not None and plan.padded.src is None:

@@ -16,7 +16,7 @@ A target that feeds an EAGLE head also has the head's features captured (EAGLE-3
 layers; EAGLE-1: its final normed state): each bucket keeps the buffer its replays write them to, and a step
 reads the rows of its real tokens.
 
-With LoRA adapters run by the Triton kernels (model/triton_lora.py), each bucket also keeps each token's
+With LoRA adapters run by the Triton kernels (model/kernels/triton_lora.py), each bucket also keeps each token's
 adapter slot in a buffer the captured kernels read; padding tokens are in slot 0 (no adapter). The
 adapters' weights sit in fixed pools that loading an adapter overwrites in place, so a replay applies
 whatever adapters the step's tokens name.
@@ -145,8 +145,8 @@ class StaticForward:
         return self._call_model(buffers)
 
     def _call_model(self, buffers: StaticBuffers) -> torch.Tensor:
+        from minedraft.model.kernels.triton_attention import PagedMeta
         from minedraft.model.transformer import ForwardContext  # transformer imports this module's users
-        from minedraft.model.triton_attention import PagedMeta
 
         if self.lora_tokens is not None:  # the adapted layers read each token's slot from the bucket's buffer
             self.lora_tokens.set(buffers.lora_slots)

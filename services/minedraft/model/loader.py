@@ -89,14 +89,14 @@ class Placement:
 
 
 def use_quantized_kernels(config: ModelConfig, kernel: str, device: torch.device) -> bool:
-    """Whether a quantized checkpoint keeps its weights as stored for the Triton GEMMs (model/triton_quant.py,
-    model/triton_moe.py) rather than dequantizing them at load: `kernel` triton, or auto on CUDA where triton
+    """Whether a quantized checkpoint keeps its weights as stored for the Triton GEMMs (model/kernels/triton_quant.py,
+    model/kernels/triton_moe.py) rather than dequantizing them at load: `kernel` triton, or auto on CUDA where triton
     is installed and the checkpoint's block or group shape suits the kernels' tiles."""
     quant = config.quantization
     if quant is None or kernel == "dequantize" or (kernel == "auto" and device.type != "cuda"):
         return False
     try:
-        from minedraft.model.triton_quant import supports_awq, supports_fp8
+        from minedraft.model.kernels.triton_quant import supports_awq, supports_fp8
     except ImportError as exc:
         if kernel == "triton":
             raise ValueError(f"quantized_kernel triton needs the triton package: {exc}") from exc
@@ -189,8 +189,8 @@ def _round_to_bf16(model: nn.Module) -> None:
 
 def weights_in_bf16(dtype: torch.dtype | str, device: torch.device, config: ModelConfig) -> bool:
     """Whether 'auto' on CPU holds a bfloat16 checkpoint's weights as bfloat16 values in a float32 model: the
-    arithmetic stays float32, and the one-call decode stack (model/cpu_stack.py) streams half the bytes a step. A
-    bfloat16 safetensors checkpoint loses nothing; a GGUF file (declared bfloat16, as on a GPU) has its
+    arithmetic stays float32, and the one-call decode stack (model/kernels/cpu_stack.py) streams half the bytes a
+    step. A bfloat16 safetensors checkpoint loses nothing; a GGUF file (declared bfloat16, as on a GPU) has its
     dequantized weights rounded, as a GPU's bfloat16 would. An explicit float32 keeps every value as stored."""
     return dtype == "auto" and device.type == "cpu" and _DTYPES.get(str(config.torch_dtype)) == torch.bfloat16
 

@@ -12,7 +12,7 @@ exact zero. Tensor parallel: A and B are split the way the base layer is (column
 output rows; row-parallel: A along its input columns, the partial sums reduced with the base layer's).
 
 On CUDA in the default mode, where triton is installed, the same pools are multiplied by the Triton kernels
-of model/triton_lora.py instead (`lora_kernel_available`): each token by its own slot's A and B only, each
+of model/kernels/triton_lora.py instead (`lora_kernel_available`): each token by its own slot's A and B only, each
 packed part by its own rows of B. The strict mode (batch_invariant) and the CPU keep the two GEMMs above.
 """
 
@@ -131,12 +131,12 @@ def _read_pairs(name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Te
 
 
 def lora_kernel_available(device: torch.device, batch_invariant: bool) -> bool:
-    """Whether the adapters run as Triton kernels (model/triton_lora.py): on CUDA, in the default mode, where
+    """Whether the adapters run as Triton kernels (model/kernels/triton_lora.py): on CUDA, in the default mode, where
     triton is installed. Elsewhere the torch GEMMs of `LoraSlots.add_to` do."""
     if device.type != "cuda" or batch_invariant:
         return False
     try:
-        import minedraft.model.triton_lora  # noqa: F401
+        import minedraft.model.kernels.triton_lora  # noqa: F401
     except ImportError:
         return False
     return True
@@ -184,7 +184,7 @@ class LoraSlots:
         if self.tokens.slots is None:
             return y
         if self.kernel:
-            from minedraft.model.triton_lora import add_lora  # triton is imported only where it runs
+            from minedraft.model.kernels.triton_lora import add_lora  # triton is imported only where it runs
 
             return add_lora(y, x, self.a, self.b, self.tokens.slots, self.part_rows, self.longest_part,
                             self.max_rank)

@@ -5,7 +5,7 @@ Tensor parallelism splits every expert's intermediate dimension across the ranks
 each rank runs every expert on its slice, and one all-reduce sums the partial outputs of all experts. The
 experts' weights are stacked in two parameters, read from the checkpoint's per-expert tensors
 (`mlp.experts.N.gate_proj / up_proj / down_proj`). On CUDA with a quantized checkpoint they stay quantized
-and run as grouped Triton GEMMs (StackedExperts, model/triton_moe.py); otherwise (CPU, unquantized
+and run as grouped Triton GEMMs (StackedExperts, model/kernels/triton_moe.py); otherwise (CPU, unquantized
 checkpoints) they run expert by expert.
 """
 
@@ -37,7 +37,7 @@ class StackedExperts(nn.Module):
     Built inside quantized_linears (CUDA with triton), each stack keeps the checkpoint's storage instead
     (`quantized["w13"]`, `quantized["w2"]`: FP8 codes and block scales, or AWQ's packed words, zeros and
     scales, one weight per expert; the parameter stays empty), and the forward runs the grouped Triton
-    GEMMs (model/triton_moe.py) on whatever each stack holds. A stack whose tensor-parallel slice does not
+    GEMMs (model/kernels/triton_moe.py) on whatever each stack holds. A stack whose tensor-parallel slice does not
     line up with the scale blocks or packing is dequantized at load, and says so in `fallbacks`."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel,
@@ -98,7 +98,7 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum over each token's experts ([tokens, k] ids and weights)."""
         if self.grouped:
-            from minedraft.model.triton_moe import fused_experts
+            from minedraft.model.kernels.triton_moe import fused_experts
 
             return fused_experts(x, experts, weights, self.quantized.get("w13", self.w13),
                                  self.quantized.get("w2", self.w2), self.num_experts, self.batch_invariant)  # fmt: skip

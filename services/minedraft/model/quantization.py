@@ -11,10 +11,10 @@ A checkpoint says how it is quantized in config.json's `quantization_config`. Th
 On CPU every quantized tensor is dequantized once, at load, into the model's dtype: the model then runs
 its ordinary kernels at full weight memory. On CUDA (with triton) the linear layers keep their weights as
 the checkpoint stores them (`QuantizedWeight`: one byte per FP8 weight, half a byte per AWQ weight) and
-multiply with Triton GEMMs that dequantize tile by tile (model/triton_quant.py); so do the MoE experts,
+multiply with Triton GEMMs that dequantize tile by tile (model/kernels/triton_quant.py); so do the MoE experts,
 stacked per layer (a `QuantizedWeight` with a leading expert dimension, this rank's slice of each expert)
 and multiplied by grouped GEMMs, one launch for every expert's gate/up and one for down
-(model/triton_moe.py). A layer or expert stack whose scale blocks or packing do not line up with its
+(model/kernels/triton_moe.py). A layer or expert stack whose scale blocks or packing do not line up with its
 tensor-parallel shard or packed q/k/v or gate/up part is dequantized at load as on CPU (for experts, the
 runner logs which). Layers a checkpoint leaves unquantized (embeddings, norms, the LM head, MoE routers)
 are read as they are. Any other method is refused by name.
@@ -219,8 +219,8 @@ class QuantizedWeight:
         dst.narrow(dim, offset, length).copy_(source.parts[part].read(dim, start, length))
 
     def matmul(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """x @ W.T for one (unstacked) weight; stacked experts go through model/triton_moe.py."""
-        from minedraft.model.triton_quant import awq_matmul, fp8_block_matmul
+        """x @ W.T for one (unstacked) weight; stacked experts go through model/kernels/triton_moe.py."""
+        from minedraft.model.kernels.triton_quant import awq_matmul, fp8_block_matmul
 
         if self.quant.method == "fp8":
             return fp8_block_matmul(x, self.parts["weight"], self.parts["scale"], self.quant.block,

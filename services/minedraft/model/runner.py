@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from minedraft.config import check_fits_one_request
 from minedraft.extras import require
-from minedraft.model import cpu_attention, cpu_fused
 from minedraft.model.attention import plan_attention
-from minedraft.model.cpu_stack import DecodeStack, StackStep
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
+from minedraft.model.kernels import cpu_attention, cpu_fused
+from minedraft.model.kernels.cpu_stack import DecodeStack, StackStep
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.loader import (
     LOAD_FORMATS,
@@ -80,20 +80,20 @@ class RunnerOptions:
     # the tokenizer to use instead of the checkpoint's own (a folder with tokenizer.json, or the file)
     tokenizer: str | Path | None = None
     # the LoRA adapters a sequence may name (allocate_slot), applied in batches (model/lora.py); the forward
-    # runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/triton_lora.py)
+    # runs eagerly (no CUDA graphs) with them unless they run as Triton kernels (model/kernels/triton_lora.py)
     lora: LoraOptions | None = None
     # Test and benchmark knobs. attention_kernel: torch, triton (paged: reads the cache in place), cpu (the
-    # C kernel for short queries on CPU, model/cpu_attention.py) or auto (triton on CUDA where it is installed
+    # C kernel for short queries on CPU, model/kernels/cpu_attention.py) or auto (triton on CUDA where it is installed
     # and the shapes suit it; cpu on CPU for float32 models where a C compiler builds it; torch elsewhere).
     attention_kernel: str = "auto"
     # for a quantized checkpoint: triton (keep the weights as stored, MoE experts included, Triton GEMMs),
     # dequantize (dense weights at load) or auto (loader.use_quantized_kernels)
     quantized_kernel: str = "auto"
     # the layers' norms (with the residual add), rotary embedding (with the KV write) and SiLU-and-mul as fused
-    # kernels: triton (model/triton_fused.py), cpu (C, model/cpu_fused.py: float32 on CPU), off, or auto (triton
-    # with CUDA where triton is installed, cpu on CPU for float32 models where a C compiler builds it; in the
-    # default mode only, never in the strict mode, nor for an EAGLE head); with cpu, a step of short queries runs
-    # every layer in one C call where the model allows it (model/cpu_stack.py)
+    # kernels: triton (model/kernels/triton_fused.py), cpu (C, model/kernels/cpu_fused.py: float32 on CPU), off,
+    # or auto (triton with CUDA where triton is installed, cpu on CPU for float32 models where a C compiler builds
+    # it; in the default mode only, never in the strict mode, nor for an EAGLE head); with cpu, a step of short
+    # queries runs every layer in one C call where the model allows it (model/kernels/cpu_stack.py)
     fused_kernels: str = "auto"
     # auto (the checkpoint's safetensors) or dummy (random weights from config.json alone, as vLLM's
     # --load-format dummy: for timing a model's shape without its weights)
@@ -188,7 +188,8 @@ class ModelRunner:
         self.cpu_kernel = self._use_cpu_kernel(options.attention_kernel)
         self.fused_kernels = self._use_fused(options.fused_kernels)  # the kernels' name, None: torch's ops
         if self.fused_kernels is not None:  # before the graphs capture the forward
-            self.model.model.fused_kernels = importlib.import_module(f"minedraft.model.{self.fused_kernels}_fused")
+            kernels = importlib.import_module(f"minedraft.model.kernels.{self.fused_kernels}_fused")
+            self.model.model.fused_kernels = kernels
         self.decode_stack = self._use_decode_stack()  # whether short-query steps run as one C call
         eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
@@ -227,11 +228,11 @@ class ModelRunner:
         return graphs
 
     def _use_triton(self, kernel: str) -> bool:
-        """The paged Triton attention kernel (model/triton_attention.py), as attention_kernel chooses."""
+        """The paged Triton attention kernel (model/kernels/triton_attention.py), as attention_kernel chooses."""
         if kernel == "torch" or (kernel == "auto" and (self.device.type != "cuda" or self.batch_invariant)):
             return False
         try:
-            from minedraft.model.triton_attention import supports
+            from minedraft.model.kernels.triton_attention import supports
         except ImportError as exc:
             if kernel == "triton":
                 raise ValueError(f"attention_kernel triton needs the triton package: {exc}") from exc
@@ -239,7 +240,7 @@ class ModelRunner:
         return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
 
     def _use_cpu_kernel(self, kernel: str) -> bool:
-        """The C attention kernel for short queries (model/cpu_attention.py), as attention_kernel chooses."""
+        """The C attention kernel for short queries (model/kernels/cpu_attention.py), as attention_kernel chooses."""
         if kernel not in ("auto", "cpu") or self.batch_invariant:
             return False
         head_dim = self.config.head_dim
@@ -267,7 +268,7 @@ class ModelRunner:
         if kernel == "auto" and self.device.type != "cuda":
             return None
         try:
-            import minedraft.model.triton_fused  # noqa: F401
+            import minedraft.model.kernels.triton_fused  # noqa: F401
         except ImportError as exc:
             if kernel == "triton":
                 raise ValueError(f"fused_kernels triton needs the triton package: {exc}") from exc

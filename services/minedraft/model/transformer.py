@@ -159,10 +159,10 @@ class DecoderModel(nn.Module):
         # layers: the last one after the final norm, EAGLE-1).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
-        # The fused kernels for the norms, rotary + KV write and SiLU-and-mul: model/triton_fused.py on CUDA,
-        # model/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
+        # The fused kernels for the norms, rotary + KV write and SiLU-and-mul: model/kernels/triton_fused.py on CUDA,
+        # model/kernels/cpu_fused.py on CPU (the runner decides at start-up: the default mode). None: torch's ops.
         self.fused_kernels: ModuleType | None = None
-        # A step of short queries through the layers, final norm and LM head as one C call (model/cpu_stack.py;
+        # A step of short queries through the layers, final norm and LM head as one C call (model/kernels/cpu_stack.py;
         # ModelRunner.forward runs it), where the runner runs the C fused kernels. None: the layers as below.
         self.decode_stack: Any = None
 

@@ -5,10 +5,10 @@
  * each dispatched from Python, took a millisecond; the bundled target's step likewise cost its dispatch more
  * than reading its weights. Here every layer runs as loops over the weights held transposed and packed by tiles
  * of 64 outputs (gemm): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
- * paged attention (the kernels of model/fused_layers.c and model/paged_attention.c, included below), the
+ * paged attention (the kernels of model/kernels/fused_layers.c and model/kernels/paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the
  * stream; then the final norm and the LM head for the rows that need logits. Built once per machine by
- * model/cpu_kernels.py, called through ctypes by model/cpu_stack.py; float32 activations, the projections'
+ * model/kernels/cpu_kernels.py, called through ctypes by model/kernels/cpu_stack.py; float32 activations, the projections'
  * weights float32 or bfloat16 (weights that are bfloat16 values, widened to the same floats as they load).
  *
  * A row's result depends on that row alone: every output is one sum over the input features in order, the
@@ -25,7 +25,7 @@
 
 #define ROW_BLOCK 8        /* rows that share each loaded weight vector (a verification window of k = 4 is 5) */
 #define COL_VECS 4         /* output vectors (of LANES) a tile covers */
-#define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as model/cpu_stack.py packs the weights */
+#define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as model/kernels/cpu_stack.py packs the weights */
 #define PARALLEL_MACS (1 << 16) /* a GEMM with fewer multiply-adds runs on the calling thread */
 
 typedef uint16_t bf16_vec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
@@ -169,7 +169,7 @@ static void gemm_tiles_widened(const float *x, int64_t rows, int64_t in, const u
 }
 
 /* y (+)= x @ W (+ bias): x [rows, in] contiguous, y rows `stride_y` apart; wt: W [in, out] packed by tiles of
- * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/cpu_stack.py
+ * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/kernels/cpu_stack.py
  * packs them): a tile's weights stream from memory in order. bf16: wt holds bfloat16 (the weights are bfloat16
  * values: half the bytes to stream, the same sums), else float32. */
 static void gemm(const float *x, int64_t rows, int64_t in, const void *wt, const float *bias, int64_t out,
@@ -189,7 +189,7 @@ static void gemm(const float *x, int64_t rows, int64_t in, const void *wt, const
             for (int64_t o = 0; o < out; o++) y[r * stride_y + o] += bias[o];
 }
 
-/* One layer's weights, as model/cpu_stack.py lays them out (pointers; NULL where the model has none). */
+/* One layer's weights, as model/kernels/cpu_stack.py lays them out (pointers; NULL where the model has none). */
 enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
        WEIGHTS_PER_LAYER };
 

@@ -156,7 +156,7 @@ def _awq_kernel(
 
 
 # The products of one [BLOCK_M, BLOCK_N] output tile over K in [k_start, k_stop), shared by the dense GEMMs
-# here and the grouped expert GEMMs (model/triton_moe.py): `x_rows` points at each row of X (rows need not
+# here and the grouped expert GEMMs (model/kernels/triton_moe.py): `x_rows` points at each row of X (rows need not
 # be contiguous), the weight pointers at one [N, K] matrix. Each K step dequantizes its weight tile in
 # float32, rounds it to X's dtype, and accumulates the product in float32.
 

@@ -5,7 +5,7 @@ sorted by expert and laid out in tiles of BLOCK_M rows, each expert's rows padde
 fused-MoE kernels do), so every tile belongs to one expert. One launch computes gate/up for all experts,
 one the down projection: a program reads its tile's expert from a per-tile array and multiplies its rows
 by that expert's weight, dequantizing it tile by tile with the same code as the dense GEMMs
-(model/triton_quant.py: `fp8_tile_product`, `awq_tile_product`), so a pair's result is what the dense
+(model/kernels/triton_quant.py: `fp8_tile_product`, `awq_tile_product`), so a pair's result is what the dense
 kernel gives for that token and expert. Unquantized experts (bf16 or any float) run through the same
 launch. Results are written in pair order and combined with the router weights slot by slot.
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minedraft.model.triton_quant import (
+from minedraft.model.kernels.triton_quant import (
     _INTERPRETED,
     MAX_BLOCK_K,
     GemmTiles,

@@ -1,4 +1,4 @@
-"""Paged attention on CPU in C (model/paged_attention.c): keys and values read in place through the block table.
+"""Paged attention on CPU in C (model/kernels/paged_attention.c): keys and values read in place through the block table.
 
 The torch path gathers a batch's keys and values into one padded rectangle (an index_select per layer) and
 hands it to sdpa, so the context crosses memory three times: read, written, read again. On a decode step the
@@ -7,7 +7,7 @@ target in fp32, 4 MB of weights), and the gather and sdpa took half of it. This 
 for short queries (decode, verification, draft steps); prompts keep sdpa's flash attention, which is
 compute-bound there.
 
-It is built on first use with the machine's C compiler (model/cpu_kernels.py). Where no compiler works,
+It is built on first use with the machine's C compiler (model/kernels/cpu_kernels.py). Where no compiler works,
 `attention_kernel auto` keeps the torch path and says why once; `attention_kernel cpu` refuses to start.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model import cpu_kernels
+from minedraft.model.kernels import cpu_kernels
 
 
 @dataclass

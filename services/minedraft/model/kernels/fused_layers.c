@@ -1,9 +1,9 @@
-/* A decoder layer's elementwise chains on CPU, each one call: the CPU counterparts of model/triton_fused.py.
+/* A decoder layer's elementwise chains on CPU, each one call: the CPU counterparts of model/kernels/triton_fused.py.
  *
  * Unfused, torch runs RMSNorm as some ten operators (cast, square, mean, rsqrt, ...), the q/k norm, rotary
  * embedding and KV write as twenty more per layer, each dispatched from Python at a few microseconds however
  * little it computes. At a decode step of one sequence those dispatches cost more than the arithmetic. Built
- * once per machine by model/cpu_kernels.py and called through ctypes from model/cpu_fused.py; float32 only.
+ * once per machine by model/kernels/cpu_kernels.py and called through ctypes from model/kernels/cpu_fused.py; float32 only.
  *
  * Every row (a token, or a token's head) is computed by the same loop in the same order whatever the batch
  * around it, so a token's result does not depend on the other tokens of the forward. Sums of squares run in

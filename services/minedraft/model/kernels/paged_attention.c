@@ -1,7 +1,7 @@
 /* Paged attention on CPU: each sequence's keys and values read in place through its block table.
  *
  * The CPU path's kernel for short queries (decode steps, k + 1 verification tokens, draft steps); built
- * once per machine by model/cpu_attention.py and called through ctypes. Semantics as everywhere in the
+ * once per machine by model/kernels/cpu_attention.py and called through ctypes. Semantics as everywhere in the
  * engine: query i of a sequence sits at position start + i and sees keys 0 .. start + i; query head h
  * reads kv head h / (heads / kv_heads).
  *

@@ -1,6 +1,6 @@
 """C kernels for the CPU path, built on first use with the machine's C compiler and called through ctypes.
 
-Each source (`model/*.c`) is built with `cc` (or `$CC`) for this CPU (`-march=native`) into
+Each source (`model/kernels/*.c`) is built with `cc` (or `$CC`) for this CPU (`-march=native`) into
 `$MINEDRAFT_CACHE_DIR` (default `~/.cache/minedraft`), one file per source, flags, compiler and CPU, so later
 processes load it in milliseconds. Their OpenMP threads are torch's own: the libraries link `libgomp.so.1`,
 which the loader resolves to the copy torch already loaded. Where no compiler works, `KernelUnavailable` says
@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 300
-_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)  # another source of model/, built into this one
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)  # another source beside it, built into it
 
 
 class KernelUnavailable(RuntimeError):
@@ -32,7 +32,7 @@ class KernelUnavailable(RuntimeError):
 
 @functools.cache
 def library(source_name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
-    """The built `model/<source_name>`, building it first if this machine has no copy yet; `declare` sets its
+    """The built `model/kernels/<source_name>`, building it first if this machine has no copy yet; `declare` sets its
     functions' ctypes signatures."""
     source = Path(__file__).with_name(source_name)
     built = _cache_dir() / f"{source.stem}-{_build_key(source)}.so"

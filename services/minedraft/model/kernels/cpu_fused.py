@@ -1,6 +1,8 @@
-"""Fused elementwise kernels of a decoder layer on CPU, in C (model/fused_layers.c): the CPU path's default mode.
+"""Fused elementwise kernels of a decoder layer on CPU, in C (model/kernels/fused_layers.c): the CPU path's default
+mode.
 
-The same calls as model/triton_fused.py, so the layers' fused form (DecoderLayer.forward_fused) runs either:
+The same calls as model/kernels/triton_fused.py, so the layers' fused form (DecoderLayer.forward_fused) runs
+either:
 
 - `add_rms_norm`: the residual add and the RMSNorm after it, returning the normed rows and the new stream;
 - `rope_write_kv`: Qwen3's q/k RMSNorm (where the model has one), the rotary embedding of q and k, and the
@@ -20,7 +22,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from minedraft.model import cpu_kernels
+from minedraft.model.kernels import cpu_kernels
 
 
 def available() -> str | None:

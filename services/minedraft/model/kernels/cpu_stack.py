@@ -1,5 +1,5 @@
-"""A step's forward on CPU as one C call (model/decode_stack.c): every layer, the final norm and the LM head of a
-step of up to MAX_ROWS tokens (decode steps, verification windows, draft steps, short prompts).
+"""A step's forward on CPU as one C call (model/kernels/decode_stack.c): every layer, the final norm and the LM
+head of a step of up to MAX_ROWS tokens (decode steps, verification windows, draft steps, short prompts).
 
 On CPU a small model's step costs what dispatching its operators costs: the bundled draft (two layers of 128
 features) ran some 230 operators per forward, about a millisecond, for arithmetic one core does in tens of
@@ -21,7 +21,7 @@ import itertools
 
 import torch
 
-from minedraft.model import cpu_kernels
+from minedraft.model.kernels import cpu_kernels
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache
 from minedraft.model.transformer import MLP, CausalLM
 
