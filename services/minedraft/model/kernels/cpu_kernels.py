@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 300
-_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)  # another source beside it, built into it
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)  # a source or header beside it, built into it
 
 
 class KernelUnavailable(RuntimeError):
@@ -69,11 +69,11 @@ def _compiler() -> str:
 
 
 def _build_key(source: Path) -> str:
-    """What the built file depends on: the source and the sources it includes, the flags, the compiler and the
-    CPU (-march=native)."""
-    digest = hashlib.sha256(source.read_bytes())
-    for name in _LOCAL_INCLUDE.findall(source.read_text()):
-        digest.update(source.with_name(name).read_bytes())
+    """What the built file depends on: the source and the files it includes (theirs too), the flags, the compiler
+    and the CPU (-march=native)."""
+    digest = hashlib.sha256()
+    for part in _sources(source):
+        digest.update(part.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -82,6 +82,18 @@ def _build_key(source: Path) -> str:
     digest.update(version.encode())
     digest.update(_cpu_signature().encode())
     return digest.hexdigest()[:16]
+
+
+def _sources(source: Path) -> list[Path]:
+    """`source` and every local file it includes, directly or through another, each once, in include order."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        path = pending.pop()
+        if path not in found:
+            found.append(path)
+            pending.extend(reversed([path.with_name(name) for name in _LOCAL_INCLUDE.findall(path.read_text())]))
+    return found
 
 
 def _cpu_signature() -> str:

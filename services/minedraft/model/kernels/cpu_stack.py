@@ -34,27 +34,49 @@ from minedraft.model.transformer import MLP, CausalLM
 MAX_ROWS = 192
 _WEIGHTS_PER_LAYER = 12  # decode_stack.c's enum: norms, projections and their biases, in its order
 _TILE = 64  # decode_stack.c's TILE: the outputs one tile of its GEMM covers (COL_VECS x LANES floats)
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
-class StackStep:
-    """A step as the call reads it: its token rows (ids, positions, cache slots, logits rows) in one int64
-    tensor and its sequences (block tables, starts, offsets, query lengths) in one int32 tensor, built from the
-    host lists in two conversions (the general path's batch and attention plan take about fifteen), and the
-    addresses of each part."""
+class StackModel(ctypes.Structure):
+    """decode_stack.c's struct stack_model: the model's weights, shapes and KV pool as the call reads them."""
+
+    _fields_ = [("embed", _ptr), ("weights", _ptr), ("caches", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
+                ("final_norm", _ptr), ("lm_head", _ptr), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
+                ("stride_rope", _i64), ("kv_stride_h", _i64), ("kv_stride_b", _i64), ("kv_stride_t", _i64),
+                ("layers", _i32), ("heads", _i32), ("kv_heads", _i32), ("dim", _i32), ("block_size", _i32),
+                ("bf16", _i32), ("eps", _f32), ("scale", _f32)]  # fmt: skip
+
+
+class StackStep(ctypes.Structure):
+    """A step as the call reads it (decode_stack.c's struct stack_step): its token rows (ids, positions, cache
+    slots, logits rows) in one int64 tensor and its sequences (block tables, starts, offsets, query lengths) in one
+    int32 tensor, built from the host lists in two conversions (the general path's batch and attention plan take
+    about fifteen), and the addresses of each part."""
+
+    _fields_ = [("ids", _ptr), ("positions", _ptr), ("token_index", _ptr), ("logits_rows", _ptr), ("tables", _ptr),
+                ("starts", _ptr), ("offsets", _ptr), ("lengths", _ptr), ("tokens", _i64), ("num_logits", _i64),
+                ("table_width", _i64), ("seqs", _i32)]  # fmt: skip
 
     def __init__(self, ids: list[int], positions: list[int], token_index: list[int], logits_rows: list[int],
                  tables: list[list[int]], starts: list[int], query_lens: list[int]) -> None:
-        self.tokens, self.num_logits, self.seqs = len(ids), len(logits_rows), len(tables)
-        self.table_width = max(map(len, tables))
+        n, s, width = len(ids), len(tables), max(map(len, tables))
         offsets = [0, *itertools.accumulate(query_lens)][:-1]
-        padded = [b for table in tables for b in (*table, *[NULL_BLOCK] * (self.table_width - len(table)))]
+        padded = [b for table in tables for b in (*table, *[NULL_BLOCK] * (width - len(table)))]
         self._rows = torch.tensor(ids + positions + token_index + logits_rows, dtype=torch.int64)
         self._seqs = torch.tensor(padded + starts + offsets + query_lens, dtype=torch.int32)
         row, seq = self._rows.data_ptr(), self._seqs.data_ptr()
-        n, s = self.tokens, self.seqs
-        self.ids, self.positions, self.token_index, self.logits_rows = (row + 8 * i * n for i in range(4))
-        self.tables = seq
-        self.starts, self.offsets, self.lengths = (seq + 4 * (len(padded) + i * s) for i in range(3))
+        rows = (row + 8 * i * n for i in range(4))  # ids, positions, token_index, logits_rows
+        seqs = (seq + 4 * (len(padded) + i * s) for i in range(3))  # starts, offsets, lengths (the tables first)
+        super().__init__(*rows, seq, *seqs, n, len(logits_rows), width, s)
+
+
+class StackCall(ctypes.Structure):
+    """decode_stack_f32's one argument (struct stack_call): the model, the step, the logits' address and the
+    threads, and for greedy drafting each sequence's steps (None: no drafting) and where its tokens and their
+    confidences go."""
+
+    _fields_ = [("model", StackModel), ("step", StackStep), ("logits", _ptr), ("threads", _i32), ("steps", _ptr),
+                ("drafted", _ptr), ("confidence", _ptr), ("max_steps", _i64)]  # fmt: skip
 
 
 class DecodeStack:
@@ -65,11 +87,6 @@ class DecodeStack:
         copies, the same results)."""
         decoder = model.model
         attn = decoder.layers[0].self_attn
-        self.hidden = decoder.norm.weight.shape[0]
-        self.heads, self.kv_heads = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads
-        self.head_dim, self.scale = attn.head_dim, attn.scale
-        self.eps = decoder.norm.eps
-        self.intermediate = decoder.layers[0].mlp.down_proj.dense_weight().shape[1]
         self._kept: list[torch.Tensor] = []  # the tensors the pointer table points into
         # Weights that are all bfloat16 values (a bfloat16 checkpoint run in float32) are held as bfloat16: the
         # call widens each back to the same float32, so it streams half the bytes for the same sums.
@@ -78,14 +95,20 @@ class DecodeStack:
         if bf16 and not exact:
             raise ValueError("the model's weights are not all bfloat16 values: bfloat16 copies would change them")
         self.bf16 = exact if bf16 is None else bf16
-        pointers = [self._layer_pointers(layer) for layer in decoder.layers]
-        self.num_layers = len(pointers)
-        self.pointers = torch.tensor(pointers, dtype=torch.int64)
+        self.pointers = torch.tensor([self._layer_pointers(layer) for layer in decoder.layers], dtype=torch.int64)
         self.final_norm = decoder.norm.weight.detach().contiguous()
         self.vocab = model.lm_head.vocab_size
         self.lm_head = _packed(model.lm_head.weight.detach()[: self.vocab], self.bf16)  # [hidden, vocab], packed
         self.embed = decoder.embed_tokens.weight.detach().contiguous()  # [vocab, hidden]
-        self.cos, self.signed_sin = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
+        self.rope = decoder.rotary.cos, decoder.rotary.signed_sin  # [positions, head_dim]
+        self._args = StackCall(StackModel(
+            embed=self.embed.data_ptr(), weights=self.pointers.data_ptr(), cos_table=self.rope[0].data_ptr(),
+            sin_table=self.rope[1].data_ptr(), final_norm=self.final_norm.data_ptr(), lm_head=self.lm_head.data_ptr(),
+            hidden=decoder.norm.weight.shape[0], intermediate=decoder.layers[0].mlp.down_proj.dense_weight().shape[1],
+            vocab=self.vocab, stride_rope=self.rope[0].stride(0), layers=len(decoder.layers),
+            heads=attn.qkv_proj.num_heads, kv_heads=attn.qkv_proj.num_kv_heads, dim=attn.head_dim, bf16=self.bf16,
+            eps=decoder.norm.eps, scale=attn.scale,
+        ))  # fmt: skip
         self._caches: tuple[int, ctypes.Array] | None = None
 
     @property
@@ -128,28 +151,26 @@ class DecodeStack:
 
     def _call(self, step: StackStep, cache: KVCache, logits: torch.Tensor, drafting: tuple = (None, None, None, 0)
               ) -> None:  # fmt: skip
-        k0 = cache.k[0]
-        status = _load().decode_stack_f32(
-            step.ids, self.embed.data_ptr(), step.positions, step.tokens, self.hidden, self.num_layers,
-            self.pointers.data_ptr(), self._cache_pointers(cache), k0.stride(0), k0.stride(1), k0.stride(2),
-            self.cos.data_ptr(), self.signed_sin.data_ptr(), self.cos.stride(0), step.token_index, step.tables,
-            step.table_width, step.starts, step.offsets, step.lengths, step.seqs, self.heads, self.kv_heads,
-            self.head_dim, k0.shape[2], self.intermediate, self.eps, self.scale, step.logits_rows, step.num_logits,
-            self.final_norm.data_ptr(), self.lm_head.data_ptr(), self.vocab, logits.data_ptr(),
-            torch.get_num_threads(), int(self.bf16), *drafting,
-        )  # fmt: skip
+        args = self._args
+        self._point_at(cache)
+        args.step, args.logits, args.threads = step, logits.data_ptr(), torch.get_num_threads()
+        args.steps, args.drafted, args.confidence, args.max_steps = drafting
+        status = _load().decode_stack_f32(ctypes.byref(args))
         if status == -2:
             raise ValueError(f"decode stack: {step.num_logits} logits rows asked of a step of {step.tokens} tokens")
         if status != 0:
             raise MemoryError("decode stack: no memory for its scratch rows")
 
-    def _cache_pointers(self, cache: KVCache) -> ctypes.Array:
-        """Each layer's k and v pool as the call reads them (built once per pool)."""
-        key = cache.k[0].data_ptr()
+    def _point_at(self, cache: KVCache) -> None:
+        """The call's KV pool: each layer's k and v as the call reads them (the pointers built once per pool)."""
+        model, k0 = self._args.model, cache.k[0]
+        key = k0.data_ptr()
         if self._caches is None or self._caches[0] != key:
-            pools = (t.data_ptr() for layer in range(self.num_layers) for t in (cache.k[layer], cache.v[layer]))
-            self._caches = (key, (ctypes.c_int64 * (2 * self.num_layers))(*pools))
-        return self._caches[1]
+            pools = (t.data_ptr() for layer in range(model.layers) for t in (cache.k[layer], cache.v[layer]))
+            self._caches = (key, (ctypes.c_int64 * (2 * model.layers))(*pools))
+            model.caches = ctypes.addressof(self._caches[1])
+        model.kv_stride_h, model.kv_stride_b, model.kv_stride_t = k0.stride(0), k0.stride(1), k0.stride(2)
+        model.block_size = k0.shape[2]
 
     def _layer_pointers(self, layer: torch.nn.Module) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp
@@ -220,8 +241,5 @@ def _load() -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.decode_stack_f32.restype = ctypes.c_int
-    lib.decode_stack_f32.argtypes = [ptr, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
-                                     i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, f32, ptr, i64, ptr, ptr,
-                                     i64, ptr, i32, i32, ptr, ptr, ptr, i64]  # fmt: skip
+    lib.decode_stack_f32.argtypes = [ctypes.POINTER(StackCall)]

@@ -5,15 +5,17 @@
  * each dispatched from Python, took a millisecond; the bundled target's step likewise cost its dispatch more
  * than reading its weights. Here every layer runs as loops over the weights held transposed and packed by tiles
  * of 64 outputs (gemm): RMSNorm, the QKV projection, the q/k norm, rotary embedding and KV write and the
- * paged attention (the kernels of model/kernels/fused_layers.c and model/kernels/paged_attention.c, included below), the
+ * paged attention (the kernels of fused_layers.c and paged_attention.c, included below), the
  * output projection added to the residual stream, RMSNorm, gate and up, SiLU(gate) x up, down added to the
  * stream; then the final norm and the LM head for the rows that need logits. Built once per machine by
- * model/kernels/cpu_kernels.py, called through ctypes by model/kernels/cpu_stack.py; float32 activations, the projections'
- * weights float32 or bfloat16 (weights that are bfloat16 values, widened to the same floats as they load).
+ * cpu_kernels.py, called through ctypes by cpu_stack.py with one argument (struct stack_call, below, mirrored
+ * there as StackCall); float32 activations, the projections' weights float32 or bfloat16 (weights that are
+ * bfloat16 values, widened to the same floats as they load).
  *
  * A row's result depends on that row alone: every output is one sum over the input features in order, the
  * same loop whatever the rows around it and however the outputs are split between threads.
  */
+#include "vec.h"
 #include "fused_layers.c"
 #include "paged_attention.c"
 
@@ -25,11 +27,8 @@
 
 #define ROW_BLOCK 8        /* rows that share each loaded weight vector (a verification window of k = 4 is 5) */
 #define COL_VECS 4         /* output vectors (of LANES) a tile covers */
-#define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as model/kernels/cpu_stack.py packs the weights */
+#define TILE (COL_VECS * LANES) /* a tile's outputs: 64, as cpu_stack.py packs the weights */
 #define PARALLEL_MACS (1 << 16) /* a GEMM with fewer multiply-adds runs on the calling thread */
-
-typedef uint16_t bf16_vec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
-typedef uint32_t bits_vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 /* LANES weights from w + i (elements): float32, or bfloat16 widened to float32 (its bits are the float's upper
  * half, so the float is the very value a float32 copy of the weight holds: the same products and sums). */
@@ -169,7 +168,7 @@ static void gemm_tiles_widened(const float *x, int64_t rows, int64_t in, const u
 }
 
 /* y (+)= x @ W (+ bias): x [rows, in] contiguous, y rows `stride_y` apart; wt: W [in, out] packed by tiles of
- * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (model/kernels/cpu_stack.py
+ * TILE columns, each [in][TILE] contiguous, then the last out % TILE columns as [in][out % TILE] (cpu_stack.py
  * packs them): a tile's weights stream from memory in order. bf16: wt holds bfloat16 (the weights are bfloat16
  * values: half the bytes to stream, the same sums), else float32. */
 static void gemm(const float *x, int64_t rows, int64_t in, const void *wt, const float *bias, int64_t out,
@@ -189,49 +188,82 @@ static void gemm(const float *x, int64_t rows, int64_t in, const void *wt, const
             for (int64_t o = 0; o < out; o++) y[r * stride_y + o] += bias[o];
 }
 
-/* One layer's weights, as model/kernels/cpu_stack.py lays them out (pointers; NULL where the model has none). */
+/* One layer's weights, as cpu_stack.py lays them out (pointers; NULL where the model has none). */
 enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
        WEIGHTS_PER_LAYER };
 
-/* ids: the step's tokens, embedded from embed [vocab, hidden] into the residual stream; positions: each token's
- * position, its rotary rows read from cos_table and sin_table ([positions, dim] rows `stride_rope` apart; the sin
- * signed). logits: [num_logits, vocab], of the rows logits_rows (each < tokens), after the final norm. weights:
- * [layers][WEIGHTS_PER_LAYER] pointers; caches: [layers][2] pointers to k and v ([kv_heads, blocks, block_size,
- * dim], contiguous). token_index: each token's flat cache slot; tables .. lengths: the sequences as
- * paged_attention_f32 reads them (every token one of theirs). bf16: the packed projections and LM head hold
- * bfloat16 (the norms and biases float32). Returns 0, -1 when scratch memory ran out, -2 for more logits rows
- * than tokens. */
-static int stack_forward(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
-                         int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
-                         int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
-                         int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
-                         const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
-                         int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
-                         const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
-                         int64_t vocab, float *logits, int threads, int bf16) {
+/* The model, as cpu_stack.py's StackModel holds it. embed: [vocab, hidden], each token's row the residual stream's
+ * start; weights: [layers][WEIGHTS_PER_LAYER] pointers; caches: [layers][2] pointers to k and v ([kv_heads, blocks,
+ * block_size, dim], contiguous; kv_stride_*: their strides); cos_table and sin_table: [positions, dim] rows
+ * `stride_rope` apart (the sin signed); final_norm, then lm_head [hidden, vocab] packed as the projections are.
+ * bf16: the packed projections and LM head hold bfloat16 (the norms and biases float32). */
+struct stack_model {
+    const float *embed;
+    const int64_t *weights;
+    const int64_t *caches;
+    const float *cos_table, *sin_table;
+    const float *final_norm;
+    const void *lm_head;
+    int64_t hidden, intermediate, vocab, stride_rope;
+    int64_t kv_stride_h, kv_stride_b, kv_stride_t;
+    int layers, heads, kv_heads, dim, block_size, bf16;
+    float eps, scale;
+};
+
+/* A forward's tokens and sequences, as cpu_stack.py's StackStep packs them. ids: the tokens; positions: each
+ * one's position (its rotary rows); token_index: its flat cache slot; logits_rows: the rows that need logits
+ * (each < tokens); tables [seqs, table_width] .. lengths: the sequences as paged_attention_f32 reads them (every
+ * token one of theirs). */
+struct stack_step {
+    const int64_t *ids, *positions, *token_index, *logits_rows;
+    const int32_t *tables, *starts, *offsets, *lengths;
+    int64_t tokens, num_logits, table_width;
+    int seqs;
+};
+
+/* decode_stack_f32's argument (cpu_stack.py's StackCall): the model, the step, where its logits go ([num_logits,
+ * vocab]), the threads; with `steps` (NULL: none) greedy drafting, each sequence's tokens into drafted [seqs,
+ * max_steps] and their confidences into confidence (the same shape). */
+struct stack_call {
+    struct stack_model model;
+    struct stack_step step;
+    float *logits;
+    int threads;
+    const int32_t *steps;
+    int64_t *drafted;
+    float *confidence;
+    int64_t max_steps;
+};
+
+/* The step's forward through every layer, then the final norm of its logits rows and the LM head into logits.
+ * Returns 0, -1 when scratch memory ran out, -2 for more logits rows than tokens. */
+static int stack_forward(const struct stack_model *m, const struct stack_step *s, float *logits, int threads) {
+    const int64_t hidden = m->hidden, intermediate = m->intermediate, tokens = s->tokens;
+    const int dim = m->dim, heads = m->heads, kv_heads = m->kv_heads, bf16 = m->bf16;
+    const float eps = m->eps;
     int64_t q_width = (int64_t)heads * dim, qkv_width = q_width + 2 * (int64_t)kv_heads * dim;
     size_t floats = (size_t)tokens * (2 * hidden + 2 * dim + qkv_width + 2 * q_width + 3 * intermediate);
-    if (num_logits > tokens) return -2;
+    if (s->num_logits > tokens) return -2;
     float *x = malloc(sizeof(float) * floats);
     if (!x) return -1;
     float *h = x + tokens * hidden, *cos = h + tokens * hidden, *signed_sin = cos + tokens * dim;
     float *qkv = signed_sin + tokens * dim, *q = qkv + tokens * qkv_width, *attn = q + tokens * q_width;
     float *gate_up = attn + tokens * q_width, *act = gate_up + tokens * 2 * intermediate;
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(x + t * hidden, embed + ids[t] * hidden, sizeof(float) * hidden);
-        memcpy(cos + t * dim, cos_table + positions[t] * stride_rope, sizeof(float) * dim);
-        memcpy(signed_sin + t * dim, sin_table + positions[t] * stride_rope, sizeof(float) * dim);
+        memcpy(x + t * hidden, m->embed + s->ids[t] * hidden, sizeof(float) * hidden);
+        memcpy(cos + t * dim, m->cos_table + s->positions[t] * m->stride_rope, sizeof(float) * dim);
+        memcpy(signed_sin + t * dim, m->sin_table + s->positions[t] * m->stride_rope, sizeof(float) * dim);
     }
-    for (int l = 0; l < layers; l++) {
-        const float *const *w = (const float *const *)(weights + (int64_t)l * WEIGHTS_PER_LAYER);
-        float *k_cache = (float *)caches[2 * l], *v_cache = (float *)caches[2 * l + 1];
+    for (int l = 0; l < m->layers; l++) {
+        const float *const *w = (const float *const *)(m->weights + (int64_t)l * WEIGHTS_PER_LAYER);
+        float *k_cache = (float *)m->caches[2 * l], *v_cache = (float *)m->caches[2 * l + 1];
         add_rms_norm_f32(x, hidden, NULL, 0, w[IN_NORM], h, NULL, tokens, hidden, eps, 1);
         gemm(h, tokens, hidden, w[QKV], w[QKV_BIAS], qkv_width, qkv, qkv_width, 0, threads, bf16);
-        rope_write_kv_f32(qkv, qkv_width, cos, signed_sin, dim, token_index, q, k_cache, v_cache,
-                          kv_stride_h, w[Q_NORM], w[K_NORM], eps, tokens, heads, kv_heads, dim, 1);
-        if (paged_attention_f32(q, q_width, dim, k_cache, v_cache, kv_stride_h, kv_stride_b, kv_stride_t, attn,
-                                q_width, dim, tables, table_width, starts, offsets, lengths, seqs, heads, kv_heads,
-                                dim, block_size, scale, threads) != 0) {
+        rope_write_kv_f32(qkv, qkv_width, cos, signed_sin, dim, s->token_index, q, k_cache, v_cache, m->kv_stride_h,
+                          w[Q_NORM], w[K_NORM], eps, tokens, heads, kv_heads, dim, 1);
+        if (paged_attention_f32(q, q_width, dim, k_cache, v_cache, m->kv_stride_h, m->kv_stride_b, m->kv_stride_t,
+                                attn, q_width, dim, s->tables, s->table_width, s->starts, s->offsets, s->lengths,
+                                s->seqs, heads, kv_heads, dim, m->block_size, m->scale, threads) != 0) {
             free(x);
             return -1;
         }
@@ -247,10 +279,10 @@ static int stack_forward(const int64_t *ids, const float *embed, const int64_t *
         gemm(act, tokens, intermediate, w[DOWN], w[DOWN_BIAS], hidden, x, hidden, 1, threads, bf16);
     }
     /* The final norm of the rows that need logits, then the LM head (lm_head: [hidden, vocab]). */
-    for (int64_t r = 0; r < num_logits; r++)
-        add_rms_norm_f32(x + logits_rows[r] * hidden, hidden, NULL, 0, final_norm, h + r * hidden, NULL, 1, hidden,
-                         eps, 1);
-    gemm(h, num_logits, hidden, lm_head, NULL, vocab, logits, vocab, 0, threads, bf16);
+    for (int64_t r = 0; r < s->num_logits; r++)
+        add_rms_norm_f32(x + s->logits_rows[r] * hidden, hidden, NULL, 0, m->final_norm, h + r * hidden, NULL, 1,
+                         hidden, eps, 1);
+    gemm(h, s->num_logits, hidden, m->lm_head, NULL, m->vocab, logits, m->vocab, 0, threads, bf16);
     free(x);
     return 0;
 }
@@ -271,29 +303,21 @@ static int64_t greedy_token(const float *row, int64_t vocab, float *confidence) 
     return best;
 }
 
-/* The stack's forward (arguments as stack_forward's), and with `steps` greedy drafting: each sequence's logits row
- * (logits_rows: every sequence's last token, num_logits = seqs) gives its argmax, which the next forward feeds
- * at the next position, until sequence s holds steps[s] tokens in drafted[s][..] (rows max_steps apart) and their
- * confidences; its last token is not written. The block tables must hold every position written. One call for a
- * window that took k forwards and argmaxes from Python, each a few hundred microseconds of dispatch and lists. */
-int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *positions, int64_t tokens,
-                     int64_t hidden, int layers, const int64_t *weights, const int64_t *caches, int64_t kv_stride_h,
-                     int64_t kv_stride_b, int64_t kv_stride_t, const float *cos_table, const float *sin_table,
-                     int64_t stride_rope, const int64_t *token_index, const int32_t *tables, int64_t table_width,
-                     const int32_t *starts, const int32_t *offsets, const int32_t *lengths, int seqs, int heads,
-                     int kv_heads, int dim, int block_size, int64_t intermediate, float eps, float scale,
-                     const int64_t *logits_rows, int64_t num_logits, const float *final_norm, const void *lm_head,
-                     int64_t vocab, float *logits, int threads, int bf16, const int32_t *steps, int64_t *drafted,
-                     float *confidence, int64_t max_steps) {
-#define FORWARD(ids_, positions_, tokens_, index_, tables_, starts_, offsets_, lengths_, seqs_, rows_, num_logits_)   \
-    stack_forward(ids_, embed, positions_, tokens_, hidden, layers, weights, caches, kv_stride_h, kv_stride_b,       \
-                  kv_stride_t, cos_table, sin_table, stride_rope, index_, tables_, table_width, starts_, offsets_,    \
-                  lengths_, seqs_, heads, kv_heads, dim, block_size, intermediate, eps, scale, rows_, num_logits_,   \
-                  final_norm, lm_head, vocab, logits, threads, bf16)
-    int status = FORWARD(ids, positions, tokens, token_index, tables, starts, offsets, lengths, seqs, logits_rows,
-                         num_logits);
-    if (status != 0 || !steps) return status;
-    if (num_logits != seqs) return -2;
+/* The call's forward, and with `steps` greedy drafting: each sequence's logits row (logits_rows: every sequence's
+ * last token, num_logits = seqs) gives its argmax, which the next forward feeds at the next position, until
+ * sequence s holds steps[s] tokens in drafted[s][..] (rows max_steps apart) and their confidences; its last token
+ * is not written. The block tables must hold every position written. One call for a window that took k forwards
+ * and argmaxes from Python, each a few hundred microseconds of dispatch and lists. Returns as stack_forward. */
+int decode_stack_f32(const struct stack_call *call) {
+    const struct stack_model *m = &call->model;
+    const struct stack_step *first = &call->step;
+    const int seqs = first->seqs;
+    const int64_t table_width = first->table_width, vocab = m->vocab, max_steps = call->max_steps;
+    float *logits = call->logits, *confidence = call->confidence;
+    int64_t *drafted = call->drafted;
+    int status = stack_forward(m, first, logits, call->threads);
+    if (status != 0 || !call->steps) return status;
+    if (first->num_logits != seqs) return -2;
     /* The live sequences of a step: their rows (ids, positions, cache slots, logits rows), then their tables,
      * starts, offsets and query lengths (1), and which sequence each is. */
     int64_t *rows = malloc(sizeof(int64_t) * 4 * seqs);
@@ -305,19 +329,22 @@ int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *posi
     }
     int32_t *next_tables = live + seqs, *next_starts = next_tables + seqs * table_width;
     int32_t *next_offsets = next_starts + seqs, *next_lengths = next_offsets + seqs, *ends = next_lengths + seqs;
+    struct stack_step next = {.ids = rows, .positions = rows + seqs, .token_index = rows + 2 * seqs,
+                              .logits_rows = rows + 3 * seqs, .tables = next_tables, .starts = next_starts,
+                              .offsets = next_offsets, .lengths = next_lengths, .table_width = table_width};
     for (int s = 0; s < seqs; s++) {
-        ends[s] = starts[s] + lengths[s];
+        ends[s] = first->starts[s] + first->lengths[s];
         drafted[s * max_steps] = greedy_token(logits + (int64_t)s * vocab, vocab, confidence + s * max_steps);
     }
     for (int64_t j = 1; j < max_steps && status == 0; j++) {
         int n = 0;
         for (int s = 0; s < seqs; s++) {
-            if (steps[s] <= j) continue;
-            const int32_t *table = tables + (int64_t)s * table_width;
+            if (call->steps[s] <= j) continue;
+            const int32_t *table = first->tables + (int64_t)s * table_width;
             int32_t position = ends[s]++;
             rows[n] = drafted[s * max_steps + j - 1];
             rows[seqs + n] = position;
-            rows[2 * seqs + n] = (int64_t)table[position / block_size] * block_size + position % block_size;
+            rows[2 * seqs + n] = (int64_t)table[position / m->block_size] * m->block_size + position % m->block_size;
             rows[3 * seqs + n] = n;
             memcpy(next_tables + (int64_t)n * table_width, table, sizeof(int32_t) * table_width);
             next_starts[n] = position;
@@ -326,13 +353,12 @@ int decode_stack_f32(const int64_t *ids, const float *embed, const int64_t *posi
             live[n++] = s;
         }
         if (n == 0) break;
-        status = FORWARD(rows, rows + seqs, n, rows + 2 * seqs, next_tables, next_starts, next_offsets, next_lengths,
-                         n, rows + 3 * seqs, n);
+        next.tokens = next.num_logits = next.seqs = n;
+        status = stack_forward(m, &next, logits, call->threads);
         for (int i = 0; i < n && status == 0; i++)
             drafted[live[i] * max_steps + j] = greedy_token(logits + (int64_t)i * vocab, vocab,
                                                             confidence + live[i] * max_steps + j);
     }
-#undef FORWARD
     free(rows);
     free(live);
     return status;

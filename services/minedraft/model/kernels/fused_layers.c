@@ -1,21 +1,21 @@
-/* A decoder layer's elementwise chains on CPU, each one call: the CPU counterparts of model/kernels/triton_fused.py.
+/* A decoder layer's elementwise chains on CPU, each one call: the CPU counterparts of triton_fused.py.
  *
  * Unfused, torch runs RMSNorm as some ten operators (cast, square, mean, rsqrt, ...), the q/k norm, rotary
  * embedding and KV write as twenty more per layer, each dispatched from Python at a few microseconds however
  * little it computes. At a decode step of one sequence those dispatches cost more than the arithmetic. Built
- * once per machine by model/kernels/cpu_kernels.py and called through ctypes from model/kernels/cpu_fused.py; float32 only.
+ * once per machine by cpu_kernels.py and called through ctypes from cpu_fused.py; float32 only.
  *
  * Every row (a token, or a token's head) is computed by the same loop in the same order whatever the batch
  * around it, so a token's result does not depend on the other tokens of the forward. Sums of squares run in
  * LANES partial sums added in a fixed tree: the results differ from torch's ops only in that order.
  */
+#include "vec.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: a parallel region costs more */
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)))); /* unaligned loads */
 
 /* x . x over n floats: LANES partial sums (a ragged tail into the first lanes), added in a fixed tree. */
 static inline float sum_of_squares(const float *x, int64_t n) {
@@ -25,9 +25,7 @@ static inline float sum_of_squares(const float *x, int64_t n) {
     float lane[LANES];
     memcpy(lane, &part, sizeof lane);
     for (int j = 0; i < n; i++, j++) lane[j] += x[i] * x[i];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
-    return lane[0];
+    return lanes_total(lane);
 }
 
 /* Hugging Face's order: x / rms(x) first, then the weight. */

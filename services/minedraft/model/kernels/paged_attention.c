@@ -1,7 +1,7 @@
 /* Paged attention on CPU: each sequence's keys and values read in place through its block table.
  *
  * The CPU path's kernel for short queries (decode steps, k + 1 verification tokens, draft steps); built
- * once per machine by model/kernels/cpu_attention.py and called through ctypes. Semantics as everywhere in the
+ * once per machine by cpu_attention.py and called through ctypes. Semantics as everywhere in the
  * engine: query i of a sequence sits at position start + i and sees keys 0 .. start + i; query head h
  * reads kv head h / (heads / kv_heads).
  *
@@ -11,24 +11,20 @@
  * in the same order, so a token's output does not depend on the other sequences or on how many queries
  * its own sequence brought.
  */
+#include "vec.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
 #define TRANSPOSE_ROWS 4
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)))); /* unaligned loads */
 
 /* a . b over n floats (n a multiple of LANES): LANES partial sums, added in a fixed tree. */
 static inline float dot(const float *a, const float *b, int n) {
     vec part = *(const vec *)a * *(const vec *)b;
     for (int i = LANES; i < n; i += LANES) part += *(const vec *)(a + i) * *(const vec *)(b + i);
-    float lane[LANES];
-    memcpy(lane, &part, sizeof lane);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
-    return lane[0];
+    return vec_total(part);
 }
 
 /* kt[d][t] = keys[t][d] for the n keys of a chunk (n <= LANES), zeros past them: LANES keys become one vector. */
@@ -75,7 +71,8 @@ static inline void exp_nonpositive(float *x, int n) {
         float v = x[i] < -87.0f ? -87.0f : x[i];
         float k = __builtin_rintf(v * 1.44269504f);
         float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-        float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+        float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 +
+                                                                                   r * (1.0f / 720))))));
         int32_t bits = ((int32_t)k + 127) << 23;
         float two_k;
         memcpy(&two_k, &bits, sizeof two_k);
@@ -95,9 +92,7 @@ static inline float lanes_max(const float *s) {
 static inline float lanes_sum(const float *s) {
     float lane[LANES];
     memcpy(lane, s, sizeof lane);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
-    return lane[0];
+    return lanes_total(lane);
 }
 
 /* Fold a row's scores of `seen` keys (s, overwritten with their weights) and those keys' values into its
