@@ -113,7 +113,7 @@ class SpeculativeConfig(BaseModel):
     tetris_turn_on_batch_size: int = Field(1, ge=1, description="Use Tetris only from this batch size on.")
     tetris_capacity: int | None = Field(
         None, ge=1, description="Draft tokens verified per step over the batch (default k x max_num_seqs)."
-    )
+    )  # read through resolved_tetris_capacity
     tetris_extra_proposals: int = Field(2, ge=0, le=32, description="e: extra draft tokens per request.")
     prompt_lookup_min: int | None = Field(
         None, ge=1, le=64, description="method ngram: the shortest n-gram matched (default: prompt_lookup_max, or 5)."
@@ -192,10 +192,14 @@ class SpeculativeConfig(BaseModel):
         return self.method in ("eagle", "eagle3")
 
     @property
-    def max_draft_len(self) -> int:
-        """Most draft tokens one request can carry into a verification."""
+    def max_window(self) -> int:
+        """The most draft tokens one request's window can carry into a verification: k, or k + e with Tetris."""
         extra = self.tetris_extra_proposals if self.tetris else 0
         return self.num_speculative_tokens + extra
+
+    def resolved_tetris_capacity(self, max_num_seqs: int) -> int:
+        """With Tetris: the draft tokens kept over a batch of up to `max_num_seqs` requests (default k each)."""
+        return self.tetris_capacity or self.num_speculative_tokens * max_num_seqs
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -380,6 +384,14 @@ class EngineConfig(BaseModel):
     @property
     def mode(self) -> Mode:
         return Mode.AR if self.speculative_config is None else self.speculative_config.mode
+
+    @property
+    def max_k(self) -> int:
+        """k: the most draft tokens one request drafts for a verification here (a request's own
+        num_speculative_tokens is bounded by it): the speculative config's num_speculative_tokens; without one, the
+        prediction window (prediction_draft_tokens), the verifier drafting from a request's prediction."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens if spec else self.prediction_draft_tokens
 
     def decoding(self) -> dict[str, str]:
         """How this engine decodes, as /v1/models and the metrics report it."""

@@ -40,10 +40,9 @@ def check_request(engine: ModelBounds, prompt_ids: list[int], params: SamplingPa
     if params.resumed_tokens >= len(prompt_ids):
         raise ValueError(f"resumed_tokens: must be less than the prompt's {len(prompt_ids)} tokens (at least one "
                          f"is prompt); got {params.resumed_tokens}")  # fmt: skip
-    spec = engine.config.speculative_config
-    most = spec.num_speculative_tokens if spec else engine.config.prediction_draft_tokens
-    if params.num_speculative_tokens is not None and params.num_speculative_tokens > most:
-        raise ValueError(f"num_speculative_tokens: must be in [0, {most}] (the server's num_speculative_tokens); "
+    max_k = engine.config.max_k
+    if params.num_speculative_tokens is not None and params.num_speculative_tokens > max_k:
+        raise ValueError(f"num_speculative_tokens: must be in [0, {max_k}] (the server's num_speculative_tokens); "
                          f"got {params.num_speculative_tokens}")  # fmt: skip
     if params.max_tokens > engine.max_model_len:
         raise ValueError(f"max_tokens: must be in [1, {engine.max_model_len}] (max_model_len); got {params.max_tokens}")

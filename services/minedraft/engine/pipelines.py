@@ -37,6 +37,7 @@ class Pipeline(ABC):
         # Without speculation the verifier drafts from requests' predictions itself (VerifyWorker.prediction_window).
         self._prediction_window = config.prediction_draft_tokens if config.max_prediction_tokens else 0
         self.max_num_seqs = config.max_num_seqs
+        self.max_k = config.max_k
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batches = BatchManager(self.num_batches, config.max_num_seqs)
         self.drafted: set[str] = set()  # the requests the last planned step drafted: the verifier holds their windows
@@ -46,14 +47,14 @@ class Pipeline(ABC):
         self._decided: tuple[int, ...] | None = None  # the windows the controller chose for the step being planned
         spec = self.spec
         self.controller = (
-            SpeculationController(spec.num_speculative_tokens, self.shapes, one_forward_drafts=spec.parallel_drafting)
+            SpeculationController(self.max_k, self.shapes, one_forward_drafts=spec.parallel_drafting)
             if spec is not None and spec.adaptive and self.shapes else None
         )  # fmt: skip
 
     @property
     def lookahead(self) -> int:
         """Tokens a request can put in the KV cache past its window in one step: the most drafts + 1."""
-        return (self.spec.max_draft_len if self.spec else 0) + 1
+        return (self.spec.max_window if self.spec else 0) + 1
 
     @property
     def prediction_lookahead(self) -> int:
@@ -132,9 +133,9 @@ class Pipeline(ABC):
         """The most each request may draft: k (k + e with Tetris), less what would run past its last token (each
         verification adds one token of its own, and a PEARL continuation follows the window held for it)."""
         spec = self.spec
-        k = 0 if spec is None else spec.max_draft_len if self._tetris(requests) else spec.num_speculative_tokens
+        most = 0 if spec is None else spec.max_window if self._tetris(requests) else self.max_k
         carried = [(r.pending_drafts or 0) if r.request_id in continuing else 0 for r in requests]
-        return [max(0, min(k, _own_cap(r, k), r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
+        return [max(0, min(most, _own_cap(r, most), r.remaining_tokens - c - 1)) for r, c in zip(requests, carried)]
 
     def _draft_plan(self, requests: list[Request], windows: list[int],
                     continuing: frozenset[str] = frozenset(), after_verify: bool = False) -> DraftPlan:
@@ -148,15 +149,14 @@ class Pipeline(ABC):
                 request.drafter_tokens = request.num_tokens
         if not self._tetris(requests):
             return DraftPlan(tasks, after_verify=after_verify)
-        spec = self.spec
-        return DraftPlan(tasks, tetris_capacity=spec.tetris_capacity or spec.num_speculative_tokens * self.max_num_seqs,
-                         after_verify=after_verify)  # fmt: skip
+        return DraftPlan(tasks, tetris_capacity=self.spec.resolved_tetris_capacity(self.max_num_seqs),
+                         after_verify=after_verify)
 
 
-def _own_cap(request: Request, k: int) -> int:
-    """The most the request itself lets a window hold: its num_speculative_tokens (Tetris windows too)."""
+def _own_cap(request: Request, most: int) -> int:
+    """The most the request itself lets a window hold: its num_speculative_tokens (Tetris windows too), else `most`."""
     own = request.params.num_speculative_tokens
-    return k if own is None else own
+    return most if own is None else own
 
 
 class AutoregressivePipeline(Pipeline):

@@ -111,13 +111,13 @@ class SpeculationController:
         """Teach the fits the step's decoding parts, and say which parts were decoding: a part that prefilled a
         prompt (more tokens than the most a decoding request feeds, 2 x (max_k + 1), per request) costs what
         attention over a whole prompt costs, not what the next window will."""
-        window = 2 * (self.max_k + 1)
-        decoding_verify = 0 < result.verify_tokens <= window * len(result.verified)
+        most_fed = 2 * (self.max_k + 1)
+        decoding_verify = 0 < result.verify_tokens <= most_fed * len(result.verified)
         if decoding_verify and result.verify_seconds > 0:
             x = (1.0, len(result.verified), result.verify_tokens)
             plain = not any(v.num_draft_tokens for v in result.verified)
             self._model.learn("verify", together, x, result.verify_seconds, plain=plain)
-        decoding_draft = 0 < result.draft_tokens <= window * len(result.drafted)
+        decoding_draft = 0 < result.draft_tokens <= most_fed * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
             x = (1.0, result.draft_forwards, result.draft_tokens)
             self._model.learn("draft", together, x, result.draft_seconds)
