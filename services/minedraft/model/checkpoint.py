@@ -20,7 +20,8 @@ from minedraft.model.errors import CheckpointError, CheckpointNotFoundError
 from minedraft.model.gguf import GGUFReader, gguf_in_folder, is_gguf, open_gguf
 from minedraft.model.hub import local_folder
 from minedraft.model.packaged import resolve_packaged
-from minedraft.model.quantization import DequantizedTensor, QuantConfig, quantized_tensor
+from minedraft.model.quantization import DequantizedTensor, QuantConfig, dequantize_awq, dequantize_fp8
+from minedraft.model.tensor_slice import TensorSlice
 
 if TYPE_CHECKING:  # torch stays unimported for tokenizer/config-only users
     import torch
@@ -77,27 +78,6 @@ def read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     return data
 
 
-class TensorSlice:
-    """One checkpoint tensor, read lazily: whole, or a contiguous range along one dimension."""
-
-    def __init__(self, name: str, file: Path, handle: Any) -> None:
-        self.name, self.file = name, file
-        self._slice = handle.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
-        self.dtype: str = self._slice.get_dtype()  # safetensors' name: F32, BF16, F8_E4M3, I32, ...
-
-    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
-        if dim is None:
-            index: Any = slice(None)
-        else:
-            stop = self.shape[dim] if length is None else start + length
-            index = (slice(None),) * dim + (slice(start, stop),)
-        try:
-            return self._slice[index]
-        except (SafetensorError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"cannot read tensor {self.name} from {self.file}: {exc}") from exc
-
-
 class CheckpointReader:
     """Maps tensor names to safetensors files and opens each file once, on first use. With a quantization
     config, `tensor` reads quantized weights dequantized (model/quantization.py)."""
@@ -114,7 +94,7 @@ class CheckpointReader:
     def tensor(self, name: str) -> TensorSlice | DequantizedTensor:
         """The model's view of tensor `name`: dequantized where the checkpoint stores it quantized."""
         if self.quant is not None:
-            view = quantized_tensor(self, name, self.quant)
+            view = self._quantized(name, self.quant)
             if view is not None:
                 return view
         tensor = self.raw_tensor(name)
@@ -122,6 +102,24 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name} in {tensor.file.name} is stored as {tensor.dtype} without scales "
                                   "that config.json's quantization_config tells how to read")  # fmt: skip
         return tensor
+
+    def _quantized(self, name: str, quant: QuantConfig) -> DequantizedTensor | None:
+        """The dequantizing view of `name` if the checkpoint stores it quantized, else None."""
+        if not name.endswith(".weight"):
+            return None
+        base = name[: -len(".weight")]
+        if quant.method == "fp8" and f"{name}_scale_inv" in self:
+            weight, scale = self.raw_tensor(name), self.raw_tensor(f"{name}_scale_inv")
+            return DequantizedTensor(name, weight.file, weight.shape,
+                                     lambda: dequantize_fp8(weight.read(), scale.read(), quant.block), quant,
+                                     {"weight": weight, "scale": scale})  # fmt: skip
+        if quant.method == "awq" and name not in self and f"{base}.qweight" in self:
+            qweight, qzeros, scales = (self.raw_tensor(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
+            shape = (qweight.shape[1] * 8, qweight.shape[0])
+            return DequantizedTensor(name, qweight.file, shape, lambda: dequantize_awq(
+                qweight.read(), qzeros.read(), scales.read(), quant.group_size, name), quant,
+                {"qweight": qweight, "qzeros": qzeros, "scales": scales})  # fmt: skip
+        return None
 
     def raw_tensor(self, name: str) -> TensorSlice:
         """Tensor `name` exactly as stored."""

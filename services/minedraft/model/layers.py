@@ -14,25 +14,32 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minedraft.model.checkpoint import CheckpointError, TensorSlice
 from minedraft.model.config import RopeConfig
+from minedraft.model.errors import CheckpointError
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.quantization import QuantConfig, QuantizedWeight
-
-if TYPE_CHECKING:
-    from minedraft.model.lora import LoraSlots
+from minedraft.model.tensor_slice import TensorSlice
 
 # Where one checkpoint tensor goes in a parameter: (dim, offset, length, full, start), see LinearBase._place.
 Shard = tuple[int, int, int, int, int]
 
 # The quantization whose weights linear layers built now keep as stored (see quantized_linears).
 _QUANTIZED: ContextVar[QuantConfig | None] = ContextVar("quantized_linears", default=None)
+
+
+class Adapters(Protocol):
+    """A linear layer's LoRA adapters (model/lora.py's LoraSlots): their product added to the layer's own."""
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (the layer's x @ W.T, before a row-parallel all-reduce) plus each token's adapter product of x."""
+        ...
+
 
 # Rows per GEMM in batch-invariant mode. Every matmul is issued with this fixed M, so a row's result
 # does not depend on how many other rows share the forward pass.
@@ -246,7 +253,7 @@ class LinearBase(nn.Module):
         self.bias: nn.Parameter | None = None
         self.packed: torch.Tensor | None = None  # see pack_for_onednn
         self.quantized: QuantizedWeight | None = None
-        self.lora: LoraSlots | None = None  # this layer's adapters (model/lora.py), when LoRA is enabled
+        self.lora: Adapters | None = None  # this layer's adapters (model/lora.py), when LoRA is enabled
 
     def shard(self, shard_id: object = None) -> Shard:
         """Where the checkpoint tensor `shard_id` (a packed part, or None) goes in this rank's weight."""

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minedraft.model.checkpoint import TensorSlice
 from minedraft.model.config import ModelConfig
 from minedraft.model.layers import _check_shape, _load_rows, _param, current_quantization, linear, replicated_loader
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.quantization import QuantConfig, QuantizedWeight
+from minedraft.model.tensor_slice import TensorSlice
 
 
 class Router(nn.Module):

@@ -31,7 +31,7 @@ from minedraft.model.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-    from minedraft.model.checkpoint import CheckpointReader, TensorSlice
+    from minedraft.model.tensor_slice import TensorSlice
 
 SUPPORTED_QUANT_METHODS = ("fp8 (weight_block_size)", "awq (4-bit, gemm)")
 # AWQ packs output columns 0..7 of a group of eight into an int32's nibbles in this order.
@@ -94,25 +94,6 @@ class DequantizedTensor:
         if dim is None:
             return full
         return full.narrow(dim, start, self.shape[dim] - start if length is None else length)
-
-
-def quantized_tensor(reader: CheckpointReader, name: str, quant: QuantConfig) -> DequantizedTensor | None:
-    """The dequantizing view of `name` if the checkpoint stores it quantized, else None."""
-    if not name.endswith(".weight"):
-        return None
-    base = name[: -len(".weight")]
-    if quant.method == "fp8" and f"{name}_scale_inv" in reader:
-        weight, scale = reader.raw_tensor(name), reader.raw_tensor(f"{name}_scale_inv")
-        return DequantizedTensor(name, weight.file, weight.shape,
-                                 lambda: dequantize_fp8(weight.read(), scale.read(), quant.block), quant,
-                                 {"weight": weight, "scale": scale})  # fmt: skip
-    if quant.method == "awq" and name not in reader and f"{base}.qweight" in reader:
-        qweight, qzeros, scales = (reader.raw_tensor(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
-        shape = (qweight.shape[1] * 8, qweight.shape[0])
-        return DequantizedTensor(name, qweight.file, shape, lambda: dequantize_awq(
-            qweight.read(), qzeros.read(), scales.read(), quant.group_size, name), quant,
-            {"qweight": qweight, "qzeros": qzeros, "scales": scales})  # fmt: skip
-    return None
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
