@@ -22,6 +22,7 @@ from torch import nn
 from minedraft.model.checkpoint import open_reader, resolve_checkpoint
 from minedraft.model.config import ModelConfig, load_model_config
 from minedraft.model.eagle import EAGLE, EagleHead, eagle_head_kind
+from minedraft.model.kernels import triton_module
 from minedraft.model.layers import quantized_linears
 from minedraft.model.lora import LoraManager, LoraOptions
 from minedraft.model.parallel import TensorParallel
@@ -95,14 +96,11 @@ def use_quantized_kernels(config: ModelConfig, kernel: str, device: torch.device
     quant = config.quantization
     if quant is None or kernel == "dequantize" or (kernel == "auto" and device.type != "cuda"):
         return False
-    try:
-        from minedraft.model.kernels.triton_quant import supports_awq, supports_fp8
-    except ImportError as exc:
-        if kernel == "triton":
-            raise ValueError(f"quantized_kernel triton needs the triton package: {exc}") from exc
+    kernels = triton_module("triton_quant", "quantized_kernel", kernel)
+    if kernels is None:
         return False
-    return kernel == "triton" or (supports_fp8(quant.block) if quant.method == "fp8" else
-                                  supports_awq(quant.group_size))
+    return kernel == "triton" or (kernels.supports_fp8(quant.block) if quant.method == "fp8" else
+                                  kernels.supports_awq(quant.group_size))
 
 
 def load_model(checkpoint: Checkpoint, placement: Placement, quantized_kernels: bool,

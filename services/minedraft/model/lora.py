@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minedraft.model.kernels import triton_module
 from minedraft.model.layers import LinearBase, linear
 
 CONFIG_FILE = "adapter_config.json"
@@ -133,13 +134,7 @@ def _read_pairs(name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Te
 def lora_kernel_available(device: torch.device, batch_invariant: bool) -> bool:
     """Whether the adapters run as Triton kernels (model/kernels/triton_lora.py): on CUDA, in the default mode, where
     triton is installed. Elsewhere the torch GEMMs of `LoraSlots.add_to` do."""
-    if device.type != "cuda" or batch_invariant:
-        return False
-    try:
-        import minedraft.model.kernels.triton_lora  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and not batch_invariant and triton_module("triton_lora", "lora", "auto") is not None
 
 
 class TokenSlots:

@@ -23,7 +23,7 @@ from minedraft.extras import require
 from minedraft.model.attention import plan_attention
 from minedraft.model.eagle import EagleHead
 from minedraft.model.graphs import CudaGraphs, StaticForward
-from minedraft.model.kernels import cpu_attention, cpu_fused
+from minedraft.model.kernels import choice
 from minedraft.model.kernels.cpu_stack import DecodeStack, StackStep
 from minedraft.model.kv_cache import NULL_BLOCK, KVCache, blocks_for, bytes_per_block, kv_budget_bytes
 from minedraft.model.loader import (
@@ -184,15 +184,24 @@ class ModelRunner:
         self.aux_hidden_layers = self._keep_aux_hidden(options.aux_hidden_layers)
         self.head_hidden: torch.Tensor | None = None  # an EAGLE head's output at the last forward's logits rows
         self.kv_cache = self._new_kv_cache(options)
-        self.paged_kernel = self._use_triton(options.attention_kernel)
-        self.cpu_kernel = self._use_cpu_kernel(options.attention_kernel)
-        self.fused_kernels = self._use_fused(options.fused_kernels)  # the kernels' name, None: torch's ops
-        if self.fused_kernels is not None:  # before the graphs capture the forward
-            kernels = importlib.import_module(f"minedraft.model.kernels.{self.fused_kernels}_fused")
-            self.model.model.fused_kernels = kernels
-        self.decode_stack = self._use_decode_stack()  # whether short-query steps run as one C call
+        self._choose_kernels(options)
         eager = options.enforce_eager or self.head_kind is not None or (self.lora is not None and not self.lora.kernel)
         self.graphs: StaticForward | None = None if eager else self._capture_graphs()
+
+    def _choose_kernels(self, options: RunnerOptions) -> None:
+        """The attention and fused layer kernels (model/kernels/choice.py), in place before the graphs capture the
+        forward; a step of short queries as one C call where those run and the model allows it."""
+        head_dim, torch_ops = self.config.head_dim, self.batch_invariant or self.head_kind is not None
+        self.paged_kernel = choice.triton_attention(options.attention_kernel, self.device, self.batch_invariant,
+                                                    self.kv_cache.block_size, head_dim)  # fmt: skip
+        self.cpu_kernel = choice.cpu_attention_kernel(options.attention_kernel, self.device, self.dtype,
+                                                      self.batch_invariant, head_dim)  # fmt: skip
+        self.fused_kernels = choice.fused_layers(options.fused_kernels, self.device, self.dtype, torch_ops)
+        if self.fused_kernels is not None:  # the kernels' name, None: torch's ops
+            kernels = importlib.import_module(f"minedraft.model.kernels.{self.fused_kernels}_fused")
+            self.model.model.fused_kernels = kernels
+        stack = choice.decode_stack(self.model, self.fused_kernels, self.cpu_kernel, self.lora is not None)
+        self.model.model.decode_stack, self.decode_stack = stack, stack is not None
 
     def _new_kv_cache(self, options: RunnerOptions) -> KVCache:
         """The paged pool: what its budget holds, never more than num_slots sequences of max_seq_len need, the
@@ -226,78 +235,6 @@ class ModelRunner:
         log.info("captured %d CUDA graphs (decode and verification steps up to %d tokens) in %.1f s",
                  len(graphs.graphs), max(graphs.sizes), time.perf_counter() - start)
         return graphs
-
-    def _use_triton(self, kernel: str) -> bool:
-        """The paged Triton attention kernel (model/kernels/triton_attention.py), as attention_kernel chooses."""
-        if kernel == "torch" or (kernel == "auto" and (self.device.type != "cuda" or self.batch_invariant)):
-            return False
-        try:
-            from minedraft.model.kernels.triton_attention import supports
-        except ImportError as exc:
-            if kernel == "triton":
-                raise ValueError(f"attention_kernel triton needs the triton package: {exc}") from exc
-            return False
-        return kernel == "triton" or supports(self.kv_cache.block_size, self.config.head_dim)
-
-    def _use_cpu_kernel(self, kernel: str) -> bool:
-        """The C attention kernel for short queries (model/kernels/cpu_attention.py), as attention_kernel chooses."""
-        if kernel not in ("auto", "cpu") or self.batch_invariant:
-            return False
-        head_dim = self.config.head_dim
-        unsuitable = (f"device {self.device.type}" if self.device.type != "cpu" else
-                      f"dtype {self.dtype}" if self.dtype != torch.float32 else
-                      f"head_dim {head_dim} (needs a multiple of 16)" if head_dim % 16 else None)  # fmt: skip
-        if unsuitable:
-            if kernel == "cpu":
-                raise ValueError(f"attention_kernel cpu runs float32 models on CPU with head_dim a multiple of 16, "
-                                 f"not {unsuitable}")
-            return False
-        reason = cpu_attention.available()
-        if reason is not None:
-            if kernel == "cpu":
-                raise ValueError(f"attention_kernel cpu: {reason}")
-            log.warning("attention stays on torch's sdpa path (%s)", reason)
-        return reason is None
-
-    def _use_fused(self, kernel: str) -> str | None:
-        """Which fused layer kernels run, as fused_kernels chooses: triton, cpu or None (torch's ops)."""
-        if kernel == "off" or self.batch_invariant or self.head_kind is not None:
-            return None
-        if kernel == "cpu" or (kernel == "auto" and self.device.type == "cpu"):
-            return self._use_cpu_fused(kernel)
-        if kernel == "auto" and self.device.type != "cuda":
-            return None
-        try:
-            import minedraft.model.kernels.triton_fused  # noqa: F401
-        except ImportError as exc:
-            if kernel == "triton":
-                raise ValueError(f"fused_kernels triton needs the triton package: {exc}") from exc
-            return None
-        return "triton"
-
-    def _use_decode_stack(self) -> bool:
-        """Put the layers' one-call form in place where the C kernels run and the model allows it."""
-        if self.fused_kernels != "cpu" or not self.cpu_kernel or self.lora is not None:
-            return False
-        stack, reason = DecodeStack.build(self.model)
-        if stack is None:
-            log.info("decode steps run the layers one by one (%s)", reason)
-            return False
-        self.model.model.decode_stack = stack
-        return True
-
-    def _use_cpu_fused(self, kernel: str) -> str | None:
-        unsuitable = (f"device {self.device.type}" if self.device.type != "cpu" else
-                      f"dtype {self.dtype}" if self.dtype != torch.float32 else None)  # fmt: skip
-        reason = unsuitable or cpu_fused.available()
-        if reason is not None:
-            if kernel == "cpu":
-                raise ValueError(f"fused_kernels cpu runs float32 models on CPU where a C compiler builds them, not "
-                                 f"here: {reason}")
-            if unsuitable is None:
-                log.warning("the layers keep torch's unfused ops (%s)", reason)
-            return None
-        return "cpu"
 
     def _keep_aux_hidden(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         layers = tuple(layers)

@@ -6,5 +6,23 @@
   share their vector types through vec.h.
 - GPU (Triton): paged attention (triton_attention.py), the fused layer chains (triton_fused.py), batched LoRA
   (triton_lora.py), the quantized GEMMs (triton_quant.py) and the grouped MoE expert GEMMs (triton_moe.py).
-  They import triton at module level: the model imports them only where they run.
+  They import triton at module level: the model imports them only where they run (triton_module).
+
+Which of them a model runs, as its runner's settings choose: choice.py.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def triton_module(name: str, setting: str, kernel: str) -> ModuleType | None:
+    """The Triton kernels' module `name` (kernels/<name>.py), or None where triton is not installed; a ValueError
+    then where `setting` asked for triton by name (`kernel`)."""
+    try:
+        return importlib.import_module(f"minedraft.model.kernels.{name}")
+    except ImportError as exc:
+        if kernel == "triton":
+            raise ValueError(f"{setting} triton needs the triton package: {exc}") from exc
+        return None
