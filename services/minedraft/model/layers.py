@@ -315,14 +315,19 @@ class LinearBase(nn.Module):
         return self.packed.to_dense() if self.packed is not None else self.weight.data
 
 
+def tp_split(features: int, tp: TensorParallel, kind: str) -> int:
+    """Each rank's share of a layer's `kind` (input or output) features; a ValueError where they do not split."""
+    if features % tp.size:
+        raise ValueError(f"{kind} size {features} is not divisible by tensor-parallel size {tp.size}")
+    return features // tp.size
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, batch_invariant: bool):
         super().__init__(tp, batch_invariant)
-        if out_features % tp.size:
-            raise ValueError(f"output size {out_features} is not divisible by tensor-parallel size {tp.size}")
-        self.out_local = out_features // tp.size
+        self.out_local = tp_split(out_features, tp, "output")
         self.weight = self._weight((self.out_local, in_features))
         if bias:
             self.bias = _param((self.out_local,), self.weight_loader)
@@ -340,8 +345,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallel,
                  batch_invariant: bool):
         for size in output_sizes:
-            if size % tp.size:
-                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {tp.size}")
+            tp_split(size, tp, "output")
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, batch_invariant)
 
@@ -398,9 +402,7 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, batch_invariant: bool):
         super().__init__(tp, batch_invariant)
-        if in_features % tp.size:
-            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {tp.size}")
-        self.in_local = in_features // tp.size
+        self.in_local = tp_split(in_features, tp, "input")
         self.weight = self._weight((out_features, self.in_local))
         if bias:  # replicated, added once after the reduction
             self.bias = _param((out_features,), replicated_loader)

@@ -31,6 +31,7 @@ from minedraft.model.kernels.triton_quant import (
     awq_tile_product,
     fp8_tile_product,
     k_tile,
+    x_tile,
 )
 
 if TYPE_CHECKING:
@@ -143,11 +144,13 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
 
 
 @triton.jit
-def _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M: tl.constexpr):
-    """This program's expert (-1: a spare tile), its rows' pairs, and which rows are real."""
+def _tile(SortedPairs, TileExperts, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert (int64; -1: a spare tile), its rows' pairs and which rows are real, its output
+    columns and which are real."""
     tile = tl.program_id(0)
     pairs = tl.load(SortedPairs + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    return tl.load(TileExperts + tile), pairs, pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(TileExperts + tile).to(tl.int64), pairs, pairs < num_pairs, cols, cols < N
 
 
 @triton.jit
@@ -162,12 +165,9 @@ def _grouped_fp8_kernel(
     N, K, stride_xm, stride_ym, B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    expert, pairs, row_ok = _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M)
-    if expert < 0:
+    e, pairs, row_ok, cols, col_ok = _tile(SortedPairs, TileExperts, num_pairs, N, BLOCK_M, BLOCK_N)
+    if e < 0:  # a spare tile
         return
-    e = expert.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     acc = fp8_tile_product(X + (pairs // x_div) * stride_xm, row_ok, Codes + e * stride_ce, Scales + e * stride_se,
                            stride_cn, stride_sn, cols, col_ok, K, 0, K, B0, B1, BLOCK_M, BLOCK_N, BLOCK_K,
                            UPCAST)  # fmt: skip
@@ -180,12 +180,9 @@ def _grouped_awq_kernel(
     TileExperts, num_pairs, x_div, N, K, stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    expert, pairs, row_ok = _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M)
-    if expert < 0:
+    e, pairs, row_ok, cols, col_ok = _tile(SortedPairs, TileExperts, num_pairs, N, BLOCK_M, BLOCK_N)
+    if e < 0:  # a spare tile
         return
-    e = expert.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     acc = awq_tile_product(X + (pairs // x_div) * stride_xm, row_ok, QWeight + e * stride_qe, QZeros + e * stride_ze,
                            Scales + e * stride_se, stride_qk, stride_zk, stride_sk, tl.program_id(1), cols, col_ok,
                            N, K, 0, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
@@ -197,18 +194,14 @@ def _grouped_dense_kernel(
     X, W, stride_we, stride_wn, Y, SortedPairs, TileExperts, num_pairs, x_div, N, K, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    expert, pairs, row_ok = _tile(SortedPairs, TileExperts, num_pairs, BLOCK_M)
+    expert, pairs, row_ok, cols, col_ok = _tile(SortedPairs, TileExperts, num_pairs, N, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    W += expert.to(tl.int64) * stride_we
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    W += expert * stride_we
     x_rows = X + (pairs // x_div) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        ks, k_ok, x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)
         w = tl.load(W + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         w = w.to(x.dtype)
         if UPCAST:

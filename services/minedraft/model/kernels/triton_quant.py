@@ -162,6 +162,14 @@ def _awq_kernel(
 
 
 @triton.jit
+def x_tile(x_rows, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """One K step's inputs k0 .. k0 + BLOCK_K, which of them are real, and X's tile there (zeros past K)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    return ks, k_ok, tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
 def fp8_tile_product(
     x_rows, row_ok, Codes, Scales, stride_wn, stride_sn, cols, col_ok, K, k_start, k_stop,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -169,10 +177,8 @@ def fp8_tile_product(
 ):  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        ks, k_ok, x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)
         group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
-        x = tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         raw = tl.load(Codes + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)
         scale = tl.load(Scales + (cols // B0) * stride_sn + group // B1, mask=col_ok, other=0.0)
         w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(x.dtype)
@@ -196,10 +202,8 @@ def awq_tile_product(
     shifts = ((within // 2) + 4 * (within % 2)) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        ks, k_ok, x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)
         group = tl.minimum(k0, K - 1)  # a step past K (the last slice of a split) reads a real scale, times 0
-        x = tl.load(x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         packed = tl.load(QWeight + ks[:, None] * stride_qk + packs[None, :], mask=k_ok[:, None] & pack_ok[None, :],
                          other=0)  # fmt: skip
         q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
