@@ -64,29 +64,9 @@ class Client:
         self._timeout = timeout
         self._retry = RetryPolicy.coerce(retries)
 
-    def generate(
-        self,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        request_id: str | None = None,
-        lora: str | None = None,
-        timeout: Timeout = UNSET,
-        **options: Any,
-    ) -> Completion:
-        """Generate a completion: the concatenated deltas of `stream`."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
-        )  # fmt: skip
-        return completion_from_deltas(self._stream(request, resolve_timeout(timeout, self._timeout)))
+    def generate(self, prompt: Prompt, **arguments: Any) -> Completion:
+        """Generate a completion: the concatenated deltas of `stream`, which takes the same arguments."""
+        return completion_from_deltas(self.stream(prompt, **arguments))
 
     def stream(
         self,
