@@ -203,20 +203,9 @@ async def run_online_bench_async(
     )  # fmt: skip
 
 
-def run_online_bench(
-    target: str,
-    prompts: Sequence[str | BenchRequest],
-    *,
-    concurrency: int,
-    max_tokens: int,
-    temperature: float,
-    request_rate: float | None = None,
-    seed: int | None = 0,
-    metrics_url: str | None = None,
-    timeout: float | None = 600.0,
-    **options: Any,
-) -> BenchResult:
-    """Send every prompt to the server at `target` as a stream and measure it.
+def run_online_bench(target: str, prompts: Sequence[str | BenchRequest], **options: Any) -> BenchResult:
+    """Send every prompt to the server at `target` as a stream and measure it; `run_online_bench_async`'s arguments,
+    run in an event loop of its own.
 
     `target`: host:port for `backend="minedraft-grpc"` (the default), the base URL (http://host:port) for
     "openai" (/v1/completions) and "openai-chat" (/v1/chat/completions). `prompts`: strings, or
@@ -234,12 +223,7 @@ def run_online_bench(
     a server that reports no usage), percentiles, slo ({'ttft': ms, 'tpot': ms, 'e2el': ms}, for goodput).
     Failed requests are recorded, not raised; an unreachable server raises ConnectionError.
     """
-    return asyncio.run(
-        run_online_bench_async(
-            target, prompts, concurrency=concurrency, max_tokens=max_tokens, temperature=temperature,
-            request_rate=request_rate, seed=seed, metrics_url=metrics_url, timeout=timeout, **options,
-        )
-    )  # fmt: skip
+    return asyncio.run(run_online_bench_async(target, prompts, **options))
 
 
 def _validate(
