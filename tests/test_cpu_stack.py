@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minedraft.config import BUNDLED_DRAFT, EngineConfig, SpeculativeConfig
-from minedraft.engine.local_executor import draft_runner
+from minedraft.engine.runners import draft_runner
 from minedraft.model.kernels.cpu_stack import MAX_ROWS, DecodeStack
 from minedraft.model.runner import ModelRunner, SeqInput
 

@@ -30,7 +30,7 @@ from minedraft.api import worker_pb2
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, Verified
+from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, StepResult, Verified
 from minedraft.gateway.local import GatewayStack
 from minedraft.launcher import free_port, scheduler_settings
 from minedraft.pool import check_poolable
@@ -304,7 +304,7 @@ def test_draft_parts_that_wait_together_are_drafted_in_one_plan(pair) -> None:
         plans.append(DraftPlan([DraftTask(request, 4)]))
 
     def draft_each(together: bool) -> list[list[int]]:
-        replies = [worker_pb2.StepReply() for _ in plans]
+        replies = [StepResult() for _ in plans]
         if together:
             with member._model, ThreadPoolExecutor(3) as pool:  # busy: the three parts queue up
                 futures = [pool.submit(member._draft, plan, reply) for plan, reply in zip(plans, replies)]

@@ -19,6 +19,7 @@ from minedraft.engine.plans import (
     VerifyTask,
 )
 from minedraft.engine.request import SpecDecodeStats
+from minedraft.engine.step import StepPlan, merge_loaded
 from minedraft.sampling.params import SamplingParams, StructuredOutputs, TokenLogprob
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
@@ -137,21 +138,15 @@ def admission_to_proto(admission: Admission) -> worker_pb2.Admission:
     )
 
 
-def plan_to_proto(
-    step_id: int,
-    admit: list[Admission],
-    release: list[str],
-    draft: DraftPlan | None,
-    verify: VerifyPlan | None,
-    lora_changes: list[LoraChange] = (),  # type: ignore[assignment]
-) -> worker_pb2.StepPlan:
+def plan_to_proto(step_id: int, plan: StepPlan) -> worker_pb2.StepPlan:
+    draft, verify = plan.draft, plan.verify
     msg = worker_pb2.StepPlan(
         step_id=step_id,
-        admit=[admission_to_proto(s) for s in admit],
-        release=release,
+        admit=[admission_to_proto(s) for s in plan.admit],
+        release=plan.release,
         has_draft=draft is not None,
         has_verify=verify is not None,
-        lora_changes=[lora_change_to_proto(c) for c in lora_changes],
+        lora_changes=[lora_change_to_proto(c) for c in plan.lora],
     )
     if draft is not None:
         msg.draft.extend(
@@ -168,9 +163,7 @@ def plan_to_proto(
     return msg
 
 
-def plan_from_proto(
-    msg: worker_pb2.StepPlan,
-) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
+def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
     admit = [
         Admission(s.request_id, list(s.token_ids), sampling_from_proto(s.sampling), s.seed, s.batch,
                   s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
@@ -187,7 +180,7 @@ def plan_from_proto(
     verify = None
     if msg.has_verify:
         verify = VerifyPlan([VerifyTask(t.request_id, t.keep_bonus) for t in msg.verify], prefill=prefill)
-    return admit, list(msg.release), draft, verify
+    return StepPlan(admit, list(msg.release), lora_changes_from_proto(msg), draft, verify)
 
 
 def lora_adapter_to_proto(module: LoraModule) -> worker_pb2.LoraAdapter:
@@ -289,8 +282,26 @@ def drafts_from_exchange(msg: worker_pb2.ExchangeMessage, support_size: int, dev
     return windows
 
 
-def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
-    """Merge the drafter's and the verifier's replies (by role) to one step."""
+def step_reply(step_id: int, result: StepResult, role: str) -> worker_pb2.StepReply:
+    """A worker's side of a step (engine/step.py) as its reply: a verifier that drafts too (colocate_drafter) reports
+    its draft model's prefix cache apart, as a drafter does."""
+    reply = worker_pb2.StepReply(
+        step_id=step_id, draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
+        draft_forwards=result.draft_forwards, draft_tokens=result.draft_tokens, verify_tokens=result.verify_tokens,
+        lora_loaded=result.lora_loaded, thread_trial=result.thread_trial, drafted=result.drafted,
+        prefix_cache_queries=result.prefix_cache_queries.get(role, 0),
+        prefix_cache_hits=result.prefix_cache_hits.get(role, 0),
+        pool_queue=result.drafter_queue, pool_wait_seconds=result.drafter_wait_seconds,
+    )  # fmt: skip
+    reply.verified.extend(verified_to_proto(result.verified))
+    if role == "verifier":
+        reply.draft_prefix_cache_queries = result.prefix_cache_queries.get("drafter", 0)
+        reply.draft_prefix_cache_hits = result.prefix_cache_hits.get("drafter", 0)
+    return reply
+
+
+def result_from_replies(replies: dict[str, worker_pb2.StepReply], plan: StepPlan) -> StepResult:
+    """Merge the drafter's and the verifier's replies (by role) to the result of the step of `plan`."""
     result = StepResult()
     for role, reply in replies.items():
         result.worker_seconds[role] = reply.compute_seconds
@@ -303,12 +314,11 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply]) -> StepResult:
         result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
         result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
         result.thread_trial = result.thread_trial or reply.thread_trial
-        result.draft_after_verify = result.draft_after_verify or reply.draft_after_verify
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
         result.drafter_queue = max(result.drafter_queue, reply.pool_queue)
         result.drafter_wait_seconds = max(result.drafter_wait_seconds, reply.pool_wait_seconds)
         if reply.draft_prefix_cache_queries:  # a verifier that drafts too
             result.record_prefix_cache("drafter", (reply.draft_prefix_cache_queries, reply.draft_prefix_cache_hits))
-        for name, error in reply.lora_loaded.items():  # one worker's refusal is the group's
-            result.lora_loaded[name] = result.lora_loaded.get(name) or (f"the {role}: {error}" if error else "")
+        merge_loaded(result.lora_loaded, dict(reply.lora_loaded), f"the {role}: ")  # one's refusal is the group's
+    result.draft_after_verify = plan.in_turn  # as the executor ordered the parts (engine/step.py, `ordered`)
     return result

@@ -8,49 +8,12 @@ each join drops every request's state, and the scheduler re-admits what it still
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig
 from minedraft.engine.workers import DraftWorker, VerifyWorker
-from minedraft.model.config import load_model_config
 from minedraft.transport.groups import Topology, WorldGroups, init_world
-
-T = TypeVar("T")
-
-
-class MissedResults(Generic[T]):
-    """The results of the steps the drafter sat out, held until the next step it drafts in.
-
-    A step that drafts nothing (a plain step, a one-batch step's verification half) needs nothing of the
-    drafter, so the drafter does not wait there for the step's results: verifier rank 0 keeps them and sends them
-    in one message at the start of the next step that drafts, which the drafter applies before drafting. Both ends
-    keep the same list from the same plans (the verifier the results, the drafter the request ids it will get),
-    and a released request leaves both lists in the same plan, so one admitted again under its id never gets
-    tokens of its past. (An EAGLE head reads the target's features of every position: its drafter keeps taking
-    part in every step, `defers_results`.)"""
-
-    def __init__(self, request_id: Callable[[T], str]) -> None:
-        self._request_id = request_id
-        self._items: list[T] = []
-
-    def add(self, items: Iterable[T]) -> None:
-        self._items.extend(items)
-
-    def drop(self, request_ids: Iterable[str]) -> None:
-        gone = set(request_ids)
-        if gone and self._items:
-            self._items = [item for item in self._items if self._request_id(item) not in gone]
-
-    def take(self) -> list[T]:
-        items, self._items = self._items, []
-        return items
-
-
-def defers_results(config: EngineConfig) -> bool:
-    """Whether the drafter sits out the steps that draft nothing (MissedResults)."""
-    return not config.uses_eagle_head
 
 
 class NotInWorld(RuntimeError):
@@ -78,10 +41,6 @@ class WorkerNode(Protocol):
 
 def topology_of(config: EngineConfig) -> Topology:
     return Topology(tp_size=config.tensor_parallel_size, has_drafter=config.speculative_config is not None)
-
-
-def max_model_len_of(config: EngineConfig) -> int:
-    return config.max_model_len or load_model_config(config.target_path).max_position_embeddings
 
 
 def join_world(

@@ -151,7 +151,7 @@ class Verified(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial", "draft_after_verify", "pool_queue", "pool_wait_seconds")
+    __slots__ = ("step_id", "verified", "drafted", "draft_seconds", "verify_seconds", "compute_seconds", "idle_seconds", "draft_forwards", "draft_tokens", "verify_tokens", "prefix_cache_queries", "prefix_cache_hits", "lora_loaded", "draft_prefix_cache_queries", "draft_prefix_cache_hits", "thread_trial", "pool_queue", "pool_wait_seconds")
     class DraftedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,7 +182,6 @@ class StepReply(_message.Message):
     DRAFT_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     THREAD_TRIAL_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_AFTER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     POOL_QUEUE_FIELD_NUMBER: _ClassVar[int]
     POOL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
@@ -201,10 +200,9 @@ class StepReply(_message.Message):
     draft_prefix_cache_queries: int
     draft_prefix_cache_hits: int
     thread_trial: bool
-    draft_after_verify: bool
     pool_queue: int
     pool_wait_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ..., draft_after_verify: _Optional[bool] = ..., pool_queue: _Optional[int] = ..., pool_wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ..., drafted: _Optional[_Mapping[str, int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., draft_forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora_loaded: _Optional[_Mapping[str, str]] = ..., draft_prefix_cache_queries: _Optional[int] = ..., draft_prefix_cache_hits: _Optional[int] = ..., thread_trial: _Optional[bool] = ..., pool_queue: _Optional[int] = ..., pool_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ExchangeMessage(_message.Message):
     __slots__ = ("epoch", "request_ids", "results", "drafts")
@@ -247,7 +245,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts", "pool_capacity", "pool_groups", "pool_queue", "pool_joint_parts")
+    __slots__ = ("role", "model", "num_active_sequences", "vocab_size", "max_model_len", "eos_token_ids", "world_rank", "tensor_parallel_size", "engine_config_json", "epoch", "num_blocks", "num_free_blocks", "block_size", "draft_num_blocks", "drafts", "pool_capacity", "pool_groups", "pool_queue", "pool_joint_parts", "stages_share_cores")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +265,7 @@ class WorkerInfo(_message.Message):
     POOL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     POOL_QUEUE_FIELD_NUMBER: _ClassVar[int]
     POOL_JOINT_PARTS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_SHARE_CORES_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_active_sequences: int
@@ -286,4 +285,5 @@ class WorkerInfo(_message.Message):
     pool_groups: int
     pool_queue: int
     pool_joint_parts: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ..., pool_capacity: _Optional[int] = ..., pool_groups: _Optional[int] = ..., pool_queue: _Optional[int] = ..., pool_joint_parts: _Optional[int] = ...) -> None: ...
+    stages_share_cores: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_active_sequences: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., world_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draft_num_blocks: _Optional[int] = ..., drafts: _Optional[bool] = ..., pool_capacity: _Optional[int] = ..., pool_groups: _Optional[int] = ..., pool_queue: _Optional[int] = ..., pool_joint_parts: _Optional[int] = ..., stages_share_cores: _Optional[bool] = ...) -> None: ...

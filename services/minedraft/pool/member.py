@@ -22,12 +22,13 @@ from dataclasses import replace
 
 from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig, num_slots
-from minedraft.engine.local_executor import build_drafter
-from minedraft.engine.plans import Admission, DraftPlan, Verified, VerifyPlan
+from minedraft.engine.plans import DraftPlan, Drafts, StepResult, Verified
+from minedraft.engine.runners import build_drafter, max_model_len
+from minedraft.engine.step import DraftSide, Features, StepPlan, defers_results
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, Peer, PoolLink
-from minedraft.wire import plan_from_proto
-from minedraft.worker_node import MissedResults, NotInWorld, defers_results, max_model_len_of
+from minedraft.wire import plan_from_proto, step_reply
+from minedraft.worker_node import NotInWorld
 
 log = logging.getLogger("minedraft.pool")
 
@@ -48,12 +49,13 @@ class _Ticket:
 
 
 class _Group:
-    """One group's world at this member: its scoped request ids, its link to the verifier, the results owed."""
+    """One group's world at this member: its scoped request ids, and its link to the verifier, the end of the
+    channel of its drafter side (engine/step.py, DrafterEnd) with the ids unscoped on the way."""
 
     def __init__(self, name: str, index: int, epoch: int, link: PoolLink) -> None:
         self.name, self.epoch, self.link = name, epoch, link
         self.prefix = f"{index}/"
-        self.missed = MissedResults(lambda request_id: request_id)
+        self.side: DraftSide | None = None  # set by the member it joins
 
     def owns(self, request_id: str) -> bool:
         return request_id.startswith(self.prefix)
@@ -63,6 +65,30 @@ class _Group:
 
     def unscoped(self, request_id: str) -> str:
         return request_id[len(self.prefix) :]
+
+    def recv_results(self, request_ids: list[str]) -> list[Verified]:
+        results = self.link.recv_results([self.unscoped(r) for r in request_ids])
+        return [Verified(self.scoped(v.request_id), v.token_ids, v.num_draft_tokens, v.num_accepted) for v in results]
+
+    def recv_features(self, request_ids: list[str]) -> Features:
+        raise RuntimeError("a pool drafter drafts without the target's features (check_poolable)")
+
+    def send_drafts(self, request_ids: list[str], windows: dict[str, Drafts]) -> None:
+        self.link.send_drafts([self.unscoped(r) for r in request_ids],
+                              {self.unscoped(r): w for r, w in windows.items()})  # fmt: skip
+
+
+class _GroupSide(DraftSide):
+    """A group's drafter side on the member's shared worker: its calls under the model's lock, its windows its own
+    requests', its draft part drafted with the other groups' that wait for the model (PoolMember._draft)."""
+
+    def __init__(self, member: PoolMember, group: _Group) -> None:
+        super().__init__(member.worker, end=group, defers=defers_results(member.config), lock=member._model,
+                         owns=group.owns)  # fmt: skip
+        self._member = member
+
+    def _draft(self, draft: DraftPlan, together: bool, result: StepResult) -> None:
+        self._member._draft(draft, result)
 
 
 class PoolMember:
@@ -74,7 +100,7 @@ class PoolMember:
             raise ValueError(f"a pool drafter serves at least one group, got pool_groups={capacity}")
         self.config, self.capacity, self.timeout_s = config, capacity, timeout_s
         device = "cpu" if config.drafts_without_model else config.resolved_device()
-        self.worker = build_drafter(config, num_slots(config) * capacity, max_model_len_of(config), device)
+        self.worker = build_drafter(config, num_slots(config) * capacity, max_model_len(config), device)
         self._groups: dict[int, _Group] = {}  # by epoch
         self._inboxes: dict[int, Inbox] = {}
         self._state = threading.Lock()  # guards the two maps above
@@ -101,7 +127,9 @@ class PoolMember:
             inbox.open(request.epoch)
             link = PoolLink(Peer(request.verifier_address), inbox, request.epoch, self.config.draft_support_size,
                             self.timeout_s)  # fmt: skip
-            self._groups[request.epoch] = _Group(request.group, next(self._indexes), request.epoch, link)
+            group = _Group(request.group, next(self._indexes), request.epoch, link)
+            group.side = _GroupSide(self, group)
+            self._groups[request.epoch] = group
             self._inboxes[request.epoch] = inbox
         log.info("group %s joined (epoch %d, verifier %s); %d of %d places taken", request.group, request.epoch,
                  request.verifier_address, len(self._groups), self.capacity)  # fmt: skip
@@ -133,59 +161,27 @@ class PoolMember:
     # -- steps ----------------------------------------------------------------------------------------------
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        """The drafter's step (drafter/node.py) for one group: admissions, draft, the results in, the windows out."""
+        """The drafter's step (engine/step.py) for one group: admissions, draft, the results in, the windows out."""
         group = self._groups.get(plan.epoch)
         if group is None:
             raise NotInWorld(f"step {plan.step_id} is for epoch {plan.epoch}; no group here is in it")
-        admit, release, draft, verify = _scoped(group, *plan_from_proto(plan))
-        results_first = draft is not None and verify is not None and draft.after_verify
-        reply = worker_pb2.StepReply(step_id=plan.step_id, draft_after_verify=results_first)
-        with self._model:
-            self.worker.release(release)
-            self.worker.admit(admit)
-            reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.take_prefix_stats()
-        group.missed.drop(release)
-        if draft is not None:
-            missed = group.missed.take()
-            if missed:
-                self._apply(group, missed)
-            if results_first:
-                self._apply(group, [t.request_id for t in verify.tasks])
-            self._draft(draft, reply)
-        if verify is not None and draft is None and defers_results(self.config):
-            group.missed.add(t.request_id for t in verify.tasks)
-        elif verify is not None and not results_first:
-            self._apply(group, [t.request_id for t in verify.tasks])
-        if draft is not None:
-            with self._model:
-                windows = self.worker.take_drafts(owns=group.owns)
-            ids = [group.unscoped(t.request_id) for t in draft.tasks]
-            group.link.send_drafts(ids, {group.unscoped(r): w for r, w in windows.items()})
-            for request_id, window in windows.items():
-                reply.drafted[group.unscoped(request_id)] = len(window.tokens)
-        return reply
+        result = group.side.step(_scoped(group, plan_from_proto(plan)))
+        result.drafted = {group.unscoped(r): n for r, n in result.drafted.items()}
+        return step_reply(plan.step_id, result, "drafter")
 
-    def _apply(self, group: _Group, scoped_ids: list[str]) -> None:
-        """Wait for the verifier's results of these requests (outside the model's lock), then apply them."""
-        results = group.link.recv_results([group.unscoped(r) for r in scoped_ids])
-        scoped = [Verified(group.scoped(v.request_id), v.token_ids, v.num_draft_tokens, v.num_accepted)
-                  for v in results]  # fmt: skip
-        with self._model:
-            self.worker.apply_results(scoped)
-
-    def _draft(self, draft: DraftPlan, reply: worker_pb2.StepReply) -> None:
+    def _draft(self, draft: DraftPlan, result: StepResult) -> None:
         """Draft this group's part, in one forward with the parts of other groups that wait for the model too
         (the first to get the model drafts every waiting part; the others find theirs done)."""
         ticket = _Ticket(draft)
         with self._count:
-            reply.pool_queue = len(self._pending)
+            result.drafter_queue = len(self._pending)
             self._pending.append(ticket)
         with self._model:
             if not ticket.done:
                 self._draft_together(ticket)
-        reply.pool_wait_seconds = ticket.started - ticket.asked
-        reply.draft_seconds = ticket.seconds
-        reply.draft_forwards, reply.draft_tokens = ticket.work
+        result.drafter_wait_seconds = ticket.started - ticket.asked
+        result.draft_seconds = ticket.seconds
+        result.draft_forwards, result.draft_tokens = ticket.work
 
     def _draft_together(self, ticket: _Ticket) -> None:
         """With the model's lock: every waiting part as one plan (a Tetris plan, which selects over its own batch,
@@ -233,18 +229,15 @@ class PoolMember:
                 self._drop(epoch)
 
 
-def _scoped(
-    group: _Group, admit: list[Admission], release: list[str], draft: DraftPlan | None, verify: VerifyPlan | None
-) -> tuple[list[Admission], list[str], DraftPlan | None, VerifyPlan | None]:
-    """The plan's parts with every request id scoped by the group (ids of two groups may be equal)."""
-    scope = group.scoped
-    admit = [replace(a, request_id=scope(a.request_id)) for a in admit]
-    release = [scope(r) for r in release]
+def _scoped(group: _Group, plan: StepPlan) -> StepPlan:
+    """The plan with every request id scoped by the group (ids of two groups may be equal)."""
+    scope, draft, verify = group.scoped, plan.draft, plan.verify
     if draft is not None:
         draft = replace(draft, tasks=_rescoped(draft.tasks, scope), prefill=_rescoped(draft.prefill, scope))
     if verify is not None:
         verify = replace(verify, tasks=_rescoped(verify.tasks, scope), prefill=_rescoped(verify.prefill, scope))
-    return admit, release, draft, verify
+    return replace(plan, admit=_rescoped(plan.admit, scope), release=[scope(r) for r in plan.release], draft=draft,
+                   verify=verify)  # fmt: skip
 
 
 def _rescoped(items: Iterable, scope) -> list:

@@ -18,6 +18,7 @@ from minedraft.config import EngineConfig, LoraModule, check_fits_one_request, c
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
+from minedraft.engine.step import StepPlan, ordered
 from minedraft.pool import check_poolable
 from minedraft.pool.binding import DrafterPool
 from minedraft.scheduler.step_deadline import StepDeadline
@@ -117,6 +118,7 @@ class RemoteExecutor:
         self.kv_pool: tuple[int, int] | None = None  # (blocks, block size) of the verifier of the world
         self.draft_kv_blocks: int | None = None  # the drafter's blocks, when the world has one
         self._verifier_drafts = False  # the verifier of the world runs the draft model too (colocate_drafter)
+        self._shares_cores = False  # ... on one CPU whose cores its two stages share (engine/step.py, `ordered`)
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
         self._admit: list[Admission] = []
         self._release: list[str] = []
@@ -127,7 +129,7 @@ class RemoteExecutor:
         self._step_id = 0
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-call")  # joins beside hung steps
         self._streams: dict[str, PlanStream] = {}  # per member, for the life of a world
-        self._submitted: deque[tuple[int, float]] = deque()  # (step id, when sent) of the steps in flight
+        self._submitted: deque[tuple[int, float, StepPlan]] = deque()  # (step id, when sent, plan) in flight
         self._last_collected = 0.0
 
     @property
@@ -187,6 +189,7 @@ class RemoteExecutor:
         self.members = members
         self.kv_pool, self.draft_kv_blocks = kv_pool, draft_kv_blocks
         self._verifier_drafts = verifier_drafts
+        self._shares_cores = verifier_drafts and infos["verifier"].stages_share_cores
         self._admit, self._release, self._lora_changes = [], [], []  # the join brought the adapters' changes
         return infos
 
@@ -270,17 +273,19 @@ class RemoteExecutor:
         if not self._streams:
             self._streams = {w.role: PlanStream(w) for w in self.members}
         self._step_id += 1
-        plan = plan_to_proto(self._step_id, self._admit, self._release, draft, verify, self._lora_changes)
-        plan.epoch = self.epoch
+        plan = StepPlan(self._admit, self._release, self._lora_changes, ordered(draft, verify, self._shares_cores),
+                        verify)  # fmt: skip
+        message = plan_to_proto(self._step_id, plan)
+        message.epoch = self.epoch
         self._admit, self._release, self._lora_changes = [], [], []
         for stream in self._streams.values():
-            stream.send(plan)
-        self._submitted.append((self._step_id, time.perf_counter()))
+            stream.send(message)
+        self._submitted.append((self._step_id, time.perf_counter(), plan))
 
     def collect(self) -> StepResult:
         """The oldest step's replies, merged. Raises if a worker fails it or does not answer by the deadline
         (a worker that fails leaves its peer blocked in the step-end exchange: the peer is not waited for)."""
-        step_id, submitted_at = self._submitted.popleft()
+        step_id, submitted_at, plan = self._submitted.popleft()
         replies = {self._calls.submit(stream.receive): stream.worker for stream in self._streams.values()}
         done, pending = wait(replies, timeout=self.deadline.seconds(), return_when=FIRST_EXCEPTION)
         for call in done:
@@ -292,7 +297,7 @@ class RemoteExecutor:
         if pending:
             late = ", ".join(f"the {replies[c].role} at {replies[c].address}" for c in pending)
             raise TimeoutError(f"{late} did not answer step {step_id} within {self.deadline.seconds():.0f}s")
-        result = result_from_replies({w.role: c.result() for c, w in replies.items()})
+        result = result_from_replies({w.role: c.result() for c, w in replies.items()}, plan)
         # A step's time is from the end of the one before it (or its own submission, if later) to its end:
         # with the next plan sent ahead, that is what each step costs.
         now = time.perf_counter()

@@ -7,39 +7,27 @@ sends the results to the drafter and to the other ranks, so all ranks commit the
 from __future__ import annotations
 
 import logging
-import time
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.adaptive.threads import StepThreads
-from minedraft.engine.local_executor import target_options
+from minedraft.engine.plans import Drafts, Verified
+from minedraft.engine.runners import target_runner
+from minedraft.engine.step import Features, VerifySide, defers_results
 from minedraft.engine.workers import VerifyWorker
-from minedraft.model.runner import ModelRunner
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, Peer, PoolLink
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
-from minedraft.wire import (
-    drafts_from_exchange,
-    lora_adapter_from_proto,
-    lora_changes_from_proto,
-    plan_from_proto,
-    verified_to_proto,
-)
-from minedraft.worker_node import (
-    MissedResults,
-    NotInWorld,
-    check_epoch,
-    defers_results,
-    join_world,
-    max_model_len_of,
-    worker_info,
-)
+from minedraft.wire import drafts_from_exchange, lora_adapter_from_proto, plan_from_proto, step_reply
+from minedraft.worker_node import NotInWorld, check_epoch, join_world, worker_info
 
 log = logging.getLogger("minedraft.verifier")
 
 
 class VerifierNode:
+    """A verifier rank's side of every step (engine/step.py), its end of the channel a `RankEnd`."""
+
     def __init__(self, config: EngineConfig, dist: DistributedConfig, rank: int, threads_beside: int = 0) -> None:
         self.config = config
         self.dist = dist
@@ -53,21 +41,13 @@ class VerifierNode:
         self.groups: WorldGroups | None = None
         if config.tensor_parallel_size > 1:
             self.groups = join_world(config, dist, rank, self.device, store=self.store, epoch="load", has_drafter=False)
-        self.runner = ModelRunner(
-            config.target_path,
-            num_slots=num_slots(config),
-            max_seq_len=max_model_len_of(config),
-            device=self.device,
-            dtype=config.resolved_dtype(self.device),
-            tp_group=self.groups.tp_group if self.groups else None,
-            batch_invariant=config.batch_invariant,
-            **target_options(config),
-        )
+        self.runner = target_runner(config, num_slots(config), self.device,
+                                    tp_group=self.groups.tp_group if self.groups else None)  # fmt: skip
         self.worker = VerifyWorker(self.runner)
-        self.threads = StepThreads(self.device, threads_beside)
+        self.side = VerifySide(self.worker, threads=StepThreads(self.device, threads_beside),
+                               defers=defers_results(config), features=config.uses_eagle_head)  # fmt: skip
         self.channel = StepChannel(self.groups, config.draft_support_size) if self.groups else None
         self.epoch: int | None = None
-        self.missed = MissedResults(lambda verified: verified.request_id)  # what the drafter has yet to get
         # A drafter of a pool (JoinRequest.drafter_address) is in no world: rank 0 hands over through `pool`.
         self.pooled = False
         self.inbox = Inbox()
@@ -92,8 +72,8 @@ class VerifierNode:
             check_poolable(self.config)
         drafts = request.has_drafter or self.pooled
         self.worker.prediction_window = 0 if drafts else self.config.prediction_draft_tokens
-        self.missed.take()
-        self.epoch, self.channel = None, None
+        self.side.missed.take()
+        self.epoch, self.channel, self.side.end = None, None, None
         self._leave_pool()
         for name, error in self.worker.set_loras([lora_adapter_from_proto(m) for m in request.lora_adapters]).items():
             log.error("verifier rank %d cannot serve LoRA adapter %r: %s", self.rank, name, error)
@@ -110,6 +90,9 @@ class VerifierNode:
             self.inbox.open(request.epoch)
             self.pool = PoolLink(Peer(request.drafter_address), self.inbox, request.epoch,
                                  self.config.draft_support_size, self.dist.timeout_s)  # fmt: skip
+        drafting = self.pooled or self.groups is not None and self.groups.topology.has_drafter
+        self.side.end = RankEnd(self.channel, self.pool, self.is_leader, drafting, self.pooled,
+                                self.config.draft_support_size, self.device)  # fmt: skip
         self.epoch = request.epoch
 
     def _leave_pool(self) -> None:
@@ -162,66 +145,7 @@ class VerifierNode:
             self.channel.broadcast_plan(b"")
 
     def _run(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
-        admit, release, draft, verify = plan_from_proto(plan)
-        self.worker.release(release)
-        self.missed.drop(release)
-        loaded = self.worker.change_loras(lora_changes_from_proto(plan))
-        self.worker.admit(admit)
-        after = draft is not None and verify is not None and draft.after_verify  # the drafter waits for the results
-        reply = worker_pb2.StepReply(step_id=plan.step_id, lora_loaded=loaded, draft_after_verify=after)
-        sits_out = self._has_drafter and draft is None and defers_results(self.config)
-        if draft is not None and self._has_drafter and self.is_leader:
-            missed = self.missed.take()
-            if missed and self.pooled:  # the drafter applies them before it drafts, while this rank verifies
-                self.pool.send_results(missed)
-            elif missed:
-                self.channel.send_missed_results(missed)
-        if verify is not None:
-            beside = draft is not None and self._has_drafter and not after  # the drafter computes too
-            prompts = self.worker.prompt_tokens(verify)
-            self.threads.use(together=beside, requests=len(verify.tasks), prefill=bool(verify.prefill) or prompts > 0,
-                             tokens=self.worker.held_tokens(verify) + prompts)
-            start = time.perf_counter()
-            batch = self.worker.forward(verify)
-            results = self.worker.sample(batch) if self.is_leader else None
-            reply.verify_seconds = time.perf_counter() - start
-            self.threads.done(reply.verify_seconds)
-            reply.thread_trial = self.threads.trying
-            reply.verify_tokens = self.worker.take_work()[1]
-            if self.is_leader and sits_out:
-                self.missed.add(results)
-            elif self.is_leader and self.pooled:
-                self.pool.send_results(results)
-            if self.channel is not None:  # the drafter and the other ranks commit the same tokens
-                if self.is_leader:
-                    self.channel.send_results(results, to_drafter=not sits_out)
-                    if self._has_drafter and self.config.uses_eagle_head:  # what the EAGLE head reads
-                        features = self.worker.features(batch, results)
-                        self.channel.send_features(verify.request_ids(), features, self.runner.feature_width)
-                else:
-                    results = self.channel.recv_results([t.request_id for t in verify.tasks])
-            self.worker.commit(batch, results)
-            reply.verified.extend(verified_to_proto(results))
-        if draft is not None and self._has_drafter:
-            request_ids = [t.request_id for t in draft.tasks]
-            drafts = self._pool_drafts(request_ids) if self.pooled else self.channel.recv_drafts(request_ids)
-            self.worker.receive_drafts(drafts)
-        reply.prefix_cache_queries, reply.prefix_cache_hits = self.worker.take_prefix_stats()
-        return reply
-
-    def _pool_drafts(self, request_ids: list[str]) -> dict:
-        """The pool drafter's windows: rank 0 receives them and hands the message on to its other ranks."""
-        if self.is_leader:
-            message = self.pool.recv_drafts_message(request_ids)
-            if self.channel is not None:
-                self.channel.broadcast_plan(message.SerializeToString())
-        else:
-            message = worker_pb2.ExchangeMessage.FromString(self.channel.broadcast_plan(None))
-        return drafts_from_exchange(message, self.config.draft_support_size, self.device)
-
-    @property
-    def _has_drafter(self) -> bool:
-        return self.pooled or self.groups is not None and self.groups.topology.has_drafter
+        return step_reply(plan.step_id, self.side.step(plan_from_proto(plan)), "verifier")
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_info("verifier", str(self.config.target_path), self.worker, self.rank, self.config, self.epoch)
@@ -236,3 +160,45 @@ class VerifierNode:
 def _rank_device(device: str, rank: int) -> str:
     """Tensor-parallel rank r uses GPU r of its pod; CPU ranks share the CPU."""
     return f"cuda:{rank}" if device == "cuda" else device
+
+
+class RankEnd:
+    """A verifier rank's end of the step-end exchange (engine/step.py, VerifierEnd): the world's StepChannel to
+    the drafter and the other ranks, or, with a pool drafter, Exchange calls from rank 0 (`pool`), which hands
+    the drafter's windows on to the other ranks over the channel."""
+
+    def __init__(self, channel: StepChannel | None, pool: PoolLink | None, leader: bool, drafting: bool,
+                 pooled: bool, support_size: int, device: str) -> None:  # fmt: skip
+        self.channel, self.pool, self.leader, self.drafting = channel, pool, leader, drafting
+        self.pooled, self.support_size, self.device = pooled, support_size, device
+
+    def send_missed(self, results: list[Verified]) -> None:
+        if self.pooled:
+            self.pool.send_results(results)
+        else:
+            self.channel.send_missed_results(results)
+
+    def share_results(self, results: list[Verified] | None, request_ids: list[str],
+                      to_drafter: bool) -> list[Verified]:  # fmt: skip
+        if self.leader and self.pooled and to_drafter:
+            self.pool.send_results(results)
+        if self.channel is None:
+            return results
+        if self.leader:  # the drafter and the other ranks commit the same tokens
+            self.channel.send_results(results, to_drafter=to_drafter)
+            return results
+        return self.channel.recv_results(request_ids)
+
+    def send_features(self, request_ids: list[str], features: Features, width: int) -> None:
+        self.channel.send_features(request_ids, features, width)
+
+    def recv_drafts(self, request_ids: list[str]) -> dict[str, Drafts]:
+        if not self.pooled:
+            return self.channel.recv_drafts(request_ids)
+        if self.leader:  # rank 0 receives the pool drafter's windows and hands the message on to its other ranks
+            message = self.pool.recv_drafts_message(request_ids)
+            if self.channel is not None:
+                self.channel.broadcast_plan(message.SerializeToString())
+        else:
+            message = worker_pb2.ExchangeMessage.FromString(self.channel.broadcast_plan(None))
+        return drafts_from_exchange(message, self.support_size, self.device)

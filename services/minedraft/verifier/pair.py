@@ -15,8 +15,7 @@ import logging
 from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.local_executor import LocalExecutor, build_local_executor
-from minedraft.engine.plans import StepResult
-from minedraft.wire import lora_adapter_from_proto, lora_changes_from_proto, plan_from_proto, verified_to_proto
+from minedraft.wire import lora_adapter_from_proto, plan_from_proto, step_reply
 from minedraft.worker_node import check_epoch, worker_info
 
 log = logging.getLogger("minedraft.verifier")
@@ -41,21 +40,17 @@ class PairNode:
         self.epoch = request.epoch
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepReply:
+        """The plan's parts as the in-process engine runs them (the scheduler orders a part that only prefills
+        after the verification, as that engine does: WorkerInfo.stages_share_cores)."""
         check_epoch(self.epoch, plan)
-        admit, release, draft, verify = plan_from_proto(plan)
-        self.executor.release(release)
-        self.executor.change_loras(lora_changes_from_proto(plan))
-        self.executor.admit(admit)
-        result = self.executor.step(draft, verify)
-        reply = _reply(plan.step_id, result)
-        reply.thread_trial = result.thread_trial
-        return reply
+        return step_reply(plan.step_id, self.executor.run(plan_from_proto(plan)), "verifier")
 
     def info(self) -> worker_pb2.WorkerInfo:
         info = worker_info("verifier", str(self.config.target_path), self.executor.verifier, 0, self.config,
                            self.epoch)  # fmt: skip
         info.draft_num_blocks = self.executor.draft_kv_blocks or 0
         info.drafts = self.executor.drafter is not None
+        info.stages_share_cores = self.executor.shares_cores
         return info
 
     def stop_followers(self) -> None:
@@ -71,19 +66,3 @@ class PairNode:
     def _reset(self) -> None:
         for worker in self._workers():
             worker.reset()
-
-
-def _reply(step_id: int, result: StepResult) -> worker_pb2.StepReply:
-    reply = worker_pb2.StepReply(
-        step_id=step_id, draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
-        draft_forwards=result.draft_forwards, draft_tokens=result.draft_tokens, verify_tokens=result.verify_tokens,
-        lora_loaded=result.lora_loaded, draft_after_verify=result.draft_after_verify,
-    )  # fmt: skip
-    reply.verified.extend(verified_to_proto(result.verified))
-    for request_id, num_tokens in result.drafted.items():
-        reply.drafted[request_id] = num_tokens
-    reply.prefix_cache_queries = result.prefix_cache_queries.get("verifier", 0)  # as a lone verifier reports
-    reply.prefix_cache_hits = result.prefix_cache_hits.get("verifier", 0)
-    reply.draft_prefix_cache_queries = result.prefix_cache_queries.get("drafter", 0)
-    reply.draft_prefix_cache_hits = result.prefix_cache_hits.get("drafter", 0)
-    return reply
