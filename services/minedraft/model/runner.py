@@ -201,7 +201,9 @@ class ModelRunner:
             kernels = importlib.import_module(f"minedraft.model.kernels.{self.fused_kernels}_fused")
             self.model.model.fused_kernels = kernels
         stack = choice.decode_stack(self.model, self.fused_kernels, self.cpu_kernel, self.lora is not None)
-        self.model.model.decode_stack, self.decode_stack = stack, stack is not None
+        self.decode_stack = stack is not None  # whether short-query steps run as one C call
+        if stack is not None:
+            self.model.model.decode_stack = stack
 
     def _new_kv_cache(self, options: RunnerOptions) -> KVCache:
         """The paged pool: what its budget holds, never more than num_slots sequences of max_seq_len need, the
