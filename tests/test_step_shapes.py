@@ -78,20 +78,20 @@ def _steps(machine: Machine, shape: Shape, drafting: list[Request], windows: lis
     n = len(everyone)
     if shape is Shape.PLAIN:
         seconds = machine.measured_verify(n, False, n, rng)
-        return [(StepResult(verified=_verified(everyone, [0] * n, machine, rng), verify_tokens=n,
+        return [(StepResult(verified=_verified(everyone, [0] * n, machine, rng), fed_to_target=n,
                             verify_seconds=seconds), seconds)]  # fmt: skip
     tokens = len(windows) + sum(windows)
     drafted = {r.request_id: w for r, w in zip(drafting, windows)}
     if shape is Shape.SPECULATE:  # the parts one after the other, each handed over to the other process
-        step = StepResult(verified=_verified(drafting, windows, machine, rng), verify_tokens=tokens,
+        step = StepResult(verified=_verified(drafting, windows, machine, rng), fed_to_target=tokens,
                           verify_seconds=machine.measured_verify(tokens, False, len(drafting), rng), drafted=drafted,
-                          draft_forwards=max(windows), draft_tokens=tokens,
+                          draft_forwards=max(windows), fed_to_draft=tokens,
                           draft_seconds=machine.draft(windows, together=False), draft_after_verify=True)  # fmt: skip
         return [(step, step.draft_seconds + step.verify_seconds + 2 * machine.handoff)]
     # Overlap: this batch drafts while the other, drafted alike the step before, is verified.
     verify = machine.measured_verify(tokens, True, len(drafting), rng)
-    step = StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, verify_tokens=tokens,
-                      verify_seconds=verify, draft_forwards=max(windows), draft_tokens=tokens,
+    step = StepResult(verified=_verified(drafting, windows, machine, rng), drafted=drafted, fed_to_target=tokens,
+                      verify_seconds=verify, draft_forwards=max(windows), fed_to_draft=tokens,
                       draft_seconds=machine.draft(windows, together=True))  # fmt: skip
     wait = machine.overlap_wait if rng.random() < 0.5 else 0.0  # now and then: no fixed overhead models it
     return [(step, max(step.draft_seconds, step.verify_seconds) + wait)]
@@ -211,7 +211,7 @@ def test_the_catch_up_the_drafter_owes_is_weighed_against_the_tokens_left() -> N
     assert share[Shape.SPECULATE] >= 0.85, share
     assert not controller.describe()["catch_up_seconds_per_token"]  # nothing read beyond windows yet
     windows = {str(i): K for i in range(4)}
-    read = StepResult(drafted=windows, draft_forwards=K, draft_tokens=4 * (K + 1) + 400, draft_after_verify=True,
+    read = StepResult(drafted=windows, draft_forwards=K, fed_to_draft=4 * (K + 1) + 400, draft_after_verify=True,
                       draft_seconds=SHARED_CORES.draft(list(windows.values()), together=False) + 4 * MS)
     clock.now += read.draft_seconds
     controller.observe(read, Shape.SPECULATE)
@@ -476,7 +476,7 @@ def _replay_bundled_pair(adaptive: bool) -> tuple[float, SpeculationController |
                         else Decision(Shape.SPECULATE, [cap]))  # fmt: skip
             window = decision.windows[0] if decision.windows else 0
             if not window:  # a plain step
-                run(StepResult(verified=[Verified(request.request_id, [3], 0, 0)], verify_tokens=1,
+                run(StepResult(verified=[Verified(request.request_id, [3], 0, 0)], fed_to_target=1,
                                verify_seconds=_cpu_verify(1)), decision.shape, _cpu_verify(1))  # fmt: skip
                 request.record_verification(0, 0)
                 position, pending = position + 1, pending + 1
@@ -486,8 +486,8 @@ def _replay_bundled_pair(adaptive: bool) -> tuple[float, SpeculationController |
             request.record_verification(window, accepted)
             verify = _cpu_verify(window + 1)
             run(StepResult(verified=[Verified(request.request_id, [3] * (accepted + 1), window, accepted)],
-                           verify_tokens=window + 1, verify_seconds=verify, drafted={request.request_id: window},
-                           draft_forwards=window, draft_tokens=window + pending, draft_seconds=draft,
+                           fed_to_target=window + 1, verify_seconds=verify, drafted={request.request_id: window},
+                           draft_forwards=window, fed_to_draft=window + pending, draft_seconds=draft,
                            draft_after_verify=True), decision.shape, draft + verify)  # fmt: skip
             position, pending = position + accepted + 1, 1
         if controller is not None:
@@ -516,7 +516,7 @@ def test_a_draft_parts_own_cost_is_fitted_apart_from_its_forwards() -> None:
         requests, k = rng.randint(1, 4), rng.randint(1, K)
         tokens = requests * (k + 1)
         controller.observe(StepResult(drafted={str(i): k for i in range(requests)}, draft_forwards=k,
-                                      draft_tokens=tokens, draft_seconds=part + forward * k + token * tokens),
+                                      fed_to_draft=tokens, draft_seconds=part + forward * k + token * tokens),
                            Shape.SPECULATE)  # fmt: skip
     fitted = controller.describe()["cost_model_seconds"]["draft_alone"]
     for requests, k in [(1, 1), (1, 4), (4, 1), (4, 4)]:
@@ -548,14 +548,14 @@ def test_the_drafters_catch_up_after_plain_steps_is_a_cost_of_the_turn_not_of_ea
     def step(shape: Shape, read: int = 0) -> None:
         """One step of `shape`; a speculative one's draft part also reads `read` tokens beyond its windows."""
         if shape is Shape.PLAIN:
-            result = StepResult(verified=[Verified(r.request_id, [3], 0, 0) for r in requests], verify_tokens=4,
+            result = StepResult(verified=[Verified(r.request_id, [3], 0, 0) for r in requests], fed_to_target=4,
                                 verify_seconds=1.5 * MS)  # fmt: skip
         else:
             tokens = 4 * 3  # windows of 2, each after its pending token
             result = StepResult(verified=[Verified(r.request_id, [3, 3], 2, 1) for r in requests],
-                                verify_tokens=tokens, verify_seconds=2 * MS,
+                                fed_to_target=tokens, verify_seconds=2 * MS,
                                 drafted={r.request_id: 2 for r in requests}, draft_forwards=2,
-                                draft_tokens=tokens + read,
+                                fed_to_draft=tokens + read,
                                 draft_seconds=(0.8 + 0.01 * (tokens + read)) * MS, draft_after_verify=True)  # fmt: skip
         clock.now += result.verify_seconds + result.draft_seconds
         controller.observe(result, shape)

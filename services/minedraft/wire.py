@@ -287,7 +287,7 @@ def step_reply(step_id: int, result: StepResult, role: str) -> worker_pb2.StepRe
     its draft model's prefix cache apart, as a drafter does."""
     reply = worker_pb2.StepReply(
         step_id=step_id, draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
-        draft_forwards=result.draft_forwards, draft_tokens=result.draft_tokens, verify_tokens=result.verify_tokens,
+        draft_forwards=result.draft_forwards, draft_tokens=result.fed_to_draft, verify_tokens=result.fed_to_target,
         lora_loaded=result.lora_loaded, thread_trial=result.thread_trial, drafted=result.drafted,
         prefix_cache_queries=result.prefix_cache_queries.get(role, 0),
         prefix_cache_hits=result.prefix_cache_hits.get(role, 0),
@@ -311,8 +311,8 @@ def result_from_replies(replies: dict[str, worker_pb2.StepReply], plan: StepPlan
         result.draft_seconds = max(result.draft_seconds, reply.draft_seconds)
         result.verify_seconds = max(result.verify_seconds, reply.verify_seconds)
         result.draft_forwards = max(result.draft_forwards, reply.draft_forwards)
-        result.draft_tokens = max(result.draft_tokens, reply.draft_tokens)
-        result.verify_tokens = max(result.verify_tokens, reply.verify_tokens)
+        result.fed_to_draft = max(result.fed_to_draft, reply.draft_tokens)
+        result.fed_to_target = max(result.fed_to_target, reply.verify_tokens)
         result.thread_trial = result.thread_trial or reply.thread_trial
         result.record_prefix_cache(role, (reply.prefix_cache_queries, reply.prefix_cache_hits))
         result.drafter_queue = max(result.drafter_queue, reply.pool_queue)

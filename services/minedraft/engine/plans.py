@@ -142,11 +142,12 @@ class StepResult:
     # Per worker role, when the workers run apart: the step's time on it, and its wait for the step's plan.
     worker_seconds: dict[str, float] = field(default_factory=dict)
     idle_seconds: dict[str, float] = field(default_factory=dict)
-    # The work those seconds paid for (the adaptive controller's cost model): forwards and tokens of the draft
-    # model, tokens of the target (drafts, pending tokens, prompts and prefill chunks alike).
+    # The work those seconds paid for (the adaptive controller's cost model): the draft model's forwards and the
+    # tokens fed to it, and the tokens fed to the target (drafts, pending tokens, prompts and prefill chunks alike).
+    # (Not draft tokens proposed, DraftPlan.num_tokens, nor verified, Verified.num_draft_tokens.)
     draft_forwards: int = 0
-    draft_tokens: int = 0
-    verify_tokens: int = 0
+    fed_to_draft: int = 0
+    fed_to_target: int = 0
     # Per worker role: prompt tokens its admissions looked up in its prefix cache, and those it found there.
     prefix_cache_queries: dict[str, int] = field(default_factory=dict)
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)

@@ -223,7 +223,7 @@ class DraftSide:
         if self.threads is not None:
             self.threads.done(result.draft_seconds)
             result.thread_trial = self.threads.trying
-        result.draft_forwards, result.draft_tokens = work
+        result.draft_forwards, result.fed_to_draft = work
 
 
 class VerifySide:
@@ -286,7 +286,7 @@ class VerifySide:
         if self.threads is not None:
             self.threads.done(result.verify_seconds)
             result.thread_trial = self.threads.trying
-        result.verify_tokens = self.worker.take_work()[1]
+        result.fed_to_target = self.worker.take_work()[1]
         return batch, results
 
     def receive(self, plan: StepPlan) -> None:

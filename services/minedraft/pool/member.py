@@ -181,7 +181,7 @@ class PoolMember:
                 self._draft_together(ticket)
         result.drafter_wait_seconds = ticket.started - ticket.asked
         result.draft_seconds = ticket.seconds
-        result.draft_forwards, result.draft_tokens = ticket.work
+        result.draft_forwards, result.fed_to_draft = ticket.work
 
     def _draft_together(self, ticket: _Ticket) -> None:
         """With the model's lock: every waiting part as one plan (a Tetris plan, which selects over its own batch,

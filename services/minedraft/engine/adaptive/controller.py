@@ -112,14 +112,14 @@ class SpeculationController:
         prompt (more tokens than the most a decoding request feeds, 2 x (max_k + 1), per request) costs what
         attention over a whole prompt costs, not what the next window will."""
         most_fed = 2 * (self.max_k + 1)
-        decoding_verify = 0 < result.verify_tokens <= most_fed * len(result.verified)
+        decoding_verify = 0 < result.fed_to_target <= most_fed * len(result.verified)
         if decoding_verify and result.verify_seconds > 0:
-            x = (1.0, len(result.verified), result.verify_tokens)
+            x = (1.0, len(result.verified), result.fed_to_target)
             plain = not any(v.num_draft_tokens for v in result.verified)
             self._model.learn("verify", together, x, result.verify_seconds, plain=plain)
-        decoding_draft = 0 < result.draft_tokens <= most_fed * len(result.drafted)
+        decoding_draft = 0 < result.fed_to_draft <= most_fed * len(result.drafted)
         if result.draft_forwards and decoding_draft and result.draft_seconds > 0:
-            x = (1.0, result.draft_forwards, result.draft_tokens)
+            x = (1.0, result.draft_forwards, result.fed_to_draft)
             self._model.learn("draft", together, x, result.draft_seconds)
         return decoding_verify, decoding_draft
 
@@ -156,7 +156,7 @@ class SpeculationController:
         fed more than windows do: their seconds beyond the windows' prediction over the tokens beyond them (not
         the draft fit's cost per token, which windows teach as forwards and tokens rise together)."""
         windows = list(result.drafted.values())
-        read = result.draft_tokens - sum(windows) - sum(1 for w in windows if w)
+        read = result.fed_to_draft - sum(windows) - sum(1 for w in windows if w)
         if read <= 0:
             return
         part = self._costs().part(together)
@@ -334,7 +334,7 @@ def _log_step(result: StepResult, shape: Shape, between: float) -> None:
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s step: verify %.2f ms (%d requests, %d tokens), draft %.2f ms (%d tokens), wall %.2f ms, "
                   "%d new tokens", shape.value, result.verify_seconds * 1e3, len(result.verified),
-                  result.verify_tokens, result.draft_seconds * 1e3, result.draft_tokens, between * 1e3,
+                  result.fed_to_target, result.draft_seconds * 1e3, result.fed_to_draft, between * 1e3,
                   sum(len(v.token_ids) for v in result.verified))  # fmt: skip
 
 

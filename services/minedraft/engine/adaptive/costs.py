@@ -57,9 +57,9 @@ class Costs:
         part = self.part(together)
         (per_part, per_forward, per_token), draft, verify = part.draft, 0.0, 0.0
         if result.draft_seconds > 0:
-            draft = per_part + per_forward * result.draft_forwards + per_token * result.draft_tokens
+            draft = per_part + per_forward * result.draft_forwards + per_token * result.fed_to_draft
         if result.verify_seconds > 0:
-            verify = part.verify_seconds(len(result.verified), result.verify_tokens)
+            verify = part.verify_seconds(len(result.verified), result.fed_to_target)
         return (max(draft, verify) if together else draft + verify) + self.overhead[shape]
 
 
