@@ -21,8 +21,8 @@ from pathlib import Path
 from minedraft.bench.chaos import Chaos, Load, Stack, run_chaos
 from minedraft.bench.prompts import load_prompts
 from minedraft.config import EngineConfig
-from minedraft.launcher import free_port
 from minedraft.model.tokenizer import load_tokenizer
+from minedraft.stack.local import free_port
 
 
 def start_up(args: argparse.Namespace, log_dir: Path) -> tuple[subprocess.Popen, str]:

@@ -29,7 +29,7 @@ from minedraft.bench.prompts import load_prompts
 from minedraft.bench.records import BenchResult
 from minedraft.bench.rounds import interleaved, median_by
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 SETUPS = {  # mode -> (verifier core, drafter core)
     "sd": (0, 0),

@@ -24,8 +24,8 @@ from pathlib import Path
 from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.config import EngineConfig
 from minedraft.frontends.chat import ChatTemplate
-from minedraft.gateway.local import GatewayStack
 from minedraft.settings import WorkerSettings
+from minedraft.stack.gateway import GatewayStack
 
 ROOT = Path(__file__).resolve().parents[1]
 

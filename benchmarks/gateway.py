@@ -26,8 +26,8 @@ from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.bench.prompts import load_prompts
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import LocalStack
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import LocalStack
 
 
 def throughput(config: EngineConfig, prompts: list[str], args: argparse.Namespace, log_dir: Path) -> str:

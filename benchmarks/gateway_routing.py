@@ -44,11 +44,11 @@ from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.bench.prompts import load_prompts
 from minedraft.bench.rounds import interleaved, median_by
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET, EngineConfig
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import child_env, free_port
 from minedraft.metrics import scrape
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import child_env, free_port
 
 POLICIES = ("least-work", "prefix", "predicted")
 

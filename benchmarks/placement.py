@@ -27,7 +27,7 @@ from minedraft.bench.online import run_online_bench
 from minedraft.bench.prompts import load_prompts
 from minedraft.bench.rounds import interleaved
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, scheduler_settings
+from minedraft.stack.local import LocalStack, scheduler_settings
 
 
 def main() -> None:

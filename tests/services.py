@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
-from minedraft.launcher import free_port
-from minedraft.serving import is_serving
+from minedraft.service.health import is_serving
 from minedraft.settings import WorkerSettings
+from minedraft.stack.local import free_port
 
 # A drafter service beside the verifier, as pods run them (on CPU a stack colocates both models by default).
 TWO_PROCESSES = WorkerSettings(colocate_drafter=False)

@@ -21,7 +21,7 @@ import pytest
 
 from minedraft.bench.backends import read_spec_decode_metrics
 from minedraft.bench.records import RequestRecord
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 NUM_PROMPTS, OUTPUT_LEN = 10, 10

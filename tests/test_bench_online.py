@@ -16,7 +16,7 @@ import pytest
 from minedraft.bench.online import BenchResult, Ramp, arrival_times, format_result, run_online_bench, to_json
 from minedraft.bench.records import RequestRecord, parse_percentiles, parse_slo
 from minedraft.bench.server_metrics import ServerStepStats, scrape
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import tiny_config
 

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from minedraft.cli import main
 from minedraft.client import Client
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 
 from conftest import require_weights
 

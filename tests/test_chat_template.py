@@ -18,8 +18,8 @@ from minedraft.frontends.auth import ApiKeys
 from minedraft.frontends.chat import ChatTemplate, ChatTemplateError
 from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.openai_api import OpenAIFrontend
-from minedraft.launcher import free_port
 from minedraft.model.tokenizer import load_tokenizer
+from minedraft.stack.local import free_port
 
 from tiny_models import make_tiny_checkpoint
 

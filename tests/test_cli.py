@@ -11,7 +11,7 @@ import pytest
 
 from minedraft import LLM, SamplingParams
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_TARGET
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 
 from conftest import require_weights
 
@@ -145,8 +145,8 @@ def test_a_service_logging_to_a_file_that_dies_at_start_up_is_reported_with_its_
     """`minedraft bench --launch` and the benchmarks log each service to a file: the error then carries the
     end of that log, where "its error is above" would point at nothing."""
     from minedraft.config import EngineConfig
-    from minedraft.launcher import LocalStack, scheduler_settings
     from minedraft.settings import StartupError
+    from minedraft.stack.local import LocalStack, scheduler_settings
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chart import renderer
 
 from minedraft.bench.online import run_online_bench
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import tiny_config
 

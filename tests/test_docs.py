@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- runnable -->"

@@ -31,13 +31,13 @@ from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, StepResult, Verified
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import free_port, scheduler_settings
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, PeerGone
 from minedraft.pool.member import PoolMember, _Group
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import free_port, scheduler_settings
 from minedraft.wire import drafts_from_exchange, drafts_to_exchange, results_to_exchange, verified_from_proto
 
 MAX_TOKENS = 40

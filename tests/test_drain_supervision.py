@@ -22,10 +22,10 @@ import pytest
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import engine_flags, free_port
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.step_deadline import StepDeadline
-from minedraft.supervision import supervised_child
+from minedraft.service.lifetime import supervised_child
+from minedraft.stack.local import engine_flags, free_port
 
 from conftest import tiny_config
 from services import children, wait_health, wait_serving, worker_info
@@ -231,7 +231,7 @@ def test_services_die_with_a_sigkilled_up(pair) -> None:
 
 
 _PRINT_DEATH_SIGNAL = (
-    "import ctypes; from minedraft.supervision import watch_parent_from_env; watch_parent_from_env(); "
+    "import ctypes; from minedraft.service.lifetime import watch_parent_from_env; watch_parent_from_env(); "
     "sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0); print(sig.value)"
 )  # prctl(PR_GET_PDEATHSIG)
 

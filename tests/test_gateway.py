@@ -24,10 +24,10 @@ import pytest
 from minedraft.client import Client, RetryPolicy
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import free_port, scheduler_settings
 
 from conftest import tiny_config
 from services import children, overload_codes

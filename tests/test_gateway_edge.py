@@ -24,11 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft.client import Client, MineDraftError
 from minedraft.engine.engine import LLMEngine
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import free_port, scheduler_settings
 from minedraft.metrics import scrape
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import free_port, scheduler_settings
 
 from conftest import tiny_config
 from services import wait_health

@@ -7,8 +7,8 @@ import pytest
 from minedraft.gateway.policies import Placement, Predicted
 from minedraft.gateway.pool import Backend, Measured, Pool
 from minedraft.gateway.service import parse_backend
-from minedraft.launcher import free_port
 from minedraft.metrics import Metrics, scrape
+from minedraft.stack.local import free_port
 
 
 def _pool(*backends: Backend) -> Pool:

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from minedraft.gateway.local import GatewayStack
 from minedraft.gateway.policies import IMBALANCE
 from minedraft.gateway.pool import LOAD_INTERVAL_S
-from minedraft.launcher import child_env, free_port
 from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import child_env, free_port
 
 from conftest import make_pair, tiny_config
 

@@ -7,15 +7,17 @@ The floors, lowest first; a module may import its own floor and the ones below, 
    beneath the core, not above it.
 1. core: `engine`, `model`, `sampling`, `transport`: decoding, knowing nothing of the services.
 2. settings: `settings`, the service roles' settings models (and their errors).
-3. services: every module not named elsewhere: frontends, scheduler, gateway, drafter, verifier,
-   serving, wire, metrics, engine_client, the client SDK and the generated stubs.
-4. entry points and process wiring: `cli`, `__main__`, `launcher`, the package's own `__init__`, the
-   offline `llm` API (it starts worker processes through the launcher), `gateway.local` (a local
-   gateway stack) and `bench` (the harness the CLI runs, which starts stacks too).
+3. services: every module not named elsewhere: frontends, scheduler, gateway, drafter, verifier, pool,
+   service (what every service process shares), wire, metrics, engine_client, the client SDK and the
+   generated stubs.
+4. entry points and process wiring: `cli`, `__main__`, the package's own `__init__`, the offline `llm` API
+   (it starts worker processes through a local stack), `stack` (the services as local processes, and their
+   supervision) and `bench` (the harness the CLI runs, which starts stacks too).
 
-Every import counts, at module level or inside a function; only those under `if TYPE_CHECKING:` are
-aside (they never run). A circle closed by an import inside a function is still a circle: each one is
-broken by moving the shared piece to where it belongs.
+Each floor is a list of packages and root modules, never a module picked out of a package: a package sits on
+one floor whole. Every import counts, at module level or inside a function; only those under
+`if TYPE_CHECKING:` are aside (they never run). A circle closed by an import inside a function is still a
+circle: each one is broken by moving the shared piece to where it belongs.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "services" / "minedraft"
 ROOT = "minedraft"
 
-# (floor, the modules and packages on it); a module not named sits on SERVICES.
+# (floor, the root modules and packages on it); a module not named sits on SERVICES.
 FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
     "base": (0, ("minedraft.config", "minedraft.extras", "minedraft.version")),
     "core": (1, ("minedraft.engine", "minedraft.model", "minedraft.sampling", "minedraft.transport")),
     "settings": (2, ("minedraft.settings",)),
-    "entry points": (4, ("minedraft.__main__", "minedraft.cli", "minedraft.launcher", "minedraft.llm",
-                         "minedraft.gateway.local", "minedraft.bench")),  # fmt: skip
+    "entry points": (4, ("minedraft.__main__", "minedraft.cli", "minedraft.llm", "minedraft.stack", "minedraft.bench")),
 }
 SERVICES = 3
 
@@ -49,9 +50,8 @@ def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
 def floor(module: str) -> int:
     if module == ROOT:
         return FLOORS["entry points"][0]
-    named = [(len(prefix), level) for level, prefixes in FLOORS.values() for prefix in prefixes
-             if module == prefix or module.startswith(prefix + ".")]  # fmt: skip
-    return max(named)[1] if named else SERVICES
+    top = ".".join(module.split(".")[:2])  # the root module or package it is, or is in
+    return next((level for level, names in FLOORS.values() if top in names), SERVICES)
 
 
 def _type_checking_only(tree: ast.Module) -> set[int]:
@@ -136,9 +136,16 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph(package_modules())
     assert "minedraft.engine.engine" in graph["minedraft.llm"]  # module level
-    assert "minedraft.launcher" in graph["minedraft.llm"]  # inside a function
+    assert "minedraft.stack.local" in graph["minedraft.llm"]  # inside a function
     assert "minedraft.config" not in graph["minedraft.settings"]  # under TYPE_CHECKING only
     assert "minedraft.api.generate_pb2" in graph["minedraft.api.worker_pb2"]  # `from minedraft.api import x`
+
+
+def test_the_floors_name_root_modules_and_packages_only() -> None:
+    """A package sits on one floor whole: no module of it is picked out onto another."""
+    modules = package_modules()
+    named = [name for _, names in FLOORS.values() for name in names]
+    assert all(name.count(".") == 1 and name in modules for name in named), named
 
 
 def test_no_import_circles() -> None:

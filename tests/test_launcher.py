@@ -1,7 +1,7 @@
 """How the local stack shares one machine's cores among its model processes."""
 
 from minedraft.config import EngineConfig
-from minedraft.launcher import threads_beside, threads_per_worker
+from minedraft.stack.local import threads_beside, threads_per_worker
 
 
 def test_workers_that_take_turns_use_every_core() -> None:

@@ -30,11 +30,11 @@ import pytest
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.gateway.local import GatewayStack
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.model.tokenizer import load_tokenizer
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import WorkerSettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import make_pair
 from services import TWO_PROCESSES, worker_info
@@ -139,7 +139,7 @@ def test_lookup_methods_over_grpc_equal_offline_ar(pair, spec, worker) -> None:
 
 
 def test_a_lookup_drafter_is_colocated_by_default() -> None:
-    from minedraft.launcher import colocates_by_default
+    from minedraft.stack.local import colocates_by_default
 
     assert colocates_by_default(EngineConfig(speculative_config={"method": "ngram"}, device="cpu"))
     assert not colocates_by_default(EngineConfig(speculative_config={"method": "ngram"}, device="cpu",

@@ -23,10 +23,10 @@ from test_lora import make_adapter, merged_checkpoint
 from minedraft.config import EngineConfig, LoraModule
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.loras import LoraRefused
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import SupervisorSettings
-from minedraft.supervision import Supervisor
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
+from minedraft.stack.supervision import Supervisor
 
 from conftest import make_pair, offline_greedy, tiny_config
 from services import post_json, serving

@@ -15,14 +15,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from minedraft.client import Client, MineDraftError
-from minedraft.gateway.local import GatewayStack
 from minedraft.gateway.policies import PrefixAffinity
 from minedraft.gateway.router import Migration
-from minedraft.launcher import free_port, scheduler_settings
 from minedraft.llm import LLM, LoRARequest
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import GatewaySettings
+from minedraft.stack.gateway import GatewayStack
+from minedraft.stack.local import free_port, scheduler_settings
 
 from conftest import tiny_config
 

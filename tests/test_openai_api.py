@@ -25,9 +25,9 @@ from transformers import AutoTokenizer
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.llm import LLM
 from minedraft.sampling.params import SamplingParams
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from tiny_models import make_tiny_checkpoint
 from tls_certs import write_self_signed_cert

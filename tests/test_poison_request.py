@@ -21,7 +21,7 @@ import pytest
 
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy
 

@@ -18,11 +18,11 @@ from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.plans import Admission, VerifyPlan, VerifyTask
 from minedraft.engine.workers import VerifyWorker
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.metrics import scrape
 from minedraft.model.kv_cache import KVCache, bytes_per_block
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.params import SamplingParams
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import tiny_config
 

@@ -23,7 +23,7 @@ from minedraft.api import generate_pb2 as pb
 from minedraft.client import Client, MineDraftError
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import ApiKeys
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 import services
 

@@ -22,8 +22,8 @@ from minedraft import LLM
 from minedraft.api import generate_pb2 as pb
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 import services
 

@@ -20,9 +20,9 @@ import pytest
 
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.settings import WorkerSettings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy, tiny_config
 from services import TWO_PROCESSES, serving, worker_info
@@ -195,7 +195,7 @@ def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
     """No verifier comes back: requests are held for --worker-wait, then fail with UNAVAILABLE saying why."""
     config = _config(pair, speculative=False)
     with LocalStack(config, workers_only=True) as workers:
-        from minedraft.launcher import engine_flags, free_port
+        from minedraft.stack.local import engine_flags, free_port
 
         port, http_port = free_port(), free_port()
         scheduler = subprocess.Popen([

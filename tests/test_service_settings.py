@@ -14,7 +14,6 @@ from minedraft.cli import build_parser
 from minedraft.cli.common import settings
 from minedraft.cli.serve import up_stack
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.launcher import child_env
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
     GatewaySettings,
@@ -24,6 +23,7 @@ from minedraft.settings import (
     SupervisorSettings,
     WorkerSettings,
 )
+from minedraft.stack.local import child_env
 
 SCHEDULER = SchedulerSettings(
     http_port=8123, served_model_name="tiny", tls_cert="cert.pem", tls_key="key.pem", max_prompt_bytes=4096,

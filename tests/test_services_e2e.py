@@ -25,9 +25,9 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import LocalStack, engine_flags, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import WorkerSettings
+from minedraft.stack.local import LocalStack, engine_flags, free_port, scheduler_settings
 
 from conftest import pard_draft, tiny_config
 from services import TWO_PROCESSES, children, overload_codes, serving, wait_serving, worker_info

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from minedraft.client import Client
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack
+from minedraft.stack.local import LocalStack
 
 from conftest import SMOLLM2, SMOLLM2_STRICT, SMOLLM2_TOKENS, smollm2_greedy
 from services import TWO_PROCESSES

@@ -17,8 +17,8 @@ from minedraft.bench.online import run_online_bench
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
 from minedraft.sampling.params import SamplingParams
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from services import TWO_PROCESSES
 

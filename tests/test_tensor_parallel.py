@@ -70,7 +70,7 @@ def results(tmp_path_factory):
     from test_lora import make_adapter
     from test_quantization import fp8_pair
 
-    from minedraft.launcher import free_port
+    from minedraft.stack.local import free_port
 
     from tiny_models import make_tiny_checkpoint
 

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from minedraft.config import BUNDLED_TARGET, EngineConfig
 from minedraft.frontends.tools import Tool, ToolUse
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 HERMES_TEMPLATE = (
     "{% if tools %}{{ 'system: You may call these functions:\\n' }}{% for tool in tools %}{{ tool | tojson }}"

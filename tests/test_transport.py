@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from minedraft.engine.plans import Drafts, Verified
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 from minedraft.transport import StepChannel, Topology, init_world, pick_backend
 from minedraft.transport.channel import ids_hash
 from minedraft.transport.groups import agree_backend, rendezvous_store

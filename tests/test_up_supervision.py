@@ -28,10 +28,10 @@ import pytest
 
 from minedraft.client import AsyncClient, Client, RetryPolicy
 from minedraft.engine.engine import LLMEngine
-from minedraft.launcher import free_port
 from minedraft.sampling.params import SamplingParams
 from minedraft.settings import SupervisorSettings
-from minedraft.supervision import Supervisor
+from minedraft.stack.local import free_port
+from minedraft.stack.supervision import Supervisor
 
 from conftest import offline_greedy, tiny_config
 from services import children, health, serving, worker_info

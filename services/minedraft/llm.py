@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 
 from minedraft.config import EngineConfig, SpeculativeConfig
 from minedraft.engine.engine import LLMEngine
+from minedraft.engine.outputs import RequestOutput
 from minedraft.engine.request import Request
-from minedraft.outputs import RequestOutput
 from minedraft.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,9 +58,9 @@ class LLM:
     def _tensor_parallel_engine(self) -> LLMEngine:
         """Tensor parallelism needs one process per rank: start the verifier ranks (and the drafter) as
         local worker processes, exactly as the services run, and drive them from this process."""
-        from minedraft.launcher import LocalStack
         from minedraft.model.tokenizer import load_tokenizer
         from minedraft.scheduler.remote_executor import start_remote_engine
+        from minedraft.stack.local import LocalStack
 
         self._workers = LocalStack(self.config, workers_only=True)
         self._workers.start()

@@ -1,149 +1,27 @@
-"""gRPC plumbing shared by the three services: health, reflection, ports, graceful shutdown."""
+"""The worker half of serving: the Worker gRPC service around a drafter or verifier node, its server, and a
+drafter's life until it is stopped. (The plumbing every service shares is in `service/`.)"""
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from pydantic import ValidationError
+from grpc_health.v1 import health
 
-from minedraft.api import generate_pb2, worker_pb2
-from minedraft.settings import ListenError
-from minedraft.wire import describe_validation_error, sampling_from_proto
+from minedraft.api import worker_pb2
+from minedraft.service.grpc_server import WORKER_SERVICE, add_health_and_reflection, grpc_options, listen
+from minedraft.service.health import set_status
+from minedraft.service.lifetime import wait_for_termination
 
 if TYPE_CHECKING:
     from minedraft.worker_node import WorkerNode
 
 log = logging.getLogger("minedraft")
-
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-PUBLIC_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["MineDraft"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a plan admitting many long prompts can be large
-
-
-def grpc_options(server: bool = False) -> list[tuple[str, int]]:
-    options = [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ]
-    if server:  # a port already in use must fail, not be silently shared with another process
-        options.append(("grpc.so_reuseport", 0))
-    return options
-
-
-def add_health_and_reflection(server, health_servicer, service_name: str) -> None:
-    """Register grpc.health.v1 (NOT_SERVING until `set_serving`) and server reflection."""
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-
-
-async def parse_request(message_type, data: bytes, context: grpc.aio.ServicerContext):
-    """Parse a public API request in its handler rather than in gRPC's deserializer, so that undecodable
-    bytes get INVALID_ARGUMENT with a reason (a failing deserializer surfaces as UNKNOWN)."""
-    try:
-        return message_type.FromString(data)
-    except DecodeError as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {message_type.DESCRIPTOR.name} message: {exc}"
-        )
-
-
-def request_prompt(request: generate_pb2.GenerateRequest) -> str | list[int]:
-    """The prompt a Generate request carries: its token ids, or its text."""
-    return list(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else request.prompt
-
-
-async def parse_generate(data: bytes, context: grpc.aio.ServicerContext):
-    """A Generate request and its sampling parameters, or INVALID_ARGUMENT naming what is wrong."""
-    request = await parse_request(generate_pb2.GenerateRequest, data, context)
-    unknown = _unknown_fields(request) or _unknown_fields(request.sampling)
-    if unknown:
-        message = f"{unknown}: unknown to this server (a newer generate.proto?); it would be ignored, so it is refused"
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-    try:
-        return request, sampling_from_proto(request.sampling)
-    except ValidationError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(exc))
-
-
-def _unknown_fields(message) -> str | None:
-    """The first field the message carries that these stubs do not know, named by its number."""
-    fields = UnknownFieldSet(message)
-    if len(fields) == 0:
-        return None
-    return f"{message.DESCRIPTOR.name} field number {fields[0].field_number}"
-
-
-def add_public_api(servicer, server: grpc.aio.Server) -> None:
-    """Register the MineDraft service with raw-bytes requests: `servicer.Generate`, `GetServerInfo`,
-    `LoadLoraAdapter` and `UnloadLoraAdapter` take (request bytes, context) and parse them with `parse_request`."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, response_serializer=generate_pb2.GenerateResponse.SerializeToString
-        ),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo, response_serializer=generate_pb2.ServerInfo.SerializeToString
-        ),
-        "LoadLoraAdapter": grpc.unary_unary_rpc_method_handler(
-            servicer.LoadLoraAdapter, response_serializer=generate_pb2.LoraAdapterReply.SerializeToString
-        ),
-        "UnloadLoraAdapter": grpc.unary_unary_rpc_method_handler(
-            servicer.UnloadLoraAdapter, response_serializer=generate_pb2.LoraAdapterReply.SerializeToString
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PUBLIC_SERVICE, handlers),))
-
-
-async def start_public_server(
-    servicer,
-    health_servicer,
-    address: str,
-    *,
-    max_receive_bytes: int = MAX_MESSAGE_BYTES,
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    tls: tuple[str, str] | None = None,
-    flag: str = "--port",
-) -> tuple[grpc.aio.Server, int]:
-    """Start the public MineDraft API as the scheduler and the gateway both serve it: `servicer` (see
-    `add_public_api`), grpc.health.v1 (`health_servicer`, an asyncio one) and reflection; `tls` is (cert,
-    key) PEM paths. Returns the server and the bound port; raises OSError if `address` cannot be bound."""
-    options = [  # requests over max_receive_bytes fail before they are parsed
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", max_receive_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options, interceptors=list(interceptors))
-    add_public_api(servicer, server)
-    add_health_and_reflection(server, health_servicer, PUBLIC_SERVICE)
-    credentials = None
-    if tls is not None:
-        cert, key = (Path(path).read_bytes() for path in tls)
-        credentials = grpc.ssl_server_credentials([(key, cert)])
-    bound = _bind(server, address, flag, credentials)
-    await server.start()
-    return server, bound
-
-
-def _bind(server, address: str, flag: str, credentials=None) -> int:
-    """Listen on `address`; ListenError naming `flag` if that fails (grpc raises or returns 0, by version)."""
-    try:
-        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise ListenError(flag, address)
-    return bound
 
 
 def start_worker_server(
@@ -157,45 +35,9 @@ def start_worker_server(
     health_servicer = health.HealthServicer()
     set_status(health_servicer, WORKER_SERVICE, serving=False)
     add_health_and_reflection(server, health_servicer, WORKER_SERVICE)
-    bound = _bind(server, f"{host}:{port}", "--port")
+    bound = listen(server, f"{host}:{port}", "--port")
     server.start()
     return server, health_servicer, bound
-
-
-def is_serving(channel: grpc.Channel, timeout_s: float = 2.0) -> bool:
-    """Whether the server behind `channel` answers its health check with SERVING (not answering: False)."""
-    try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-    except grpc.RpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def set_status(health_servicer, service_name: str, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", service_name):
-        health_servicer.set(name, status)
-
-
-async def set_public_status(health_servicer, serving: bool) -> None:
-    """`set_status` for the public API's asyncio health servicer (scheduler and gateway)."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", PUBLIC_SERVICE):
-        await health_servicer.set(name, status)
-
-
-def wait_for_termination(stop: Callable[[], None]) -> None:
-    """Block until SIGINT or SIGTERM, then call `stop` once."""
-    done = threading.Event()
-
-    def handle(signum, _frame) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        done.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handle)
-    done.wait()
-    stop()
 
 
 def serve_until_stopped(servicer: NodeServicer, server: grpc.Server, drain_timeout_s: float) -> None:
@@ -209,10 +51,6 @@ def serve_until_stopped(servicer: NodeServicer, server: grpc.Server, drain_timeo
             servicer.node.close()
 
     wait_for_termination(stop)
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class NodeServicer:

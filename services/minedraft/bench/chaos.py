@@ -27,7 +27,7 @@ import grpc
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.bench import CHAOS_ROLES as ROLES
 from minedraft.client import Client, RetryPolicy
-from minedraft.serving import is_serving
+from minedraft.service.health import is_serving
 
 POOL = -2  # the "group" of a pool drafter, which serves them all
 # Patient enough to outlast a restart (back-off, start, the group's re-formation) at every kill.

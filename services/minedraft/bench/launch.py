@@ -12,7 +12,7 @@ from minedraft.bench.offline import mode_configs
 from minedraft.bench.online import BenchResult, run_online_bench
 from minedraft.bench.rounds import interleaved, median_by
 from minedraft.config import EngineConfig
-from minedraft.launcher import LocalStack, free_port, scheduler_settings
+from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 
 def run_launch_bench(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from minedraft.bench.vllm_env import peer_environment
 from minedraft.config import BUNDLED_DRAFT, BUNDLED_MODELS_DIR, BUNDLED_TARGET, REPO_ROOT, packaged_model
-from minedraft.launcher import free_port
+from minedraft.stack.local import free_port
 
 SERVED_NAME = "minedraft-target"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # vLLM's keys, ours alike

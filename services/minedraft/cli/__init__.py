@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from minedraft.cli.bench import add_bench_parser
 from minedraft.cli.generate import add_generate_parser
 from minedraft.cli.serve import add_serve_parsers
+from minedraft.service.lifetime import watch_parent_from_env
 from minedraft.settings import ListenError, StartupError
-from minedraft.supervision import watch_parent_from_env
 
 __all__ = ["build_parser", "main"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
@@ -36,7 +37,7 @@ from minedraft.settings import (
     SupervisorSettings,
     WorkerSettings,
 )
-from minedraft.supervision import Supervisor
+from minedraft.stack.supervision import Supervisor
 
 # `minedraft up` is the embedded demo: MineDraft with the bundled pair unless told otherwise.
 UP_DEFAULTS = {"speculative_config": '{"num_speculative_tokens": 4, "is_parallel": true}'}
@@ -153,8 +154,6 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 def _serve_worker(args: argparse.Namespace, serve: Any, target: bool) -> int:
     """A verifier (it loads the target) or a drafter (the draft), serving until it is stopped."""
-    from minedraft.serving import configure_logging
-
     config, listen = engine_config(args), listen_settings(args)
     check_model_folders(config, target=target, draft=not target)
     configure_logging(listen.log_level)
@@ -163,8 +162,7 @@ def _serve_worker(args: argparse.Namespace, serve: Any, target: bool) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from minedraft.scheduler_server import PublicApi, serve_scheduler
-    from minedraft.serving import configure_logging
+    from minedraft.scheduler.server import PublicApi, serve_scheduler
 
     listen, workers = listen_settings(args), model_from_args(args, WorkerAddresses)
     api = PublicApi(settings(args, SchedulerSettings), host=listen.host, port=listen.port, api_keys=api_keys(args))
@@ -181,14 +179,18 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
 def up_stack(args: argparse.Namespace):
     """What `minedraft up` starts (not started yet): one engine group, or N behind a gateway."""
-    from minedraft.gateway.local import GatewayStack
-    from minedraft.launcher import LocalStack
+    from minedraft.stack.gateway import GatewayStack
+    from minedraft.stack.local import LocalStack
 
     config = engine_config(args, base=UP_DEFAULTS)
     check_model_folders(config)
@@ -264,7 +266,6 @@ def _backend_access(args: argparse.Namespace, gateway: GatewaySettings):
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from minedraft.gateway.service import GatewayApi, serve_gateway
-    from minedraft.serving import configure_logging
 
     listen, backends = listen_settings(args), model_from_args(args, GatewayBackends)
     if bool(backends.backend) == bool(backends.k8s_service):

@@ -15,9 +15,9 @@ from typing import Any, Literal, Union
 import grpc
 
 from minedraft.api import generate_pb2 as pb
+from minedraft.client.resume import resume_request
 from minedraft.client.retry import RetryPolicy
 from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, TokenLogprob, Usage
-from minedraft.resume import resume_request
 from minedraft.version import __version__
 
 

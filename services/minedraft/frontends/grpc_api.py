@@ -15,7 +15,7 @@ from minedraft.config import LoraModule
 from minedraft.engine.loras import LoraRefused
 from minedraft.engine_client import StreamItem
 from minedraft.frontends.generate import ErrorKind, GenerateError, Generator
-from minedraft.serving import parse_generate, parse_request, request_prompt
+from minedraft.frontends.grpc_server import parse_generate, parse_request, request_prompt
 from minedraft.wire import finish_reason_to_proto, logprobs_to_proto, stats_to_proto
 
 STATUS = {

@@ -34,7 +34,7 @@ from minedraft.metrics import (
     Samples,
 )
 from minedraft.metrics import scrape as _scrape
-from minedraft.serving import PUBLIC_SERVICE, grpc_options
+from minedraft.service.grpc_server import PUBLIC_SERVICE, grpc_options
 
 log = logging.getLogger("minedraft.gateway")
 

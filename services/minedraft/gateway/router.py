@@ -25,11 +25,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from minedraft.api import generate_pb2
+from minedraft.client.resume import resume_request
 from minedraft.engine.request import Request
 from minedraft.gateway.policies import LeastWork
 from minedraft.gateway.pool import Backend, NoBackend, Pool
 from minedraft.model.tokenizer import Tokenizer
-from minedraft.resume import resume_request
 from minedraft.sampling.params import SamplingParams
 from minedraft.wire import FINISH_REASONS, finish_reason_from_proto, sampling_to_proto, stats_from_proto, stats_to_proto
 

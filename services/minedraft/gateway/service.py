@@ -25,6 +25,7 @@ from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer
+from minedraft.frontends.grpc_server import start_public_server
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.gateway.policies import make_policy
@@ -32,7 +33,8 @@ from minedraft.gateway.pool import BackendAccess, Pool
 from minedraft.gateway.routed_engine import GrpcSessionHeader, RoutedEngine, SessionHeader
 from minedraft.gateway.router import GatewayMetrics, Refused, Router
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
+from minedraft.service.grpc_server import PUBLIC_SERVICE
+from minedraft.service.health import set_public_status
 from minedraft.settings import GatewaySettings
 
 log = logging.getLogger("minedraft.gateway")

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.engine.plans import Drafts, Verified
-from minedraft.serving import grpc_options
+from minedraft.service.grpc_server import grpc_options
 from minedraft.wire import drafts_to_exchange, results_to_exchange, verified_from_proto
 
 _PEER_CHECK_S = 1.0  # how often a waiting receive asks whether the peer still answers

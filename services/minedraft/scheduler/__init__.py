@@ -1,3 +1,3 @@
-"""The scheduler's engine side: the step loop that drives the workers (`loop.py`) over gRPC
-(`remote_executor.py`). Below the frontends, which reach it through `engine_client.EngineClient`; the
-process that wires both together is `scheduler_server.py`."""
+"""The scheduler: the step loop that drives the workers (`loop.py`) over gRPC (`remote_executor.py`), below the
+frontends, which reach it through `engine_client.EngineClient`; and the process that wires both together
+(`server.py`, `minedraft scheduler`)."""

@@ -22,7 +22,8 @@ from minedraft.engine.step import StepPlan, ordered
 from minedraft.pool import check_poolable
 from minedraft.pool.binding import DrafterPool
 from minedraft.scheduler.step_deadline import StepDeadline
-from minedraft.serving import grpc_options, is_serving
+from minedraft.service.grpc_server import grpc_options
+from minedraft.service.health import is_serving
 from minedraft.settings import SchedulerSettings
 from minedraft.wire import lora_adapter_to_proto, plan_to_proto, result_from_replies
 

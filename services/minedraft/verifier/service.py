@@ -6,9 +6,9 @@ import logging
 import multiprocessing as mp
 
 from minedraft.config import DistributedConfig, EngineConfig
-from minedraft.serving import NodeServicer, start_worker_server, wait_for_termination
+from minedraft.service.lifetime import die_with_parent, wait_for_termination
+from minedraft.serving import NodeServicer, start_worker_server
 from minedraft.settings import WorkerSettings
-from minedraft.supervision import die_with_parent
 from minedraft.verifier.node import VerifierNode
 from minedraft.verifier.pair import PairNode
 

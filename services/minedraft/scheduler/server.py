@@ -20,13 +20,15 @@ from minedraft.frontends.auth import ApiKeys, GrpcAuthInterceptor
 from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer
+from minedraft.frontends.grpc_server import start_public_server
 from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop, Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
-from minedraft.serving import PUBLIC_SERVICE, set_public_status, start_public_server
+from minedraft.service.grpc_server import PUBLIC_SERVICE
+from minedraft.service.health import set_public_status
 from minedraft.settings import SchedulerSettings, served_model_name
 
 log = logging.getLogger("minedraft.scheduler")

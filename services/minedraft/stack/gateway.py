@@ -12,14 +12,7 @@ from pathlib import Path
 
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.launcher import (
-    LocalStack,
-    child_env,
-    engine_flags,
-    free_port,
-    scheduler_settings,
-    threads_per_worker,
-)
+from minedraft.service.lifetime import supervised_child
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
     GatewaySettings,
@@ -28,7 +21,14 @@ from minedraft.settings import (
     served_model_name,
     settings_flags,
 )
-from minedraft.supervision import supervised_child
+from minedraft.stack.local import (
+    LocalStack,
+    child_env,
+    engine_flags,
+    free_port,
+    scheduler_settings,
+    threads_per_worker,
+)
 
 
 class GatewayStack:
@@ -57,52 +57,36 @@ class GatewayStack:
         drafter_pool: int = 0,
         pool_groups: int | None = None,
     ) -> None:
-        """Group i runs group_configs[i] if given (the same target, e.g. with another draft), else `config`.
-        Every group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on
-        metrics_ports[i], else on scheduler.metrics_port + i (0 = off). With `api_keys` (the clients' keys,
-        checked by the gateway) the groups take one key only, made here for the gateway alone. With TLS on the
-        gateway, the start-up health checks trust its tls_cert (which must name `host`). `drafter_pool`: that
-        many pool drafters instead of a drafter per group (0), each able to serve `pool_groups` groups (default:
-        every group)."""
-        if groups < 1:
-            raise ValueError(f"engine groups must be >= 1, got {groups}")
-        if group_configs is not None and len(group_configs) != groups:
-            raise ValueError(f"group_configs names {len(group_configs)} configs for {groups} groups")
+        """Group i runs group_configs[i] if given (the same target, e.g. with another draft), else `config`. Every
+        group runs `scheduler` and `worker`; group i's scheduler serves Prometheus metrics on metrics_ports[i], else
+        on scheduler.metrics_port + i (0 = off). With `api_keys` (the clients' keys, checked by the gateway) the
+        groups take one key only, made here for the gateway alone. With TLS on the gateway, the start-up health
+        checks trust its tls_cert (which must name `host`). `drafter_pool`: that many pool drafters instead of a
+        drafter per group (0), each able to serve `pool_groups` groups (default: every group)."""
+        _check_groups(config, groups, group_configs, drafter_pool)
         self.config = config
         scheduler = scheduler or scheduler_settings()
         self._api_keys = list(api_keys)
         self._backend_key = secrets.token_urlsafe(32) if api_keys else None
-        base = scheduler.metrics_port
-        metrics_ports = metrics_ports or [base + i if base else 0 for i in range(groups)]
-        if drafter_pool and config.speculative_config is None:
-            raise ValueError("a drafter pool drafts for speculative decoding: give --speculative-config")
         self.pool = DrafterPoolProcesses(config, drafter_pool, pool_groups or groups, worker or WorkerSettings(),
                                          log_level, log_dir, startup_timeout_s)  # fmt: skip
+        configs = group_configs if group_configs is not None else [config] * groups
+        ports = metrics_ports or _metrics_ports(scheduler, groups)
+        keys = [self._backend_key] if self._backend_key else []
         self.groups = [
-            LocalStack(
-                group_configs[i] if group_configs is not None else config,
-                scheduler=scheduler.model_copy(update={"metrics_port": metrics_ports[i]}),
-                worker=worker,
-                log_level=log_level,
-                log_dir=_group_dir(log_dir, i),
-                startup_timeout_s=startup_timeout_s,
-                api_keys=[self._backend_key] if self._backend_key else [],
-                drafter_pool=self.pool.addresses,
-            )
+            LocalStack(configs[i], scheduler=scheduler.model_copy(update={"metrics_port": ports[i]}), worker=worker,
+                       log_level=log_level, log_dir=_group_dir(log_dir, i), startup_timeout_s=startup_timeout_s,
+                       api_keys=keys, drafter_pool=self.pool.addresses)  # fmt: skip
             for i in range(groups)
         ]
-        self.settings = gateway or GatewaySettings()
-        if self.settings.served_model_name is None:  # the name the groups' schedulers serve
-            self.settings = self.settings.model_copy(update={"served_model_name": served_model_name(config, scheduler)})
+        self.settings = _named_gateway(gateway or GatewaySettings(), config, scheduler)
         self.port = port or free_port()
         self.address = f"{host}:{self.port}"
         scheme = "https" if self.settings.tls_cert else "http"
         self.http_url = f"{scheme}://{host}:{self.settings.http_port}" if self.settings.http_port else None
-        self._log_dir = log_dir
+        self._log_dir, self._log_level, self._startup_timeout_s = log_dir, log_level, startup_timeout_s
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-        self._log_level = log_level
-        self._startup_timeout_s = startup_timeout_s
         self.gateway: subprocess.Popen | None = None
 
     def __enter__(self) -> GatewayStack:
@@ -269,6 +253,29 @@ class DrafterPoolProcesses:
                 process.wait()
 
 
+def _check_groups(config: EngineConfig, groups: int, group_configs: Sequence[EngineConfig] | None,
+                  drafter_pool: int) -> None:  # fmt: skip
+    if groups < 1:
+        raise ValueError(f"engine groups must be >= 1, got {groups}")
+    if group_configs is not None and len(group_configs) != groups:
+        raise ValueError(f"group_configs names {len(group_configs)} configs for {groups} groups")
+    if drafter_pool and config.speculative_config is None:
+        raise ValueError("a drafter pool drafts for speculative decoding: give --speculative-config")
+
+
+def _metrics_ports(scheduler: SchedulerSettings, groups: int) -> list[int]:
+    """Group i's Prometheus port when none is given: scheduler.metrics_port + i (0 = off)."""
+    base = scheduler.metrics_port
+    return [base + i if base else 0 for i in range(groups)]
+
+
+def _named_gateway(settings: GatewaySettings, config: EngineConfig, scheduler: SchedulerSettings) -> GatewaySettings:
+    """The gateway's settings, serving the model under the name the groups' schedulers serve it (unless named)."""
+    if settings.served_model_name is not None:
+        return settings
+    return settings.model_copy(update={"served_model_name": served_model_name(config, scheduler)})
+
+
 def _backend_spec(group: LocalStack) -> str:
     return f"{group.address}@{group.metrics_port}" if group.metrics_port else group.address
 
@@ -285,7 +292,7 @@ def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls
                   what: str = "gateway") -> None:  # fmt: skip
     import grpc
 
-    from minedraft.serving import is_serving
+    from minedraft.service.health import is_serving
 
     deadline = time.monotonic() + timeout_s
     credentials = grpc.ssl_channel_credentials(Path(tls_cert).read_bytes()) if tls_cert else None

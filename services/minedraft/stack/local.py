@@ -20,9 +20,9 @@ import grpc
 
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.serving import is_serving
+from minedraft.service.health import is_serving
+from minedraft.service.lifetime import supervised_child
 from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, StartupError, WorkerSettings, settings_flags
-from minedraft.supervision import supervised_child
 
 # How long the scheduler may take to exit after its request drain.
 _EXIT_MARGIN_S = 15.0
@@ -109,7 +109,7 @@ def colocates_by_default(config: EngineConfig) -> bool:
 class LocalStack:
     """Start the services, wait until the scheduler reports SERVING, stop them all on exit.
 
-    The services die with this process even when it is SIGKILLed (see `supervision.supervised_child`),
+    The services die with this process even when it is SIGKILLed (see `service.lifetime.supervised_child`),
     whichever thread starts or restarts them."""
 
     def __init__(
@@ -129,7 +129,7 @@ class LocalStack:
     ) -> None:
         """`scheduler`: default `scheduler_settings()`. With TLS, the start-up health checks trust its
         tls_cert (which must name `host`). `drafter_pool`: the group drafts with a member of this pool (started
-        apart, see gateway/local.py) and runs no drafter of its own."""
+        apart, see stack/gateway.py) and runs no drafter of its own."""
         self.config = config
         self.scheduler = scheduler or scheduler_settings()
         self.worker = worker or WorkerSettings()
