@@ -2,7 +2,9 @@
 
 The engine is not thread-safe, so every change to it (new requests, aborts) is a command that this
 thread applies between steps. Outputs go back to each request's asyncio queue with
-`call_soon_threadsafe`.
+`call_soon_threadsafe` (`streams.py`); which requests may run is the run gate's (`run_gate.py`), forming the
+world again the world keeper's (`recovery.py`), and what is told of the load the load report's
+(`load_report.py`).
 """
 
 from __future__ import annotations
@@ -12,25 +14,22 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from grpc_health.v1 import health_pb2
 
 from minedraft.api import generate_pb2
 from minedraft.config import LoraModule
-from minedraft.engine.adaptive import seeded_sampling
 from minedraft.engine.engine import LLMEngine
 from minedraft.engine.loras import LoraRefused
-from minedraft.engine.quarantine import Quarantine
-from minedraft.engine.request import Request, RequestStatus
-from minedraft.engine_client import EngineFailed, RequestFailed, Sink, StreamItem, send_all
+from minedraft.engine_client import EngineFailed, RequestFailed, Sink
 from minedraft.metrics import Metrics
 from minedraft.sampling.params import SamplingParams
 from minedraft.scheduler.info import server_info
+from minedraft.scheduler.load_report import LoadReport
+from minedraft.scheduler.recovery import Recovery, WorldKeeper
 from minedraft.scheduler.remote_executor import WorkerWorld, workers_answered
-from minedraft.scheduler.stats_log import StatsLog
+from minedraft.scheduler.run_gate import RunGate
+from minedraft.scheduler.streams import RequestStreams
 from minedraft.settings import SchedulerSettings
 
 log = logging.getLogger("minedraft.scheduler")
@@ -55,22 +54,6 @@ class _Abort:
 class _LoraUpdate:
     change: LoraModule | str  # an adapter to load, or the name of one to unload
     done: Callable[[LoraRefused | None], None]
-
-
-@dataclass
-class Recovery:
-    """How the loop re-forms its world after a failed step (see `EngineLoop._recover`)."""
-
-    worker_wait_s: float  # how long requests are held while no verifier is back
-    join_timeout_s: float  # how long forming a world may take
-    seeded_wait_s: float = 60.0  # how long a seeded sampled request waits for a drafter (see `_may_run`)
-    drafter_check_s: float = 1.0  # how often a world without its drafter looks for it
-    max_worlds_per_minute: int = 20  # re-formations; past that the loop waits, never spins
-
-    @classmethod
-    def of(cls, settings: SchedulerSettings) -> Recovery:
-        return cls(worker_wait_s=settings.worker_wait, join_timeout_s=settings.join_timeout,
-                   seeded_wait_s=settings.seeded_drafter_wait)  # fmt: skip
 
 
 class Draining(EngineFailed):
@@ -108,31 +91,20 @@ class EngineLoop:
         self.recovery = recovery or Recovery.of(SchedulerSettings())
         self.max_waiting = SchedulerSettings().max_waiting_requests if max_waiting is None else max_waiting
         self._on_state = on_state
-        self._next_drafter_check = 0.0
-        self._drafter_probe = None  # a health check of the absent drafter in flight (never blocks the loop)
         self._next_retry = 0.0
         self._commands: queue.Queue[_Submit | _Abort | _LoraUpdate | None] = queue.Queue()
-        self._sinks: dict[str, Sink] = {}
-        self._unstarted: set[str] = set()  # requests whose sink has not been told that they left the queue
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopped = False
-        self._preemptions_seen = 0
         self.num_waiting = 0  # as of the last step (a metric; admission counts in the frontends)
         self.draining = False
-        self.quarantine = Quarantine()
-        self.stats_log = StatsLog(stats_interval_s)
+        self.gate = RunGate(engine, self.recovery.seeded_wait_s)
+        self.streams = RequestStreams(engine, metrics, on_finished=self.gate.left)
+        self.keeper = WorldKeeper(engine, world, metrics, self.recovery, self.gate, on_formed=self._world_formed)
+        self.load = LoadReport(engine, metrics, stats_interval_s)
         self._stalled = False  # the last step could not be planned
         self._was_busy = False  # requests were running when the last step ended (its successor's wait counts)
-        self._formed_at: deque[float] = deque()  # when the recent worlds were formed (rate limit)
-        self._limit_logged_at = 0.0
         self.speculation: dict | None = None  # the controller's state, refreshed once a second (EngineClient)
         self.lora_adapters = engine.lora_adapters  # replaced (never changed in place) when adapters change
-        self._speculation_at = 0.0
-        # Since when the group decodes target-only although it has a speculative config (None: it drafts).
-        self._target_only_since = None if engine.speculating or engine.config.speculative_config is None else (
-            time.monotonic())  # fmt: skip
-        if metrics is not None and world.pool is not None:  # the binding the engine started with
-            metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
 
     def start(self) -> None:
         self._thread.start()
@@ -201,11 +173,12 @@ class EngineLoop:
                 self._retry_after_failure()
             elif idle:
                 self._safe(self.engine.flush)  # release the KV of finished/aborted requests now
-                self._record_load()  # the gauges go back to what is left (cancelled requests leave no step)
+                self.num_waiting = self.load.record_load()  # what is left (cancelled requests leave no step)
             if not self._apply_commands(block=idle or self.failed is not None):
                 return
-            self._take_drafter_back()
-            self._release_waiting_seeds()
+            if self.failed is None:
+                self.keeper.watch_drafter()
+            self.gate.release_waiting_seeds()
             self._settle_loras()
             if (self.engine.has_unfinished() or self.engine.in_flight) and self.failed is None:
                 self._safe(self._step)
@@ -253,17 +226,11 @@ class EngineLoop:
         the loop and fail what is left with UNAVAILABLE. Returns how many were cut off."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self._busy() and time.monotonic() < deadline and self.failed is None:
+        while (self.streams or not self._commands.empty()) and time.monotonic() < deadline and self.failed is None:
             time.sleep(0.05)
-        self.stop()
-        left = list(self._sinks.values())  # the loop thread has stopped: nobody else touches them now
-        for sink in left:
-            sink.put(Draining(f"the server is shutting down and did not finish this request within {timeout_s:g}s"))
-        self._sinks.clear()
-        return len(left)
-
-    def _busy(self) -> bool:
-        return bool(self._sinks) or not self._commands.empty()
+        self.stop()  # the loop thread has stopped: nobody else touches the streams now
+        message = f"the server is shutting down and did not finish this request within {timeout_s:g}s"
+        return len(self.streams.end_all(lambda: Draining(message)))
 
     def _add(self, command: _Submit) -> None:
         if self.draining:
@@ -278,31 +245,14 @@ class EngineLoop:
         except ValueError as exc:  # SamplingParams' and the engine's bounds are the wire's: nothing else fails later
             command.sink.put(exc)
             return
-        self._sinks[command.request_id] = command.sink
-        self._unstarted.add(command.request_id)
-        if not self._may_run(command.request_id):
+        self.streams.open(command.request_id, command.sink)
+        if not self.gate.may_run(command.request_id):
             self.engine.hold(command.request_id)  # a poison request search, or a seeded one waiting for a drafter
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
-        self._sinks.pop(request_id, None)
-        self._unstarted.discard(request_id)
-        self._left(request_id)
-
-    def _left(self, request_id: str) -> None:
-        """A request left the engine: a search for a poison request may now let held requests in."""
-        if self.quarantine.forget(request_id):
-            self.engine.release_held(self._may_run)
-
-    def _report_started(self) -> None:
-        """Tell the frontends which requests left the waiting queue (they count waiting requests)."""
-        for request_id in list(self._unstarted):
-            request = self.engine.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.WAITING:
-                self._unstarted.discard(request_id)
-                sink = self._sinks.get(request_id)
-                if sink is not None:
-                    sink.started()
+        self.streams.close(request_id)
+        self.gate.left(request_id)
 
     def _step(self) -> None:
         """Keep the workers fed: plan and send steps until `max_in_flight` are out (the next plan travels
@@ -312,88 +262,17 @@ class EngineLoop:
         self._stalled = touched is None
         if touched is None:
             return
-        if self.quarantine.searching and self.quarantine.ran(r.request_id for r in touched):
-            engine.release_held(self._may_run)
-        if self._unstarted:
-            self._report_started()
-        self._record_load()
+        self.gate.ran(touched)
+        self.streams.report_started()
+        self.num_waiting = self.load.record_load()
         if self.world.pool is not None and engine.last_step is not None:
             self.world.pool.queue = engine.last_step.drafter_queue
         if self.metrics:
             self.metrics.record_step(engine.last_step, self._was_busy)
-        self._note_speculation()
+        if (speculation := self.load.speculation()) is not None:
+            self.speculation = speculation
         was_busy, self._was_busy = self._was_busy, engine.has_unfinished()
-        outbox = []
-        for request in touched:
-            sink = self._sinks.get(request.request_id)
-            item = self._deliver(request, sink) if sink is not None else None
-            if item is not None:
-                outbox.append((sink, item))
-        send_all(outbox)
-        self._log_stats(sum(len(item.token_ids) for _, item in outbox if isinstance(item, StreamItem)), was_busy)
-
-    def _note_speculation(self) -> None:
-        """A snapshot of the controller for the frontends' threads, at most once a second (it solves the fits)."""
-        now = time.monotonic()
-        pipeline = self.engine.pipeline
-        if pipeline.controller is None or now - self._speculation_at < 1.0:
-            return
-        self._speculation_at = now
-        self.speculation = {**pipeline.controller.describe(),
-                            "steps_by_shape": {s.value: n for s, n in pipeline.steps_by_shape.items()}}
-
-    def _log_stats(self, generated_tokens: int, was_busy: bool) -> None:
-        self.stats_log.record(self.engine.last_step, generated_tokens, was_busy)
-        batches = self.engine.pipeline.batches
-        kv_usage = batches.used_blocks / batches.budget.num_blocks if batches.budget is not None else None
-        line = self.stats_log.line(batches.num_running, len(batches.waiting), kv_usage)
-        if line is not None:
-            log.info("%s", line)
-
-    def _deliver(self, request: Request, sink: Sink) -> StreamItem | RequestFailed | None:
-        """A request's new tokens and text, for its stream; a failure here is this request's alone."""
-        try:
-            new_ids = request.output_ids[sink.sent_tokens :]
-            prompt_logprobs = request.prompt_logprobs if sink.sent_tokens == 0 and new_ids else None
-            logprobs = None if request.logprobs is None else request.logprobs[sink.sent_tokens :]
-            sink.sent_tokens = len(request.output_ids)
-            text = request.take_stream_delta()
-        except Exception as exc:
-            request.fail(f"streaming its output failed: {type(exc).__name__}: {exc}")
-            self.engine.abort_request(request.request_id)
-            new_ids, text, logprobs, prompt_logprobs = [], "", None, None
-        if self.metrics and new_ids:
-            self.metrics.generation_tokens.inc(len(new_ids))
-            now = time.monotonic()
-            self.metrics.record_output(request, None if sink.last_output_at is None else now - sink.last_output_at)
-            sink.last_output_at = now
-        if request.finished:
-            del self._sinks[request.request_id]
-            self._left(request.request_id)
-            if self.metrics:
-                self.metrics.record_finished(request)
-        if request.error is not None:
-            return RequestFailed(f"request {request.request_id} failed: {request.error}")
-        if text or new_ids or request.finished:
-            return StreamItem(text, new_ids, request if request.finished else None, logprobs, prompt_logprobs)
-        return None
-
-    def _record_load(self) -> None:
-        """Requests waiting and running, KV usage and preemptions, as the engine holds them now."""
-        batches = self.engine.pipeline.batches
-        self.num_waiting = len(batches.waiting)
-        if self.metrics is None:
-            return
-        self.metrics.waiting.set(self.num_waiting)
-        self.metrics.running.set(batches.num_running)
-        if batches.budget is not None:
-            self.metrics.kv_usage.set(batches.used_blocks / batches.budget.num_blocks)
-            self.metrics.record_cache_config(batches.budget.num_blocks, batches.budget.block_size)
-        self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = self.engine.num_preemptions
-        if self.engine.config.enable_lora:
-            running = (r for batch in batches.batches for r in batch)
-            self.metrics.record_lora(_adapters(running), _adapters(batches.waiting), self.engine.config.max_loras)
+        self.load.log_stats(self.streams.send(touched), was_busy)
 
     def _safe(self, fn) -> None:
         """A failed step leaves the workers out of lockstep (a peer may be waiting in a collective), so no
@@ -404,16 +283,10 @@ class EngineLoop:
         except Exception as exc:
             log.warning("engine step failed (%s); re-forming the world", exc)
             if workers_answered(exc) and all(w.serving() for w in self.world.members):
-                self._blame(exc)
+                convicted = self.gate.blame()
+                if convicted is not None:
+                    self._convict(convicted, exc)
             self._recover(exc)
-
-    def _blame(self, cause: BaseException) -> None:
-        convicted = self.quarantine.failed(self.engine.running_ids())
-        if self.quarantine.searching:
-            log.warning("looking for a request that fails every step: %d suspects, %d under test",
-                        len(self.quarantine.suspects), len(self.quarantine.testing))  # fmt: skip
-        if convicted is not None:
-            self._convict(convicted, cause)
 
     def _convict(self, request_id: str, cause: BaseException) -> None:
         """Fail the one request that every failed step had in common; the others run on unchanged."""
@@ -422,12 +295,11 @@ class EngineLoop:
         if self.metrics:
             self.metrics.quarantined_requests.inc()
         self.engine.abort_request(request_id)
-        self._unstarted.discard(request_id)
-        sink = self._sinks.pop(request_id, None)
+        sink = self.streams.close(request_id)
         if sink is not None:
             sink.put(RequestFailed(f"the engine failed every step that ran this request, and no other request "
                                    f"made it fail; it was stopped so that the others can run (last error: {cause})"))
-        self.engine.release_held(self._may_run)
+        self.engine.release_held(self.gate.may_run)
 
     def _recover(self, cause: BaseException) -> None:
         """Hold every request until a new world is formed, at most `worker_wait_s`."""
@@ -436,7 +308,7 @@ class EngineLoop:
         while not self._stopped:
             # NOT_SERVING only while no verifier serves: without its drafter the group decodes target-only.
             self._report(self.world.verifier.serving(), reason)
-            if self._reform():
+            if self.keeper.reform():
                 return
             if time.monotonic() > deadline:
                 address, wait = self.world.verifier.address, self.recovery.worker_wait_s
@@ -450,132 +322,20 @@ class EngineLoop:
     def _retry_after_failure(self) -> None:
         if time.monotonic() >= self._next_retry:
             self._next_retry = time.monotonic() + 1.0
-            if self._reform():
+            if self.keeper.reform():
                 self.failed = None
 
-    def _reform(self) -> bool:
-        """Form a new world of the live workers (the verifier is required) and re-admit every request that
-        may run (during a search for a poison request, some wait outside; see engine/quarantine.py)."""
-        world = self.world
-        if not self._may_form_world() or not world.verifier.serving():
-            return False
-        with_drafter = world.choose_drafter()
-        self._formed_at.append(time.monotonic())
-        try:
-            world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
-        except Exception as exc:
-            if not (with_drafter and world.pool is not None) or not self._form_without_drafter(exc):
-                log.warning("could not form a world: %s", exc)
-                return False
-        if world.has_drafter or self.engine.config.speculative_config is None:
-            self._target_only_since = None
-        elif self._target_only_since is None:  # the outage goes on across re-formations without a drafter
-            self._target_only_since = time.monotonic()
-        self.engine.restart(speculate=world.has_drafter, may_run=self._may_run)
+    def _world_formed(self, mode: str) -> None:
         self._was_busy = False  # the wait for the first step of a new world is recovery, not a bubble
-        if self.metrics and world.pool is not None:
-            self.metrics.record_binding(world.drafter.address if world.has_drafter else None, world.pool.rebinds)
-        mode = "speculating" if self.engine.speculating else "target-only (no drafter)"
-        log.info("world formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
-                 len(self.engine.requests))
         self._report(True, mode)
-        return True
-
-    def _form_without_drafter(self, cause: BaseException) -> bool:
-        """A pool drafter that could not take the group (it filled up, or died since it was chosen): the group
-        decodes target-only meanwhile rather than wait."""
-        log.warning("the pool drafter at %s could not take this group (%s): target-only until one can",
-                    self.world.drafter.address if self.world.drafter else "?", cause)  # fmt: skip
-        try:
-            self.world.form_world(self.engine.config, False, timeout_s=self.recovery.join_timeout_s)
-        except Exception as exc:
-            log.warning("could not form a world without the drafter either: %s", exc)
-            return False
-        return True
-
-    def _may_run(self, request_id: str) -> bool:
-        """Whether a request may run in the world now: not while a search for a poison request keeps it out
-        (engine/quarantine.py), nor, for a seeded sampled request, while the group decodes target-only, for at most
-        `seeded_wait_s` of it: its text depends on where its windows fall, and a stretch decoded without windows
-        would give another sample than a run with its drafter (docs/services.md)."""
-        if not self.quarantine.may_run(request_id):
-            return False
-        request = self.engine.requests.get(request_id)
-        return (self._target_only_since is None or request is None or not seeded_sampling(request)
-                or time.monotonic() - self._target_only_since >= self.recovery.seeded_wait_s)  # fmt: skip
-
-    def _release_waiting_seeds(self) -> None:
-        """Past the wait, the seeded requests held for a drafter decode target-only."""
-        if (self._target_only_since is not None and self.engine.held
-                and time.monotonic() - self._target_only_since >= self.recovery.seeded_wait_s):  # fmt: skip
-            self.engine.release_held(self._may_run)
-
-    def _may_form_world(self) -> bool:
-        """At most `max_worlds_per_minute` formations in any minute: a failure that keeps coming back is
-        slowed down to that, never a tight loop."""
-        now = time.monotonic()
-        while self._formed_at and now - self._formed_at[0] > 60.0:
-            self._formed_at.popleft()
-        if len(self._formed_at) < self.recovery.max_worlds_per_minute:
-            return True
-        if now - self._limit_logged_at > 10.0:
-            self._limit_logged_at = now
-            log.warning("%d worlds formed in the last minute: waiting before the next",
-                        len(self._formed_at))  # fmt: skip
-        return False
-
-    def _take_drafter_back(self) -> None:
-        """A world without its drafter checks now and then whether it serves again. The check runs
-        in the background: a hung drafter does not answer, and the loop must not wait for it."""
-        world = self.world
-        if self.failed is None and world.pool is not None:
-            self._watch_pool()
-            return
-        if self.failed is not None or self.engine.speculating or world.drafter is None:
-            return
-        if self._drafter_probe is None:
-            if time.monotonic() >= self._next_drafter_check:
-                self._drafter_probe = world.drafter.serving_later()
-            return
-        if not self._drafter_probe.done():
-            return
-        probe, self._drafter_probe = self._drafter_probe, None
-        self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
-        if probe.exception() is None and probe.result().status == health_pb2.HealthCheckResponse.SERVING:
-            log.info("the drafter at %s serves again: taking it back", world.drafter.address)
-            self._reform()
-
-    def _watch_pool(self) -> None:
-        """With a drafter pool, now and then in the background: while drafting, whether the member stopped serving
-        (it drains: move before it goes); while not, whether a member has room. Either way, bind again."""
-        if self._drafter_probe is None:
-            if time.monotonic() >= self._next_drafter_check:
-                self._drafter_probe = self.world.probe_pool(self.engine.speculating)
-            return
-        if not self._drafter_probe.done():
-            return
-        probe, self._drafter_probe = self._drafter_probe, None
-        self._next_drafter_check = time.monotonic() + self.recovery.drafter_check_s
-        if probe.exception() is None and probe.result():
-            log.info("binding to the drafter pool again (%s)",
-                     "the member stopped serving" if self.engine.speculating else "a member has room")  # fmt: skip
-            self._reform()
 
     def _fail_all(self, reason: str) -> None:
         log.error("%s", reason)
         self.failed = reason
-        for request_id, sink in list(self._sinks.items()):
-            sink.put(EngineFailed(reason))
+        for request_id in self.streams.end_all(lambda: EngineFailed(reason)):
             self.engine.abort_request(request_id)
-        self._sinks.clear()
-        self._unstarted.clear()
         self._report(False, reason)
 
     def _report(self, serving: bool, reason: str) -> None:
         if self._on_state is not None:
             self._on_state(serving and not self.draining, reason)  # a draining scheduler stays NOT_SERVING
-
-
-def _adapters(requests: Iterable[Request]) -> list[str]:
-    """The distinct LoRA adapters of these requests, in the order first seen."""
-    return list(dict.fromkeys(r.lora for r in requests if r.lora is not None))

@@ -25,7 +25,8 @@ from minedraft.frontends.http_server import HttpServer, start_http, stop_http
 from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
-from minedraft.scheduler.loop import EngineLoop, Recovery
+from minedraft.scheduler.loop import EngineLoop
+from minedraft.scheduler.recovery import Recovery
 from minedraft.scheduler.remote_executor import start_remote_engine
 from minedraft.service.grpc_server import PUBLIC_SERVICE
 from minedraft.service.health import set_public_status
