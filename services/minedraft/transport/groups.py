@@ -145,13 +145,7 @@ def init_world(
     comm_device = torch_device if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
         torch.cuda.set_device(comm_device)
-    if not dist.is_initialized():
-        # The default group's name, and with it the keys its ranks meet under, is torch's count of groups made
-        # in this process. A formation that failed inside the rendezvous (a peer hung past the timeout) leaves
-        # the count raised where it failed: every later formation waited on keys its peers never wrote, and
-        # the world was never formed again. Every formation starts the count afresh (destroying a world does).
-        dist.distributed_c10d._world.group_count = 0
-    dist.init_process_group(chosen, store=store, rank=rank, world_size=topology.world_size, timeout=timeout)
+    _init_default_group(chosen, store, rank, topology.world_size, timeout)
     try:
         tp_group = _new_tp_group(topology, timeout)
     except BaseException:
@@ -165,6 +159,19 @@ def init_world(
         tp_group=tp_group if rank in topology.verifier_ranks else None,
         _store=store,
     )
+
+
+def _init_default_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """torch.distributed's default group over `store`, met under keys of this formation's own.
+
+    The default group's name, and with it the keys its ranks meet under, is torch's count of groups made in this
+    process. A formation that failed inside the rendezvous (a peer hung past the timeout) leaves the count raised
+    where it failed: every later formation waited on keys its peers never wrote, and the world was never formed
+    again. Every formation starts the count afresh (destroying a world does).
+    """
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _bound_socket(host: str, port: int) -> int:
