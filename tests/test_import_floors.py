@@ -7,7 +7,7 @@ The floors, lowest first; a module may import its own floor and the ones below, 
    beneath the core, not above it.
 1. core: `engine`, `model`, `sampling`, `transport`: decoding, knowing nothing of the services.
 2. settings: `settings`, the service roles' settings models (and their errors).
-3. services: every module not named elsewhere: frontends, scheduler, gateway, drafter, verifier, pool,
+3. services: every module not named elsewhere: frontends, scheduler, gateway, worker, pool,
    service (what every service process shares), wire, metrics, engine_client, the client SDK and the
    generated stubs.
 4. entry points and process wiring: `cli`, `__main__`, the package's own `__init__`, the offline `llm` API

@@ -135,13 +135,13 @@ def dist_config(args: argparse.Namespace) -> DistributedConfig:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from minedraft.verifier.service import serve_verifier
+    from minedraft.worker.verifier import serve_verifier
 
     return _serve_worker(args, serve_verifier, target=True)
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
-    from minedraft.drafter.service import serve_drafter
+    from minedraft.worker.drafter import serve_drafter
 
     groups = model_from_args(args, PoolMembership).pool_groups
     if groups:  # a member of a drafter pool: in no group's world

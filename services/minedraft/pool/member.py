@@ -28,7 +28,7 @@ from minedraft.engine.step import DraftSide, Features, StepPlan, defers_results
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, Peer, PoolLink
 from minedraft.wire import plan_from_proto, step_reply
-from minedraft.worker_node import NotInWorld
+from minedraft.worker.node import NotInWorld
 
 log = logging.getLogger("minedraft.pool")
 
@@ -92,7 +92,7 @@ class _GroupSide(DraftSide):
 
 
 class PoolMember:
-    """The WorkerNode of a pool drafter (see worker_node.WorkerNode), stepping several groups at once."""
+    """The WorkerNode of a pool drafter (see worker/node.py, WorkerNode), stepping several groups at once."""
 
     def __init__(self, config: EngineConfig, capacity: int, timeout_s: float) -> None:
         check_poolable(config)

@@ -10,8 +10,8 @@ import grpc
 from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig
 from minedraft.pool.member import PoolFull, PoolMember
-from minedraft.serving import NodeServicer, serve_until_stopped, start_worker_server
 from minedraft.settings import WorkerSettings
+from minedraft.worker.servicer import NodeServicer, serve_until_stopped, start_worker_server
 
 log = logging.getLogger("minedraft.pool")
 

@@ -1,4 +1,5 @@
-"""One verifier rank: the target model shard, the verify worker and its end of the step channel.
+"""`minedraft verifier`: one verifier rank per process, the target model shard, the verify worker and its end of
+the step channel; rank 0 serves the Worker gRPC API, ranks 1..tp-1 run as its child processes.
 
 Every rank runs the same forward (a collective under tensor parallelism); only rank 0 samples, then
 sends the results to the drafter and to the other ranks, so all ranks commit the same tokens.
@@ -7,6 +8,7 @@ sends the results to the drafter and to the other ranks, so all ranks commit the
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
@@ -17,10 +19,14 @@ from minedraft.engine.step import Features, VerifySide, defers_results
 from minedraft.engine.workers import VerifyWorker
 from minedraft.pool import check_poolable
 from minedraft.pool.link import Inbox, Peer, PoolLink
+from minedraft.service.lifetime import die_with_parent, wait_for_termination
+from minedraft.settings import WorkerSettings
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import drafts_from_exchange, lora_adapter_from_proto, plan_from_proto, step_reply
-from minedraft.worker_node import NotInWorld, check_epoch, join_world, worker_info
+from minedraft.worker.node import NotInWorld, check_epoch, join_world, worker_info
+from minedraft.worker.pair import PairNode
+from minedraft.worker.servicer import NodeServicer, start_worker_server
 
 log = logging.getLogger("minedraft.verifier")
 
@@ -202,3 +208,58 @@ class RankEnd:
         else:
             message = worker_pb2.ExchangeMessage.FromString(self.channel.broadcast_plan(None))
         return drafts_from_exchange(message, self.support_size, self.device)
+
+
+def _follower_main(config_json: str, dist_json: str, rank: int, threads_beside: int) -> None:
+    die_with_parent()  # a SIGKILLed rank 0 must not leave its followers behind
+    node = VerifierNode(
+        EngineConfig.model_validate_json(config_json), DistributedConfig.model_validate_json(dist_json), rank,
+        threads_beside,
+    )
+    try:
+        node.follow()
+    finally:
+        node.close()
+
+
+def serve_verifier(
+    config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
+) -> None:
+    followers = [
+        mp.get_context("spawn").Process(
+            target=_follower_main,
+            args=(config.model_dump_json(), dist.model_dump_json(), rank, settings.cpu_threads_beside),
+            name=f"verifier-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
+    for process in followers:
+        process.start()
+    holder: dict = {}
+
+    def load() -> VerifierNode | PairNode:
+        colocate = settings.colocate_drafter and config.speculative_config is not None
+        holder["node"] = PairNode(config) if colocate else VerifierNode(
+            config, dist, rank=0, threads_beside=settings.cpu_threads_beside)
+        return holder["node"]
+
+    servicer = NodeServicer()
+    server, health, bound = start_worker_server(servicer, host, port)
+    servicer.start_loading(load, health)
+    log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
+
+    def stop() -> None:
+        servicer.wait_until_quiet(settings.step_drain_timeout)
+        node = holder.get("node")
+        if node is not None:
+            node.stop_followers()
+        server.stop(grace=5).wait()
+        for process in followers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        if node is not None:
+            node.close()
+
+    wait_for_termination(stop)

@@ -16,7 +16,7 @@ from minedraft.api import worker_pb2
 from minedraft.config import EngineConfig, num_slots
 from minedraft.engine.local_executor import LocalExecutor, build_local_executor
 from minedraft.wire import lora_adapter_from_proto, plan_from_proto, step_reply
-from minedraft.worker_node import check_epoch, worker_info
+from minedraft.worker.node import check_epoch, worker_info
 
 log = logging.getLogger("minedraft.verifier")
 

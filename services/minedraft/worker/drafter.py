@@ -1,4 +1,5 @@
-"""The drafter process: the draft model, the draft worker and its end of the step channel."""
+"""`minedraft drafter`: the draft model, the draft worker and its end of the step channel, behind the Worker
+gRPC API."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from minedraft.config import DistributedConfig, EngineConfig, num_slots
 from minedraft.engine.adaptive.threads import StepThreads
 from minedraft.engine.runners import build_drafter, max_model_len
 from minedraft.engine.step import DraftSide, defers_results
+from minedraft.settings import WorkerSettings
 from minedraft.transport.channel import StepChannel
 from minedraft.transport.groups import WorldGroups, rendezvous_store
 from minedraft.wire import lora_adapter_from_proto, plan_from_proto, step_reply
-from minedraft.worker_node import check_epoch, join_world, topology_of, worker_info
+from minedraft.worker.node import check_epoch, join_world, topology_of, worker_info
+from minedraft.worker.servicer import NodeServicer, serve_until_stopped, start_worker_server
 
 log = logging.getLogger("minedraft.drafter")
 
@@ -79,3 +82,18 @@ def _drafter_device(config: EngineConfig) -> str:
     return (
         f"cuda:{config.tensor_parallel_size}" if torch.cuda.device_count() > config.tensor_parallel_size else "cuda:0"
     )
+
+
+def serve_drafter(
+    config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
+) -> None:
+    if config.speculative_config is None:
+        raise ValueError("the drafter needs --speculative-config (plain autoregressive decoding has no drafter)")
+    servicer = NodeServicer()
+    server, health, bound = start_worker_server(servicer, host, port)
+    servicer.start_loading(lambda: DrafterNode(config, dist, settings.cpu_threads_beside), health)
+    log.info(
+        "drafter listening on %s:%d, joining the verifier at %s:%d", host, bound, dist.master_addr, dist.master_port
+    )
+
+    serve_until_stopped(servicer, server, settings.step_drain_timeout)

@@ -1,5 +1,5 @@
-"""The worker half of serving: the Worker gRPC service around a drafter or verifier node, its server, and a
-drafter's life until it is stopped. (The plumbing every service shares is in `service/`.)"""
+"""The Worker gRPC service around a drafter or verifier node (worker/node.py), its server, and a worker's life
+until it is stopped. (The plumbing every service shares is in `service/`.)"""
 
 from __future__ import annotations
 
@@ -8,18 +8,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health
 
-from minedraft.api import worker_pb2
+from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.service.grpc_server import WORKER_SERVICE, add_health_and_reflection, grpc_options, listen
 from minedraft.service.health import set_status
 from minedraft.service.lifetime import wait_for_termination
-
-if TYPE_CHECKING:
-    from minedraft.worker_node import WorkerNode
+from minedraft.worker.node import NotInWorld, WorkerNode
 
 log = logging.getLogger("minedraft")
 
@@ -28,8 +25,6 @@ def start_worker_server(
     servicer, host: str, port: int, max_workers: int = 8
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Start a threaded gRPC server for a drafter or verifier; health starts as NOT_SERVING."""
-    from minedraft.api import worker_pb2_grpc
-
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options(server=True))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -126,8 +121,6 @@ class NodeServicer:
             yield self._run_step(node, plan, context)
 
     def _run_step(self, node: WorkerNode, plan: worker_pb2.StepPlan, context) -> worker_pb2.StepReply:
-        from minedraft.worker_node import NotInWorld
-
         with self._step_lock():
             start = time.monotonic()
             idle = start - self._last_step
@@ -154,8 +147,6 @@ class NodeServicer:
 
     def Exchange(self, request, context):  # noqa: N802 (gRPC method name)
         """A pool drafter's or its verifier's half of a step's hand-over: kept for the step that waits for it."""
-        from minedraft.worker_node import NotInWorld
-
         deliver = getattr(self._ready_node(context), "deliver", None)
         if deliver is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is in its group's world: it takes "

@@ -1,1 +1,0 @@
-"""The drafter service: the draft model on one device."""

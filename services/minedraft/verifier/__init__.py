@@ -1,1 +1,0 @@
-"""The verifier service: the target model on tensor-parallel ranks; rank 0 serves gRPC."""
