@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from minedraft.engine.plans import DraftPlan, Drafts, DraftTask
-from minedraft.engine.workers import DraftWorker, _Sequence
+from minedraft.engine.workers import DraftWorker
+from minedraft.engine.workers.sequence import _Sequence
 from minedraft.model.eagle import EAGLE3, EagleHead
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.sampling.sampler import draft_sample

@@ -1,6 +1,6 @@
 """The drafter without a model (`method: ngram` or `suffix`): windows from text the request already has.
 
-It keeps each request's committed tokens as every drafter does (engine/workers.py), and beside them the index
+It keeps each request's committed tokens as every drafter does (engine/workers/), and beside them the index
 its method looks up (engine/lookup.py); a request's prediction, where it sent one, proposes first. Nothing here
 runs on an accelerator or holds a KV cache: prefill chunks and LoRA adapters are nothing to it. A task whose
 lookup finds nothing gets an empty window, which the verifier decodes plainly (one token, a plain step's cost).
@@ -13,7 +13,8 @@ import torch
 from minedraft.config import LoraModule, SpeculativeConfig
 from minedraft.engine.lookup import NgramIndex, SharedSuffixes, SuffixIndex, SuffixSettings
 from minedraft.engine.plans import Admission, DraftPlan, Drafts, DraftTask, LoraChange
-from minedraft.engine.workers import DraftWorker, _Sequence, point_mass
+from minedraft.engine.workers import DraftWorker, point_mass
+from minedraft.engine.workers.sequence import _Sequence
 
 
 class LookupDraftWorker(DraftWorker):
