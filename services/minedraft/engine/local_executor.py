@@ -11,14 +11,14 @@ import torch
 from minedraft.config import EngineConfig
 from minedraft.engine.adaptive.threads import StepThreads
 from minedraft.engine.eagle_drafter import EagleDraftWorker
-from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
+from minedraft.engine.plans import DraftPlan, StepResult, VerifyPlan
 from minedraft.engine.runners import build_drafter, max_model_len, target_runner
-from minedraft.engine.step import DraftSide, LocalEnds, StepPlan, VerifySide, merge_loaded, ordered
+from minedraft.engine.step import DraftSide, LocalEnds, QueuedChanges, StepPlan, VerifySide, merge_loaded, ordered
 from minedraft.engine.workers import DraftWorker, VerifyWorker
 from minedraft.model.runner import ModelRunner
 
 
-class LocalExecutor:
+class LocalExecutor(QueuedChanges):
     """Runs a step's two sides (engine/step.py) in this process: the draft and verify parts concurrently on two
     threads (torch releases the GIL in its kernels), then the step-end exchange by handing objects over directly.
     A step with one part, or whose draft part follows its verification, runs its parts on the caller's thread,
@@ -43,9 +43,7 @@ class LocalExecutor:
         self.max_in_flight = max_in_flight
         self._verifying = VerifySide(verifier, features=isinstance(drafter, EagleDraftWorker))
         self._drafting = DraftSide(drafter) if drafter is not None else None
-        self._admit: list[Admission] = []
-        self._release: list[str] = []
-        self._lora_changes: list[LoraChange] = []
+        super().__init__()
         self._submitted: deque[StepPlan] = deque()
         # Without a drafter nothing overlaps: verify on the caller's thread.
         self._verify_thread = _stage_thread("verifier", stage_threads) if drafter else None
@@ -63,20 +61,11 @@ class LocalExecutor:
     def draft_kv_blocks(self) -> int | None:
         return self.drafter.kv_blocks if self.drafter is not None else None
 
-    def admit(self, seqs: list[Admission]) -> None:
-        self._admit.extend(seqs)
-
-    def release(self, request_ids: list[str]) -> None:
-        self._release.extend(request_ids)
-
-    def change_loras(self, changes: list[LoraChange]) -> None:
-        self._lora_changes.extend(changes)
-
     def submit(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> None:
         """Queue a step with the admissions and releases made since the last one; it runs when collected,
         in order (one caller thread does both). With `max_in_flight` 2 the engine plans a step before the
         previous one has run, as it does over the services' streams: the same schedules, in one process."""
-        self._submitted.append(self._take_changes(ordered(draft, verify, self.shares_cores), verify))
+        self._submitted.append(self.take_changes(ordered(draft, verify, self.shares_cores), verify))
 
     def collect(self) -> StepResult:
         return self.run(self._submitted.popleft())
@@ -88,12 +77,7 @@ class LocalExecutor:
     def flush(self) -> StepResult:
         """Apply the admissions, releases and adapter changes made since the last step (the engine is idle)."""
         self.threads.rest()
-        return self.run(self._take_changes(None, None))
-
-    def _take_changes(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepPlan:
-        plan = StepPlan(self._admit, self._release, self._lora_changes, draft, verify)
-        self._admit, self._release, self._lora_changes = [], [], []
-        return plan
+        return self.run(self.take_changes(None, None))
 
     def run(self, plan: StepPlan) -> StepResult:
         """One step: both sides' changes (the verifier's first: its refusal of an adapter wins), then the parts,

@@ -25,7 +25,7 @@ from minedraft.sampling.params import SamplingParams, TokenLogprob
 if TYPE_CHECKING:  # the schedules and the scheduler import this module without torch's cost
     import torch
 
-    from minedraft.engine.adaptive import StepChoice
+    from minedraft.engine.adaptive.shapes import StepChoice
 
 # A change to the LoRA adapters served, made while serving: an adapter to load, or the name of one to unload.
 LoraChange = LoraModule | str

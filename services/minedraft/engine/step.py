@@ -54,6 +54,38 @@ class StepPlan:
         return self.draft is not None and self.verify is not None and self.draft.after_verify
 
 
+class QueuedChanges:
+    """An executor's admissions, releases and adapter changes since its last step: the next step's plan carries
+    them (the engine's calls between steps cost no round trip)."""
+
+    def __init__(self) -> None:
+        self.clear_changes()
+
+    def admit(self, seqs: list[Admission]) -> None:
+        self._admit.extend(seqs)
+
+    def release(self, request_ids: list[str]) -> None:
+        self._release.extend(request_ids)
+
+    def change_loras(self, changes: list[LoraChange]) -> None:
+        self._lora_changes.extend(changes)
+
+    def clear_changes(self) -> None:
+        self._admit: list[Admission] = []
+        self._release: list[str] = []
+        self._lora_changes: list[LoraChange] = []
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self._admit or self._release or self._lora_changes)
+
+    def take_changes(self, draft: DraftPlan | None, verify: VerifyPlan | None) -> StepPlan:
+        """The next step's plan: the changes queued since the last one, then its parts."""
+        plan = StepPlan(self._admit, self._release, self._lora_changes, draft, verify)
+        self.clear_changes()
+        return plan
+
+
 def ordered(draft: DraftPlan | None, verify: VerifyPlan | None, shares_cores: bool) -> DraftPlan | None:
     """The draft part as the executor sends it. Where the drafter shares one CPU's cores with the verifier (one
     process runs both), a draft part beside a verification that only prefills prompts runs after it, with every

@@ -17,8 +17,8 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.config import EngineConfig, LoraModule, check_fits_one_request, config_differences
 from minedraft.engine.detokenizer import Decoder
 from minedraft.engine.engine import LLMEngine
-from minedraft.engine.plans import Admission, DraftPlan, LoraChange, StepResult, VerifyPlan
-from minedraft.engine.step import StepPlan, ordered
+from minedraft.engine.plans import DraftPlan, LoraChange, StepResult, VerifyPlan
+from minedraft.engine.step import QueuedChanges, StepPlan, ordered
 from minedraft.pool import check_poolable
 from minedraft.pool.binding import DrafterPool
 from minedraft.scheduler.step_deadline import StepDeadline
@@ -94,7 +94,7 @@ class WorkerWorld(Protocol):
     def flush(self) -> StepResult | None: ...
 
 
-class RemoteExecutor:
+class RemoteExecutor(QueuedChanges):
     """Admissions and releases are batched into the next step's plan; `flush` sends them when the engine
     has nothing else to run (freeing KV blocks promptly). Plans travel on one stream per worker and world,
     and the engine sends the next step's plan while a step runs (`max_in_flight` 2), so no round trip
@@ -108,6 +108,7 @@ class RemoteExecutor:
     def __init__(self, verifier: str, drafter: str | None, settings: SchedulerSettings,
                  drafter_pool: list[str] | None = None) -> None:  # fmt: skip
         """`drafter_pool`: the members' HOST:PORT specs; the group then drafts with one of them (`drafter` unused)."""
+        super().__init__()
         self.max_in_flight = settings.max_steps_in_flight
         self.verifier = WorkerClient(verifier, "verifier")
         self.pool = DrafterPool(drafter_pool, lambda address: WorkerClient(address, "drafter")) if (
@@ -121,9 +122,6 @@ class RemoteExecutor:
         self._verifier_drafts = False  # the verifier of the world runs the draft model too (colocate_drafter)
         self._shares_cores = False  # ... on one CPU whose cores its two stages share (engine/step.py, `ordered`)
         self.epoch = secrets.randbits(62)  # random: a restarted scheduler never reuses its predecessor's epochs
-        self._admit: list[Admission] = []
-        self._release: list[str] = []
-        self._lora_changes: list[LoraChange] = []
         # The LoRA adapters served now (lora_modules, then the run-time changes): each new world's workers get
         # exactly these at their join, so a restarted worker serves what the group serves.
         self.loras: dict[str, LoraModule] | None = None
@@ -191,7 +189,7 @@ class RemoteExecutor:
         self.kv_pool, self.draft_kv_blocks = kv_pool, draft_kv_blocks
         self._verifier_drafts = verifier_drafts
         self._shares_cores = verifier_drafts and infos["verifier"].stages_share_cores
-        self._admit, self._release, self._lora_changes = [], [], []  # the join brought the adapters' changes
+        self.clear_changes()  # the join brought the adapters' changes
         return infos
 
     def _joins(self, members: list[WorkerClient]) -> list[tuple[WorkerClient, worker_pb2.JoinRequest]]:
@@ -242,14 +240,8 @@ class RemoteExecutor:
         verifier = infos["verifier"]
         return LLMEngine(config, self, tokenizer, list(verifier.eos_token_ids), verifier.max_model_len)
 
-    def admit(self, seqs: list[Admission]) -> None:
-        self._admit.extend(seqs)
-
-    def release(self, request_ids: list[str]) -> None:
-        self._release.extend(request_ids)
-
     def change_loras(self, changes: list[LoraChange]) -> None:
-        self._lora_changes.extend(changes)
+        super().change_loras(changes)
         assert self.loras is not None, "a world is formed before the engine changes adapters"
         for change in changes:
             if isinstance(change, str):
@@ -258,7 +250,7 @@ class RemoteExecutor:
                 self.loras[change.name] = change
 
     def flush(self) -> StepResult | None:
-        if self._admit or self._release or self._lora_changes:
+        if self.has_changes:
             return self.step(None, None)
         return None
 
@@ -274,11 +266,9 @@ class RemoteExecutor:
         if not self._streams:
             self._streams = {w.role: PlanStream(w) for w in self.members}
         self._step_id += 1
-        plan = StepPlan(self._admit, self._release, self._lora_changes, ordered(draft, verify, self._shares_cores),
-                        verify)  # fmt: skip
+        plan = self.take_changes(ordered(draft, verify, self._shares_cores), verify)
         message = plan_to_proto(self._step_id, plan)
         message.epoch = self.epoch
-        self._admit, self._release, self._lora_changes = [], [], []
         for stream in self._streams.values():
             stream.send(message)
         self._submitted.append((self._step_id, time.perf_counter(), plan))
