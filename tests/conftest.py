@@ -25,6 +25,22 @@ from minedraft.config import REPO_ROOT, EngineConfig  # noqa: E402
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
+# The files that take longest, longest first (measured on two cores). A file's tests stay on one xdist worker (--dist
+# loadfile) and files are handed out in collection order (--no-loadscope-reorder, pyproject.toml), so these start
+# first and the many short files fill in at the end, when a long one would leave the other worker idle. A file not
+# named runs after them, in its usual order.
+SLOWEST_FILES = [
+    "test_smollm2_serving.py", "test_smollm2.py", "test_services_e2e.py", "test_drafter_pool.py",
+    "test_up_supervision.py", "test_self_healing.py", "test_triton_attention.py", "test_lossless_sampling.py",
+    "test_greedy_equivalence.py", "test_cli.py", "test_gateway.py", "test_lookup_serving.py", "test_openai_api.py",
+    "test_drain_supervision.py", "test_structured_output.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
 
 def make_pair(root: Path, seed: int = 1, draft_hidden_size: int = 64, draft_seed: int | None = None) -> tuple[str, str]:
     """A tiny qwen3 target (2 layers) and draft (1 layer) as real checkpoint folders under `root`."""
