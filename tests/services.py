@@ -24,8 +24,12 @@ from minedraft.service.health import is_serving
 from minedraft.settings import WorkerSettings
 from minedraft.stack.local import free_port
 
+# Workers that exit as soon as they are told to. A stack stops its scheduler first and waits for it to drain and
+# exit, so a worker's own wait on SIGTERM (step_drain_timeout: until no step has come for a second) only waits there.
+# tests/test_drain_supervision.py, which tests the drain, keeps the default.
+QUICK_STOP = WorkerSettings(step_drain_timeout=0)
 # A drafter service beside the verifier, as pods run them (on CPU a stack colocates both models by default).
-TWO_PROCESSES = WorkerSettings(colocate_drafter=False)
+TWO_PROCESSES = QUICK_STOP.model_copy(update={"colocate_drafter": False})
 
 
 def serving(address: str, timeout_s: float = 2.0) -> bool:

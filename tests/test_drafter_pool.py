@@ -40,6 +40,8 @@ from minedraft.stack.gateway import GatewayStack
 from minedraft.stack.local import free_port, scheduler_settings
 from minedraft.wire import drafts_from_exchange, drafts_to_exchange, results_to_exchange, verified_from_proto
 
+from services import QUICK_STOP
+
 MAX_TOKENS = 40
 PAIR_SEED = 3  # the pair of conftest's `pair`
 FIELDS = {"max_num_seqs": 16, "max_model_len": 160, "device": "cpu", "batch_invariant": True}
@@ -110,7 +112,7 @@ def _wait_bound(address: str, timeout_s: float, unlike: str = "") -> tuple[str, 
 ], ids=["sd", "minedraft-adaptive"])  # fixed MineDraft: the SIGKILL and migration tests below
 def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, spec, tmp_path) -> None:
     prompts = _prompts(8)
-    with GatewayStack(_config(pair, **spec), 2, drafter_pool=1, log_dir=tmp_path) as stack:
+    with GatewayStack(_config(pair, **spec), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
         member = stack.pool.addresses[0]
         assert [_bound(group.address) for group in stack.groups] == [member, member]
         with ThreadPoolExecutor(2) as both:  # at once: the member steps the two groups side by side
@@ -125,7 +127,8 @@ def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, s
 def test_a_pool_drafter_serves_a_group_with_two_verifier_ranks(pair, plain, tmp_path) -> None:
     """Tensor parallelism: verifier rank 0 takes the pool drafter's windows and hands them on to rank 1."""
     prompts = _prompts(6)
-    with GatewayStack(_config(pair, tensor_parallel_size=2), 1, drafter_pool=1, log_dir=tmp_path) as stack:
+    config = _config(pair, tensor_parallel_size=2)
+    with GatewayStack(config, 1, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
         outs = _generate(stack.groups[0].address, prompts)
         assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in prompts]
         assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
@@ -166,7 +169,7 @@ def _stream_all(stack: GatewayStack, prompts: list[list[int]], strike, after_tok
 
 def test_a_sigkilled_pool_drafter_costs_no_request_and_both_groups_speculate_again(pair, plain, tmp_path) -> None:
     prompts = _prompts(32)
-    with GatewayStack(_config(pair), 2, drafter_pool=1, log_dir=tmp_path) as stack:
+    with GatewayStack(_config(pair), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
         outputs = _stream_all(stack, prompts, lambda: stack.pool.kill(0), after_tokens=200)
         assert {p: o for p, o in outputs.items() if not isinstance(o, list)} == {}
         assert outputs == {tuple(p): plain[tuple(p)] for p in prompts}
@@ -214,7 +217,8 @@ def test_seeded_sampled_streams_wait_for_the_pool_drafter_and_keep_their_text(pa
     texts = {}
     for wait in (60.0, 0.0):  # 0: the control, decoding target-only at once, gives other texts
         scheduler = scheduler_settings(seeded_drafter_wait=wait)
-        with GatewayStack(_config(pair), 1, drafter_pool=1, scheduler=scheduler, log_dir=tmp_path / str(wait)) as stack:
+        with GatewayStack(_config(pair), 1, drafter_pool=1, scheduler=scheduler, worker=QUICK_STOP,
+                          log_dir=tmp_path / str(wait)) as stack:
             group = stack.groups[0].address
             undisturbed = _sampled(group, prompts)
 
@@ -233,14 +237,15 @@ def test_seeded_sampled_streams_migrated_mid_window_keep_their_text(pair, tmp_pa
     drafter serves on), its seeded streams resubmitted to the other group from the tokens streamed so far. Each
     re-enters at a verification's end, where its next window starts in the undisturbed run too: same texts."""
     prompts = _prompts(8)
-    with GatewayStack(_config(pair, adaptive=adaptive), 2, drafter_pool=1, log_dir=tmp_path) as stack:
+    config = _config(pair, adaptive=adaptive)
+    with GatewayStack(config, 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
         undisturbed = _sampled(stack.address, prompts)
         assert _sampled(stack.address, prompts, strike=lambda: stack.kill_group(0)) == undisturbed
 
 
 def test_two_pool_drafters_share_the_groups_and_a_killed_one_hands_its_group_over(pair, plain, tmp_path) -> None:
     gateway = GatewaySettings(http_port=free_port())
-    with GatewayStack(_config(pair), 2, drafter_pool=2, log_dir=tmp_path, gateway=gateway) as stack:
+    with GatewayStack(_config(pair), 2, drafter_pool=2, worker=QUICK_STOP, log_dir=tmp_path, gateway=gateway) as stack:
         bound = [_bound(g.address) for g in stack.groups]
         assert sorted(bound) == sorted(stack.pool.addresses), "each group takes the member with the most room"
         victim = stack.pool.addresses.index(bound[0])
@@ -261,7 +266,7 @@ def test_two_pool_drafters_share_the_groups_and_a_killed_one_hands_its_group_ove
 
 def test_a_full_pool_drafter_takes_no_more_groups_and_the_one_left_decodes_target_only(pair, plain,
                                                                                         tmp_path) -> None:  # fmt: skip
-    with GatewayStack(_config(pair), 2, drafter_pool=1, pool_groups=1, log_dir=tmp_path) as stack:
+    with GatewayStack(_config(pair), 2, drafter_pool=1, pool_groups=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
         bound = [_bound(g.address) for g in stack.groups]
         assert sorted(bound) == ["", stack.pool.addresses[0]]
         prompts = _prompts(6)

@@ -21,11 +21,10 @@ import pytest
 from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.metrics import PREFIX_CACHE_HITS, scrape
-from minedraft.settings import WorkerSettings
 from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy, tiny_config
-from services import TWO_PROCESSES, serving, worker_info
+from services import QUICK_STOP, TWO_PROCESSES, serving, wait_health, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
@@ -116,85 +115,110 @@ def _drafts_now(address: str) -> int:
         return client.generate([5, 6, 7], max_tokens=20, temperature=0, ignore_eos=True).spec_decode_stats.num_drafts
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(pair, expected, tp: int) -> None:
-    with LocalStack(_config(pair, tp=tp), worker=TWO_PROCESSES) as stack:
-        load = Load(stack.address)
-        load.wait_for_tokens(200)
-        _kill(stack, "drafter")
-        assert load.results() == expected  # every stream completed, target-only after the kill
-        assert _drafts_now(stack.address) == 0  # no drafter: plain autoregressive decoding
-        stack.restart("drafter")
-        _until(lambda: _epoch(stack.drafter_address) != 0, what="the drafter to rejoin")
-        _until(lambda: _drafts_now(stack.address) > 0, timeout_s=30, what="drafts again")
-        load = Load(stack.address)
-        assert load.results() == expected
+@pytest.fixture(scope="module")
+def group(pair):
+    """The group the kill tests strike, started once per module and kind (tensor-parallel size; `hung`: the short
+    timeouts of the SIGSTOP tests) when first asked for, as `up` keeps one group through kill after kill. Each test
+    gets it whole: a service a test left dead is started again, and the group serves and drafts."""
+    stacks: dict[tuple[int, bool], LocalStack] = {}
+
+    def whole(tp: int = 1, hung: bool = False) -> LocalStack:
+        if (tp, hung) not in stacks:
+            # Hung: steps here take milliseconds, the default step deadline is 60 s.
+            scheduler = scheduler_settings(metrics_port=free_port(), **({"step_deadline_floor": 8} if hung else {}))
+            workers = TWO_PROCESSES.model_copy(update={"dist_timeout": 4}) if hung else TWO_PROCESSES
+            stack = LocalStack(_config(pair, tp=tp), worker=workers, scheduler=scheduler)
+            stack.start()
+            stacks[tp, hung] = stack
+        stack = stacks[tp, hung]
+        for name, process in stack.processes():
+            if process.poll() is not None:
+                stack.restart(name)
+        _until(lambda: serving(stack.address) and _drafts_now(stack.address) > 0, what="a whole group")
+        return stack
+
+    yield whole
+    for stack in stacks.values():
+        stack.stop()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_verifier_dies_mid_stream_requests_are_held_and_resumed(pair, expected, tp: int) -> None:
+def test_drafter_dies_mid_stream_the_group_goes_on_and_takes_it_back(group, expected, tp: int) -> None:
+    stack = group(tp)
+    load = Load(stack.address)
+    load.wait_for_tokens(200)
+    _kill(stack, "drafter")
+    assert load.results() == expected  # every stream completed, target-only after the kill
+    assert _drafts_now(stack.address) == 0  # no drafter: plain autoregressive decoding
+    stack.restart("drafter")
+    _until(lambda: _epoch(stack.drafter_address) != 0, what="the drafter to rejoin")
+    _until(lambda: _drafts_now(stack.address) > 0, timeout_s=30, what="drafts again")
+    load = Load(stack.address)
+    assert load.results() == expected
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verifier_dies_mid_stream_requests_are_held_and_resumed(group, expected, tp: int) -> None:
     """With tp=2 the verifier's other rank dies with its rank 0 and comes back with it."""
-    with LocalStack(_config(pair, tp=tp), worker=TWO_PROCESSES) as stack:
-        load = Load(stack.address)
-        load.wait_for_tokens(200)
-        _kill(stack, "verifier")
-        time.sleep(1.0)  # the scheduler holds the requests meanwhile
-        stack.restart("verifier")
-        assert load.results() == expected
-        _until(lambda: serving(stack.address), what="the scheduler to serve again")
-        assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
+    stack = group(tp)
+    load = Load(stack.address)
+    load.wait_for_tokens(200)
+    _kill(stack, "verifier")
+    wait_health(stack.address, "NOT_SERVING")  # the scheduler has seen it die: it holds the requests meanwhile
+    stack.restart("verifier")
+    assert load.results() == expected
+    _until(lambda: serving(stack.address), what="the scheduler to serve again")
+    assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
 
 
 @pytest.mark.parametrize("victim", ["drafter", "verifier"])
-def test_a_hung_worker_is_treated_like_a_dead_one(pair, expected, victim: str) -> None:
+def test_a_hung_worker_is_treated_like_a_dead_one(group, expected, victim: str) -> None:
     """SIGSTOP instead of SIGKILL: the peer gives up on it after --dist-timeout (a hung drafter: the
     scheduler, after the step deadline) and the group goes on as if it had died (target-only, or held
     requests); after SIGCONT it is taken back."""
-    scheduler = scheduler_settings(step_deadline_floor=8)  # steps here take milliseconds; the default is 60 s
-    workers = WorkerSettings(dist_timeout=4, colocate_drafter=False)
-    with LocalStack(_config(pair), worker=workers, scheduler=scheduler) as stack:
-        load = Load(stack.address)
-        load.wait_for_tokens(200)
-        process = stack.process(victim)
-        process.send_signal(signal.SIGSTOP)
-        try:
-            if victim == "drafter":
-                assert load.results() == expected  # completed target-only while the drafter hangs
-            else:
-                time.sleep(8)  # the drafter gives up on the verifier; the scheduler holds the requests
-        finally:
-            process.send_signal(signal.SIGCONT)
-        if victim == "verifier":
-            assert load.results() == expected
-        _until(lambda: _epoch(stack.drafter_address) == _epoch(stack.verifier_address) != 0, what="a whole group")
-        assert _drafts_now(stack.address) > 0
+    stack = group(hung=True)  # --dist-timeout 4, a step deadline of 8 s
+    load = Load(stack.address)
+    load.wait_for_tokens(200)
+    process = stack.process(victim)
+    process.send_signal(signal.SIGSTOP)
+    try:
+        if victim == "drafter":
+            assert load.results() == expected  # completed target-only while the drafter hangs
+        else:
+            time.sleep(8)  # the drafter gives up on the verifier; the scheduler holds the requests
+    finally:
+        process.send_signal(signal.SIGCONT)
+    if victim == "verifier":
+        assert load.results() == expected
+    _until(lambda: _epoch(stack.drafter_address) == _epoch(stack.verifier_address) != 0, what="a whole group")
+    assert _drafts_now(stack.address) > 0
 
 
-def test_new_scheduler_starts_with_free_caches(pair, expected) -> None:
+def test_new_scheduler_starts_with_free_caches(group, expected) -> None:
     """The scheduler is SIGKILLed with requests in flight; a new one (same command) forms a new epoch, in
     which the workers hold nothing, and serves 32 concurrent requests."""
-    with LocalStack(_config(pair), worker=TWO_PROCESSES) as stack:
-        load = Load(stack.address)
-        load.wait_for_tokens(200)
-        _kill(stack, "scheduler")
-        with pytest.raises(grpc.RpcError) as info:
-            load.results()
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        old_epoch = worker_info(stack.verifier_address).epoch
-        stack.restart("scheduler")
-        _until(lambda: serving(stack.address), what="the new scheduler to serve")
-        for address in (stack.verifier_address, stack.drafter_address):
-            info = worker_info(address)
-            assert info.epoch != old_epoch and info.num_active_sequences == 0
-            assert info.num_free_blocks == info.num_blocks
-        loads = [Load(stack.address), Load(stack.address)]
-        assert [load.results() for load in loads] == [expected, expected]
+    stack = group()
+    load = Load(stack.address)
+    load.wait_for_tokens(200)
+    _kill(stack, "scheduler")
+    with pytest.raises(grpc.RpcError) as info:
+        load.results()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    old_epoch = worker_info(stack.verifier_address).epoch
+    stack.restart("scheduler")
+    _until(lambda: serving(stack.address), what="the new scheduler to serve")
+    for address in (stack.verifier_address, stack.drafter_address):
+        info = worker_info(address)
+        assert info.epoch != old_epoch and info.num_active_sequences == 0
+        assert info.num_free_blocks == info.num_blocks
+    loads = [Load(stack.address), Load(stack.address)]
+    assert [load.results() for load in loads] == [expected, expected]
 
 
 def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
     """No verifier comes back: requests are held for --worker-wait, then fail with UNAVAILABLE saying why."""
     config = _config(pair, speculative=False)
-    with LocalStack(config, workers_only=True) as workers:
+    with LocalStack(config, worker=QUICK_STOP, workers_only=True) as workers:
         from minedraft.stack.local import engine_flags, free_port
 
         port, http_port = free_port(), free_port()
@@ -220,16 +244,14 @@ def test_a_lone_scheduler_fails_requests_after_the_worker_wait(pair) -> None:
             scheduler.wait(timeout=30)
 
 
-def test_a_new_world_starts_with_an_empty_prefix_cache(pair) -> None:
+def test_a_new_world_starts_with_an_empty_prefix_cache(group) -> None:
     """The drafter is SIGKILLed: the group forms a target-only world, in which the verifier has forgotten
     every cached block (nothing computed in an old world is trusted); the same prompt is computed afresh,
     gives the same tokens, and is cached again in the new world."""
-    metrics_port = free_port()
     prompt = [(5 * j) % 300 + 1 for j in range(40)]  # two full blocks of 16 below its last token
-    scheduler = scheduler_settings(metrics_port=metrics_port)
-    with LocalStack(_config(pair), worker=TWO_PROCESSES, scheduler=scheduler) as stack, \
-            Client(stack.address, timeout=60) as client:  # fmt: skip
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
+    stack = group()
+    with Client(stack.address, timeout=60) as client:
+        url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
 
         def hits_of_one_request() -> tuple[list[int], float]:
             before = scrape(url).get(PREFIX_CACHE_HITS + "_total", 0.0)

@@ -26,11 +26,10 @@ from minedraft.client import Client
 from minedraft.config import EngineConfig
 from minedraft.engine.engine import LLMEngine
 from minedraft.sampling.params import SamplingParams
-from minedraft.settings import WorkerSettings
 from minedraft.stack.local import LocalStack, engine_flags, free_port, scheduler_settings
 
 from conftest import pard_draft, tiny_config
-from services import TWO_PROCESSES, children, overload_codes, serving, wait_serving, worker_info
+from services import QUICK_STOP, TWO_PROCESSES, children, overload_codes, serving, wait_serving, worker_info
 from tiny_models import make_eagle3_head, make_eagle_head
 
 MAX_MODEL_LEN = 128
@@ -107,7 +106,7 @@ def test_a_verifier_that_drafts_itself_equals_offline_ar(pair, expected, mode: s
     """colocate_drafter: the verifier runs the draft model in its own process and no drafter service runs; the
     scheduler learns it from the verifier's info and speculates through it."""
     spec = {**MODES[mode], "adaptive": False}  # fixed k: it drafts whatever the random pair's acceptance
-    with LocalStack(_config(pair, spec), worker=WorkerSettings(colocate_drafter=True)) as stack:
+    with LocalStack(_config(pair, spec), worker=QUICK_STOP.model_copy(update={"colocate_drafter": True})) as stack:
         assert stack.drafter_address is None and "drafter" not in stack.commands
         assert worker_info(stack.verifier_address).draft_num_blocks > 0
         got = _generate_concurrently(stack.address, _workload())
