@@ -82,22 +82,21 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2_gguf, smollm2_hf
 
 
 def test_greedy_equals_transformers_float32(hf, smollm2_prompts) -> None:
-    """On every prompt where transformers' float32 and float64 agree (a well-conditioned reference); float32 holds
-    the dequantized weights as the file gives them (auto rounds them to bfloat16 values)."""
+    """Token for token transformers' float32 on every prompt, but where its float32 and float64 disagree (an
+    ill-conditioned reference: excused with a warning, on two prompts at most); float32 holds the dequantized weights
+    as the file gives them (auto rounds them to bfloat16 values). float64 runs only where float32 is not matched."""
     ours, _ = smollm2_greedy(EngineConfig(model=SMOLLM2, max_model_len=512, dtype="float32"), smollm2_prompts)
-    double = hf.to(torch.float64)
-    compared = 0
+    excused = 0
     for prompt, got in zip(smollm2_prompts, ours):
-        references = []
-        for dtype in (torch.float64, torch.float32):
-            references.append(_hf_greedy(double.to(dtype), prompt))
-        hf.to(torch.float32)
-        if references[0] != references[1]:
-            warnings.warn(f"float32 and float64 differ on {prompt[-8:]}: not compared", stacklevel=1)
+        single = _hf_greedy(hf, prompt)
+        if got == single:
             continue
-        compared += 1
-        assert got == references[1]
-    assert compared >= len(smollm2_prompts) - 2
+        double = _hf_greedy(hf.to(torch.float64), prompt)
+        hf.to(torch.float32)
+        assert single != double, f"differs from transformers' float32 and float64 on {prompt[-8:]}"
+        warnings.warn(f"float32 and float64 differ on {prompt[-8:]}: not compared", stacklevel=1)
+        excused += 1
+    assert excused <= 2
 
 
 @torch.no_grad()
