@@ -293,7 +293,7 @@ def test_bench_chaos_kills_a_scheduler_and_no_request_is_lost(up, pair) -> None:
     streams on the restarted scheduler, and every output equals the undisturbed pass."""
     result = subprocess.run(
         [sys.executable, "-m", "minedraft", "bench", "--chaos", "--target", up.address, "--chaos-targets", "scheduler",
-         "--chaos-interval", "8", "--chaos-duration", "12", "--dataset", "random", "--input-len", "16",
+         "--chaos-interval", "6", "--chaos-duration", "8", "--dataset", "random", "--input-len", "16",
          "--num-prompts", "4", "--max-tokens", "32", "--concurrency", "4", "--tokenizer", pair[0]],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
