@@ -377,7 +377,7 @@ def groups(pair, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up-groups")
     # Its tests kill group 0's scheduler up to four times within a minute (a kill that lands too late is retried).
     stack = Up(pair, tmp, "--engine-groups", "2", "--http-port", str(free_port()), "--api-key", KEY,
-               "--metrics-port", str(free_port()), "--crash-loop-restarts", "6")  # fmt: skip
+               "--metrics-port", str(free_port(span=2)), "--crash-loop-restarts", "6")  # fmt: skip
     stack.http_port = int(stack.process.args[stack.process.args.index("--http-port") + 1])
     yield stack
     stack.stop()

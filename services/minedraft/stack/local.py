@@ -38,20 +38,22 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default; macOS starts its range higher still
 
 
-def free_port() -> int:
-    """A port nobody listens on, for a service started a moment later.
+def free_port(span: int = 1) -> int:
+    """A port nobody listens on, for a service started a moment later; with `span`, the first of that many
+    consecutive free ports (services that serve on port + i).
 
     Chosen below the kernel's ephemeral range: outgoing connections (gloo pairs, gRPC channels)
     take their local port from that range and could otherwise take this one before the service
     binds it. A port is handed out once per process.
     """
     floor = _ephemeral_floor()
-    candidates = range(max(1024, floor - 16384), floor)
+    candidates = range(max(1024, floor - 16384), floor - span + 1)
     for _ in range(200):
-        port = random.choice(candidates)
-        if port not in _PORTS_GIVEN and _can_bind(port):
-            _PORTS_GIVEN.add(port)
-            return port
+        first = random.choice(candidates)
+        ports = range(first, first + span)
+        if not _PORTS_GIVEN.intersection(ports) and all(_can_bind(port) for port in ports):
+            _PORTS_GIVEN.update(ports)
+            return first
     raise OSError(f"no free port found in {candidates.start}-{candidates.stop - 1}")
 
 
