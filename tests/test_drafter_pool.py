@@ -17,6 +17,7 @@ Strict kernels throughout, so speculative and plain outputs are bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -71,6 +72,25 @@ def plain(pair) -> dict[tuple[int, ...], list[int]]:
         engine.executor.close()
 
 
+@pytest.fixture(scope="module")
+def two_groups(pair, tmp_path_factory):
+    """Two groups drafting with one pool drafter in MineDraft mode, fixed k (the default) or adaptive: started when a
+    test first asks for it and shared by the tests after it; the migration test, which SIGKILLs a group, comes last."""
+    stacks: dict[bool, GatewayStack] = {}
+
+    def get(adaptive: bool = False) -> GatewayStack:
+        if adaptive not in stacks:
+            stack = GatewayStack(_config(pair, adaptive=adaptive), 2, drafter_pool=1, worker=QUICK_STOP,
+                                 log_dir=tmp_path_factory.mktemp("two-groups"))  # fmt: skip
+            stack.start()
+            stacks[adaptive] = stack
+        return stacks[adaptive]
+
+    yield get
+    for stack in stacks.values():
+        stack.stop()
+
+
 def _generate(address: str, prompts: list[list[int]]) -> list:
     with Client(address, timeout=180) as client, ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: client.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
@@ -110,9 +130,11 @@ def _wait_bound(address: str, timeout_s: float, unlike: str = "") -> tuple[str, 
     {"is_parallel": False},
     {"adaptive": True},
 ], ids=["sd", "minedraft-adaptive"])  # fixed MineDraft: the SIGKILL and migration tests below
-def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, spec, tmp_path) -> None:
+def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, spec, two_groups, tmp_path) -> None:
     prompts = _prompts(8)
-    with GatewayStack(_config(pair, **spec), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
+    adaptive = spec.get("adaptive", False)
+    with (contextlib.nullcontext(two_groups(adaptive=True)) if adaptive else
+          GatewayStack(_config(pair, **spec), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path)) as stack:
         member = stack.pool.addresses[0]
         assert [_bound(group.address) for group in stack.groups] == [member, member]
         with ThreadPoolExecutor(2) as both:  # at once: the member steps the two groups side by side
@@ -167,19 +189,19 @@ def _stream_all(stack: GatewayStack, prompts: list[list[int]], strike, after_tok
     return outputs
 
 
-def test_a_sigkilled_pool_drafter_costs_no_request_and_both_groups_speculate_again(pair, plain, tmp_path) -> None:
+def test_a_sigkilled_pool_drafter_costs_no_request_and_both_groups_speculate_again(plain, two_groups) -> None:
     prompts = _prompts(32)
-    with GatewayStack(_config(pair), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
-        outputs = _stream_all(stack, prompts, lambda: stack.pool.kill(0), after_tokens=200)
-        assert {p: o for p, o in outputs.items() if not isinstance(o, list)} == {}
-        assert outputs == {tuple(p): plain[tuple(p)] for p in prompts}
-        stack.pool.restart(0)
-        for group in stack.groups:
-            bound, _ = _wait_bound(group.address, timeout_s=30)
-            assert bound == stack.pool.addresses[0]
-        after = _generate(stack.groups[1].address, prompts[:4])
-        assert [o.token_ids for o in after] == [plain[tuple(p)] for p in prompts[:4]]
-        assert sum(o.spec_decode_stats.num_accepted_tokens for o in after) > 0
+    stack = two_groups()
+    outputs = _stream_all(stack, prompts, lambda: stack.pool.kill(0), after_tokens=200)
+    assert {p: o for p, o in outputs.items() if not isinstance(o, list)} == {}
+    assert outputs == {tuple(p): plain[tuple(p)] for p in prompts}
+    stack.pool.restart(0)
+    for group in stack.groups:
+        bound, _ = _wait_bound(group.address, timeout_s=30)
+        assert bound == stack.pool.addresses[0]
+    after = _generate(stack.groups[1].address, prompts[:4])
+    assert [o.token_ids for o in after] == [plain[tuple(p)] for p in prompts[:4]]
+    assert sum(o.spec_decode_stats.num_accepted_tokens for o in after) > 0
 
 
 def _sampled(address: str, prompts: list[list[int]], strike=None) -> list[list[int]]:
@@ -232,15 +254,14 @@ def test_seeded_sampled_streams_wait_for_the_pool_drafter_and_keep_their_text(pa
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-def test_seeded_sampled_streams_migrated_mid_window_keep_their_text(pair, tmp_path, adaptive) -> None:
+def test_seeded_sampled_streams_migrated_mid_window_keep_their_text(two_groups, adaptive) -> None:
     """Through the gateway, MineDraft mode: one group SIGKILLed mid-stream (its scheduler and verifier; the pool
     drafter serves on), its seeded streams resubmitted to the other group from the tokens streamed so far. Each
     re-enters at a verification's end, where its next window starts in the undisturbed run too: same texts."""
     prompts = _prompts(8)
-    config = _config(pair, adaptive=adaptive)
-    with GatewayStack(config, 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path) as stack:
-        undisturbed = _sampled(stack.address, prompts)
-        assert _sampled(stack.address, prompts, strike=lambda: stack.kill_group(0)) == undisturbed
+    stack = two_groups(adaptive)  # the last test of each: group 0 stays dead
+    undisturbed = _sampled(stack.address, prompts)
+    assert _sampled(stack.address, prompts, strike=lambda: stack.kill_group(0)) == undisturbed
 
 
 def test_two_pool_drafters_share_the_groups_and_a_killed_one_hands_its_group_over(pair, plain, tmp_path) -> None:
