@@ -367,29 +367,36 @@ def _every_field_off_default(pair) -> EngineConfig:
     return config
 
 
-def test_every_engine_setting_reaches_every_process(pair) -> None:
+@pytest.fixture(scope="module")
+def every_field(pair):
+    """A group whose every engine setting is off its default (two verifier ranks, a drafter service)."""
+    with LocalStack(_every_field_off_default(pair), worker=TWO_PROCESSES) as stack:
+        yield stack
+
+
+def test_every_engine_setting_reaches_every_process(every_field) -> None:
     """Each worker runs exactly the launcher's config (every field off its default, so a dropped one shows);
     the scheduler, which refuses workers that differ from it, comes up SERVING."""
-    config = _every_field_off_default(pair)
-    with LocalStack(config, worker=TWO_PROCESSES) as stack:
-        for address in (stack.verifier_address, stack.drafter_address):
-            assert EngineConfig.model_validate_json(worker_info(address).engine_config_json) == config
-        assert serving(stack.address)
+    stack = every_field
+    for address in (stack.verifier_address, stack.drafter_address):
+        assert EngineConfig.model_validate_json(worker_info(address).engine_config_json) == stack.config
+    assert serving(stack.address)
 
 
-def test_scheduler_refuses_workers_with_other_settings(pair) -> None:
-    """Workers started with draft_support_size=8, a scheduler with the default: it exits with a message
-    naming the field, instead of running a group that disagrees."""
-    workers = _every_field_off_default(pair)
-    mine = workers.model_copy(update={"draft_support_size": 64})
-    with LocalStack(workers, worker=TWO_PROCESSES, workers_only=True) as stack:
-        result = subprocess.run(
-            [sys.executable, "-m", "minedraft", "scheduler", *engine_flags(mine), "--port", str(free_port()),
-             "--metrics-port", "0", "--verifier", stack.verifier_address, "--drafter", stack.drafter_address],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+def test_scheduler_refuses_workers_with_other_settings(every_field) -> None:
+    """Workers started with draft_support_size=8, a second scheduler with the default: it exits with a message
+    naming the field, instead of running a group that disagrees (it compares before it forms a world, so the
+    group's own scheduler serves on)."""
+    stack = every_field
+    mine = stack.config.model_copy(update={"draft_support_size": 64})
+    result = subprocess.run(
+        [sys.executable, "-m", "minedraft", "scheduler", *engine_flags(mine), "--port", str(free_port()),
+         "--metrics-port", "0", "--verifier", stack.verifier_address, "--drafter", stack.drafter_address],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "draft_support_size: 64 vs 8" in result.stderr and "Traceback" not in result.stderr
+    assert serving(stack.address)
 
 
 def test_offline_api_with_tensor_parallelism(pair, expected) -> None:
