@@ -136,7 +136,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_QUESTIONS = ["What should a beginner know about trees?", "What are some tips to reduce food waste?",
                      "How does DNA work?", "Write a short story about the wind.", "What is 185 plus 87?",
                      "Can you tell me about writing essays?"]  # fmt: skip
-SMOLLM2_TOKENS = 16  # greedy tokens per question: about ten windows of k = 4 each at the trained drafts' acceptance
+SMOLLM2_TOKENS = 16  # greedy tokens per question (ignore_eos)
 SMOLLM2_STRICT = {"batch_invariant": True, "max_model_len": 512, "max_num_seqs": 8}
 
 
