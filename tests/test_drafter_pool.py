@@ -17,7 +17,6 @@ Strict kernels throughout, so speculative and plain outputs are bit-identical.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -74,17 +73,19 @@ def plain(pair) -> dict[tuple[int, ...], list[int]]:
 
 @pytest.fixture(scope="module")
 def two_groups(pair, tmp_path_factory):
-    """Two groups drafting with one pool drafter in MineDraft mode, fixed k (the default) or adaptive: started when a
-    test first asks for it and shared by the tests after it; the migration test, which SIGKILLs a group, comes last."""
-    stacks: dict[bool, GatewayStack] = {}
+    """Two groups drafting with one pool drafter, by speculative config (_config's keys): each started when a test
+    first asks for it and shared by the tests after it; the migration test, which SIGKILLs a group, comes last."""
+    stacks: dict[str, GatewayStack] = {}
 
-    def get(adaptive: bool = False) -> GatewayStack:
-        if adaptive not in stacks:
-            stack = GatewayStack(_config(pair, adaptive=adaptive), 2, drafter_pool=1, worker=QUICK_STOP,
+    def get(**spec) -> GatewayStack:
+        config = _config(pair, **spec)
+        key = config.model_dump_json()
+        if key not in stacks:
+            stack = GatewayStack(config, 2, drafter_pool=1, worker=QUICK_STOP,
                                  log_dir=tmp_path_factory.mktemp("two-groups"))  # fmt: skip
             stack.start()
-            stacks[adaptive] = stack
-        return stacks[adaptive]
+            stacks[key] = stack
+        return stacks[key]
 
     yield get
     for stack in stacks.values():
@@ -130,20 +131,18 @@ def _wait_bound(address: str, timeout_s: float, unlike: str = "") -> tuple[str, 
     {"is_parallel": False},
     {"adaptive": True},
 ], ids=["sd", "minedraft-adaptive"])  # fixed MineDraft: the SIGKILL and migration tests below
-def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(pair, plain, spec, two_groups, tmp_path) -> None:
+def test_two_groups_sharing_one_pool_drafter_equal_plain_decoding(plain, spec, two_groups) -> None:
     prompts = _prompts(8)
-    adaptive = spec.get("adaptive", False)
-    with (contextlib.nullcontext(two_groups(adaptive=True)) if adaptive else
-          GatewayStack(_config(pair, **spec), 2, drafter_pool=1, worker=QUICK_STOP, log_dir=tmp_path)) as stack:
-        member = stack.pool.addresses[0]
-        assert [_bound(group.address) for group in stack.groups] == [member, member]
-        with ThreadPoolExecutor(2) as both:  # at once: the member steps the two groups side by side
-            runs = list(both.map(lambda group: _generate(group.address, prompts), stack.groups))
-        for outs in runs:
-            assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in prompts]
-            if not spec.get("adaptive"):  # adaptive speculation may choose plain steps for the toy pair
-                assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
-        assert _members(stack.groups[0].address, lambda m: m[0][2] == 2) == [(member, True, 2, 2)]
+    stack = two_groups(**spec)
+    member = stack.pool.addresses[0]
+    assert [_bound(group.address) for group in stack.groups] == [member, member]
+    with ThreadPoolExecutor(2) as both:  # at once: the member steps the two groups side by side
+        runs = list(both.map(lambda group: _generate(group.address, prompts), stack.groups))
+    for outs in runs:
+        assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in prompts]
+        if not spec.get("adaptive"):  # adaptive speculation may choose plain steps for the toy pair
+            assert sum(o.spec_decode_stats.num_accepted_tokens for o in outs) > 0
+    assert _members(stack.groups[0].address, lambda m: m[0][2] == 2) == [(member, True, 2, 2)]
 
 
 def test_a_pool_drafter_serves_a_group_with_two_verifier_ranks(pair, plain, tmp_path) -> None:
@@ -259,7 +258,7 @@ def test_seeded_sampled_streams_migrated_mid_window_keep_their_text(two_groups, 
     drafter serves on), its seeded streams resubmitted to the other group from the tokens streamed so far. Each
     re-enters at a verification's end, where its next window starts in the undisturbed run too: same texts."""
     prompts = _prompts(8)
-    stack = two_groups(adaptive)  # the last test of each: group 0 stays dead
+    stack = two_groups(adaptive=adaptive)  # the last test of each: group 0 stays dead
     undisturbed = _sampled(stack.address, prompts)
     assert _sampled(stack.address, prompts, strike=lambda: stack.kill_group(0)) == undisturbed
 
