@@ -15,6 +15,7 @@ More sampling options go by their SamplingParameters names (`presence_penalty`, 
 """
 
 from minedraft.client._aio import AsyncClient
+from minedraft.client._common import GenerateArguments
 from minedraft.client._sync import Client
 from minedraft.client.retry import RetryPolicy
 from minedraft.client.types import (
@@ -32,6 +33,7 @@ __all__ = [
     "Client",
     "Completion",
     "Delta",
+    "GenerateArguments",
     "MineDraftError",
     "RetryPolicy",
     "ServerInfo",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -14,81 +14,41 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import generate_pb2 as pb
 from minedraft.api import generate_pb2_grpc
-from minedraft.client._common import (
-    UNSET,
-    ChannelOptions,
-    Prompt,
-    ResumableStream,
-    Timeout,
-    Tls,
-    build_generate_request,
-    call_metadata,
-    channel_credentials,
-    channel_options,
-    completion_from_deltas,
-    incomplete_stream_error,
-    resolve_timeout,
-)
-from minedraft.client.retry import DEFAULT_RETRY_POLICY, Deadline, RetryPolicy, retry_delay
+from minedraft.client._common import UNSET, ClientBase, ResumableStream, completion_from_deltas
+from minedraft.client.retry import Deadline, retry_delay
 from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from minedraft.client._common import GenerateArguments, Prompt, Timeout
 
 _Resp = TypeVar("_Resp")
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """Asyncio client of a MineDraft server; the same arguments and results as `Client`.
 
     The grpc.aio channel is created on first use, in the running event loop, and is bound to that loop:
     use one AsyncClient per loop. `close()` is a coroutine.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: Tls = None,
-        token: str | None = None,
-        timeout: float | None = None,
-        retries: RetryPolicy | int | None = DEFAULT_RETRY_POLICY,
-        options: ChannelOptions | None = None,
-    ) -> None:
-        self._target = target
-        self._creds = channel_credentials(tls)  # validated now, so a bad `tls` fails at construction
-        self._options = channel_options(options)
-        self._metadata = call_metadata(token)
-        self._timeout = timeout
-        self._retry = RetryPolicy.coerce(retries)
+    def _connect(self) -> None:
         self._channel: grpc.aio.Channel | None = None
         self._stub: generate_pb2_grpc.MineDraftStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
 
-    async def generate(self, prompt: Prompt, **arguments: Any) -> Completion:
+    async def generate(
+        self, prompt: Prompt, *, timeout: Timeout = UNSET, **arguments: Unpack[GenerateArguments]
+    ) -> Completion:
         """Generate a completion: the concatenated deltas of `stream`, which takes the same arguments."""
-        return completion_from_deltas([d async for d in self.stream(prompt, **arguments)])
+        return completion_from_deltas([d async for d in self.stream(prompt, timeout=timeout, **arguments)])
 
     def stream(
-        self,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        request_id: str | None = None,
-        lora: str | None = None,
-        timeout: Timeout = UNSET,
-        **options: Any,
+        self, prompt: Prompt, *, timeout: Timeout = UNSET, **arguments: Unpack[GenerateArguments]
     ) -> AsyncIterator[Delta]:
         """Stream a completion as Deltas (`async for`); the RPC starts at the first step, closing early cancels it."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
-        )  # fmt: skip
-        return self._stream(request, resolve_timeout(timeout, self._timeout))
+        return self._stream(self._resumable(prompt, arguments), self._seconds(timeout))
 
     async def server_info(self, *, timeout: Timeout = UNSET) -> ServerInfo:
         reply = await self._unary(self._stubs()[0].GetServerInfo, pb.GetServerInfoRequest(), timeout)
@@ -125,7 +85,7 @@ class AsyncClient:
         return self._stub, self._health
 
     async def _unary(self, method: Callable[..., Awaitable[_Resp]], request: Any, timeout: Timeout) -> _Resp:
-        deadline = Deadline(resolve_timeout(timeout, self._timeout))
+        deadline = Deadline(self._seconds(timeout))
         for attempt in itertools.count(1):
             try:
                 return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
@@ -133,25 +93,22 @@ class AsyncClient:
                 await self._backoff_or_raise(err, attempt, deadline)
         raise AssertionError("unreachable")
 
-    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[Delta]:
-        deadline, stream, attempt = Deadline(timeout), ResumableStream(request, self._retry), 1
-        while True:
+    async def _stream(self, stream: ResumableStream, timeout: float | None) -> AsyncIterator[Delta]:
+        deadline, attempt = Deadline(timeout), 1
+        while not stream.finished:
             call, msg, attempt = await self._open_stream(stream.request(), deadline, attempt)
             try:
                 while msg is not None:
                     yield stream.take(msg)
                     msg = await _read(call)
             except grpc.RpcError as err:  # after the first message: resumed where that repeats no output
-                if not stream.may_resume():
-                    raise MineDraftError.from_rpc_error(err) from err
+                stream.check_resumable(err)
                 await self._backoff_or_raise(err, attempt, deadline)
                 attempt += 1
-                continue
+            else:
+                stream.check_finished()
             finally:
                 call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
-            if not stream.finished:
-                raise incomplete_stream_error()
-            return
 
     async def _open_stream(
         self, request: pb.GenerateRequest, deadline: Deadline, first: int

@@ -8,15 +8,15 @@ import json
 import operator
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypedDict, Union
 
 import grpc
 
 from minedraft.api import generate_pb2 as pb
 from minedraft.client.resume import resume_request
-from minedraft.client.retry import RetryPolicy
+from minedraft.client.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from minedraft.client.types import Completion, Delta, MineDraftError, SpecDecodeStats, TokenLogprob, Usage
 from minedraft.version import __version__
 
@@ -31,27 +31,51 @@ Prompt = Union[str, Sequence[int]]  # noqa: UP007
 Tls = Union[bool, None, grpc.ChannelCredentials, str, os.PathLike]  # noqa: UP007
 ChannelOptions = Sequence[tuple[str, Any]]
 
-# The documented server defaults of SamplingParameters. A value equal to its default is left unset so
-# the server applies its own default: the wire carries only what the caller chose to change.
-_SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
             "logprobs", "prompt_logprobs", "bad_words", "structured_outputs", "num_speculative_tokens",
             "prediction")  # fmt: skip
 
 
+class GenerateArguments(TypedDict, total=False):
+    """The keyword arguments of `generate` and `stream` (besides `timeout`); see `build_generate_request`."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    request_id: str | None
+    lora: str | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
+    min_p: float | None
+    min_tokens: int | None
+    logprobs: int | None
+    prompt_logprobs: int | None
+    bad_words: str | Sequence[str] | None
+    structured_outputs: Mapping[str, Any] | None
+    num_speculative_tokens: int | None
+    prediction: str | None
+
+
 def build_generate_request(
     prompt: Prompt,
     *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool,
-    request_id: str | None,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    request_id: str | None = None,
     lora: str | None = None,
     **options: Any,
 ) -> pb.GenerateRequest:
@@ -59,12 +83,17 @@ def build_generate_request(
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
     min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens, and
     prediction: the text the output is expected to be, OpenAI's Predicted Outputs); an unknown name is a
-    TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model)."""
+    TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model).
+
+    The defaults are the server's documented ones: a value equal to its default is left unset so the server
+    applies its own, and the wire carries only what the caller chose to change."""
     request = pb.GenerateRequest(request_id=request_id or "", lora_adapter=lora or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
-        if value != _SAMPLING_DEFAULTS[name]:
+    chosen = {"max_tokens": (max_tokens, 16), "temperature": (temperature, 1.0), "top_p": (top_p, 1.0),
+              "top_k": (top_k, -1)}  # fmt: skip
+    for name, (value, default) in chosen.items():
+        if value != default:
             setattr(sampling, name, value)
     if seed is not None:
         sampling.seed = seed
@@ -202,9 +231,16 @@ class ResumableStream:
             delta = dataclasses.replace(delta, usage=usage)
         return delta
 
-    def may_resume(self) -> bool:
-        """After a break: whether to submit the rest (the retry policy still decides when, and if at all)."""
-        return self.resumable and not self.finished
+    def check_resumable(self, err: grpc.RpcError) -> None:
+        """After a break: raise it unless the rest may be submitted (the retry policy still decides when, and
+        if at all)."""
+        if not self.resumable or self.finished:
+            raise MineDraftError.from_rpc_error(err) from err
+
+    def check_finished(self) -> None:
+        """After the server closed the stream with OK: raise if it never sent the final message."""
+        if not self.finished:
+            raise _incomplete_stream_error()
 
 
 def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
@@ -213,7 +249,7 @@ def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
     return copy
 
 
-def incomplete_stream_error() -> MineDraftError:
+def _incomplete_stream_error() -> MineDraftError:
     """The server closed the stream with OK but never sent the final message."""
     return MineDraftError(grpc.StatusCode.UNKNOWN, "Generate stream ended without a finish reason")
 
@@ -223,7 +259,7 @@ def completion_from_deltas(deltas: Iterable[Delta]) -> Completion:
     deltas = list(deltas)
     last = deltas[-1] if deltas else None
     if last is None or last.finish_reason is None or last.usage is None or last.spec_decode_stats is None:
-        raise incomplete_stream_error()
+        raise _incomplete_stream_error()
     return Completion(
         text="".join(d.text for d in deltas),
         token_ids=[t for d in deltas for t in d.token_ids],
@@ -259,5 +295,40 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
-    return default if timeout is UNSET else timeout
+class ClientBase:
+    """What `Client` and `AsyncClient` share: the connection settings and the building of a stream.
+
+    `tls`: None/False plaintext, True TLS with the system roots, a `grpc.ChannelCredentials`, or the path
+    of a PEM root certificate. `token` is sent as `authorization: Bearer <token>` on every call. `timeout`
+    is the default deadline of a call in seconds (None: none), covering all of its retries. `retries`: a
+    RetryPolicy, or the number of retries after the first attempt (0/None: none); UNAVAILABLE only.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: Tls = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        retries: RetryPolicy | int | None = DEFAULT_RETRY_POLICY,
+        options: ChannelOptions | None = None,
+    ) -> None:
+        self._target = target
+        self._creds = channel_credentials(tls)  # validated now, so a bad `tls` fails at construction
+        self._options = channel_options(options)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        self._retry = RetryPolicy.coerce(retries)
+        self._connect()
+
+    def _connect(self) -> None:
+        """Open the channel: at construction (blocking client) or on first use (asyncio: bound to its loop)."""
+        raise NotImplementedError
+
+    def _resumable(self, prompt: Prompt, arguments: GenerateArguments) -> ResumableStream:
+        return ResumableStream(build_generate_request(prompt, **arguments), self._retry)
+
+    def _seconds(self, timeout: Timeout) -> float | None:
+        """A call's deadline in seconds: its own, or the client's default."""
+        return self._timeout if timeout is UNSET else timeout

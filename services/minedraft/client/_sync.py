@@ -4,93 +4,51 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import generate_pb2 as pb
 from minedraft.api import generate_pb2_grpc
-from minedraft.client._common import (
-    UNSET,
-    ChannelOptions,
-    Prompt,
-    ResumableStream,
-    Timeout,
-    Tls,
-    build_generate_request,
-    call_metadata,
-    channel_credentials,
-    channel_options,
-    completion_from_deltas,
-    incomplete_stream_error,
-    resolve_timeout,
-)
-from minedraft.client.retry import DEFAULT_RETRY_POLICY, Deadline, RetryPolicy, retry_delay
+from minedraft.client._common import UNSET, ClientBase, ResumableStream, completion_from_deltas
+from minedraft.client.retry import Deadline, retry_delay
 from minedraft.client.types import Completion, Delta, MineDraftError, ServerInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from minedraft.client._common import GenerateArguments, Prompt, Timeout
 
 _Resp = TypeVar("_Resp")
 
 
-class Client:
-    """Blocking client of a MineDraft server. Thread-safe; one channel per client.
+class Client(ClientBase):
+    """Blocking client of a MineDraft server. Thread-safe; one channel per client. The arguments: `ClientBase`."""
 
-    `tls`: None/False plaintext, True TLS with the system roots, a `grpc.ChannelCredentials`, or the path
-    of a PEM root certificate. `token` is sent as `authorization: Bearer <token>` on every call. `timeout`
-    is the default deadline of a call in seconds (None: none), covering all of its retries. `retries`: a
-    RetryPolicy, or the number of retries after the first attempt (0/None: none); UNAVAILABLE only.
-    """
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: Tls = None,
-        token: str | None = None,
-        timeout: float | None = None,
-        retries: RetryPolicy | int | None = DEFAULT_RETRY_POLICY,
-        options: ChannelOptions | None = None,
-    ) -> None:
-        creds = channel_credentials(tls)
-        opts = channel_options(options)
+    def _connect(self) -> None:
+        opts = self._options
         self._channel = (
-            grpc.insecure_channel(target, opts) if creds is None else grpc.secure_channel(target, creds, opts)
+            grpc.insecure_channel(self._target, opts)
+            if self._creds is None
+            else grpc.secure_channel(self._target, self._creds, opts)
         )
         self._stub = generate_pb2_grpc.MineDraftStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = call_metadata(token)
-        self._timeout = timeout
-        self._retry = RetryPolicy.coerce(retries)
 
-    def generate(self, prompt: Prompt, **arguments: Any) -> Completion:
+    def generate(
+        self, prompt: Prompt, *, timeout: Timeout = UNSET, **arguments: Unpack[GenerateArguments]
+    ) -> Completion:
         """Generate a completion: the concatenated deltas of `stream`, which takes the same arguments."""
-        return completion_from_deltas(self.stream(prompt, **arguments))
+        return completion_from_deltas(self.stream(prompt, timeout=timeout, **arguments))
 
     def stream(
-        self,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        request_id: str | None = None,
-        lora: str | None = None,
-        timeout: Timeout = UNSET,
-        **options: Any,
+        self, prompt: Prompt, *, timeout: Timeout = UNSET, **arguments: Unpack[GenerateArguments]
     ) -> Iterator[Delta]:
         """Stream a completion as Deltas; the RPC starts at the first `next`, and stopping early cancels it."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id, lora=lora, **options,
-        )  # fmt: skip
-        return self._stream(request, resolve_timeout(timeout, self._timeout))
+        return self._stream(self._resumable(prompt, arguments), self._seconds(timeout))
 
     def server_info(self, *, timeout: Timeout = UNSET) -> ServerInfo:
         reply = self._unary(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
@@ -113,7 +71,7 @@ class Client:
         self.close()
 
     def _unary(self, method: Callable[..., _Resp], request: Any, timeout: Timeout) -> _Resp:
-        deadline = Deadline(resolve_timeout(timeout, self._timeout))
+        deadline = Deadline(self._seconds(timeout))
         for attempt in itertools.count(1):
             try:
                 return method(request, timeout=deadline.remaining(), metadata=self._metadata)
@@ -121,25 +79,22 @@ class Client:
                 self._backoff_or_raise(err, attempt, deadline)
         raise AssertionError("unreachable")
 
-    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Delta]:
-        deadline, stream, attempt = Deadline(timeout), ResumableStream(request, self._retry), 1
-        while True:
+    def _stream(self, stream: ResumableStream, timeout: float | None) -> Iterator[Delta]:
+        deadline, attempt = Deadline(timeout), 1
+        while not stream.finished:
             call, msg, attempt = self._open_stream(stream.request(), deadline, attempt)
             try:
                 while msg is not None:
                     yield stream.take(msg)
                     msg = next(call, None)
             except grpc.RpcError as err:  # after the first message: resumed where that repeats no output
-                if not stream.may_resume():
-                    raise MineDraftError.from_rpc_error(err) from err
+                stream.check_resumable(err)
                 self._backoff_or_raise(err, attempt, deadline)
                 attempt += 1
-                continue
+            else:
+                stream.check_finished()
             finally:
                 call.cancel()  # no-op once complete; stops the server's work if the caller stopped early
-            if not stream.finished:
-                raise incomplete_stream_error()
-            return
 
     def _open_stream(
         self, request: pb.GenerateRequest, deadline: Deadline, first: int

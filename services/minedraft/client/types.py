@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -179,25 +179,8 @@ class ServerInfo:
 
     @classmethod
     def from_proto(cls, msg: pb.ServerInfo) -> ServerInfo:
-        return cls(
-            version=msg.version,
-            target_model=msg.target_model,
-            draft_model=msg.draft_model,
-            mode=msg.mode,
-            speculative_config_json=msg.speculative_config_json,
-            tensor_parallel_size=msg.tensor_parallel_size,
-            max_num_seqs=msg.max_num_seqs,
-            max_model_len=msg.max_model_len,
-            max_waiting_requests=msg.max_waiting_requests,
-            vocab_size=msg.vocab_size,
-            num_kv_blocks=msg.num_kv_blocks,
-            kv_block_size=msg.kv_block_size,
-            max_num_batched_tokens=msg.max_num_batched_tokens,
-            draft_method=msg.draft_method,
-            enable_prefix_caching=msg.enable_prefix_caching,
-            quantization=msg.quantization,
-            draft_quantization=msg.draft_quantization,
-            speculation_json=msg.speculation_json,
-            lora_adapters=tuple(msg.lora_adapters),
-            drafter_pool=DrafterPoolInfo.from_proto(msg.drafter_pool) if msg.HasField("drafter_pool") else None,
-        )
+        """Field by field: the proto's ServerInfo and this class have the same fields by name."""
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        values["lora_adapters"] = tuple(msg.lora_adapters)
+        values["drafter_pool"] = DrafterPoolInfo.from_proto(msg.drafter_pool) if msg.HasField("drafter_pool") else None
+        return cls(**values)
