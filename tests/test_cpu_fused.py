@@ -32,8 +32,8 @@ def test_add_rms_norm_matches_add_then_norm(hidden: int, rows: int) -> None:
     assert torch.equal(stream, x + residual)  # one float32 add, as torch's
     torch.testing.assert_close(normed, weight * rms_normalize(x + residual, 1e-6), atol=1e-5, rtol=1e-5)
     assert torch.equal(residual, before)
-    torch.testing.assert_close(cpu_fused.rms_norm(x, weight, 1e-6), weight * rms_normalize(x, 1e-6), atol=1e-5,
-                               rtol=1e-5)  # fmt: skip
+    alone = cpu_fused.add_rms_norm(x, None, weight, 1e-6)[0]
+    torch.testing.assert_close(alone, weight * rms_normalize(x, 1e-6), atol=1e-5, rtol=1e-5)
 
 
 def test_add_rms_norm_reads_strided_rows() -> None:
@@ -103,7 +103,7 @@ def test_a_rows_result_is_the_same_alone_and_in_any_batch() -> None:
 
 def test_the_kernels_refuse_what_they_do_not_compute() -> None:
     with pytest.raises(ValueError, match="float32 CPU tensors, got torch.bfloat16"):
-        cpu_fused.rms_norm(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(64), 1e-6)
+        cpu_fused.add_rms_norm(torch.ones(2, 64, dtype=torch.bfloat16), None, torch.ones(64), 1e-6)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -14,7 +14,12 @@ Which of them a model runs, as its runner's settings choose: choice.py.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def triton_module(name: str, setting: str, kernel: str) -> ModuleType | None:
@@ -26,3 +31,15 @@ def triton_module(name: str, setting: str, kernel: str) -> ModuleType | None:
         if kernel == "triton":
             raise ValueError(f"{setting} triton needs the triton package: {exc}") from exc
         return None
+
+
+def rope_write_inputs(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor],
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Both rope_write_kv kernels' checked inputs: (qkv, cos, signed sin) as rows (`rows`: that kernel's own
+    layout check) and head_dim, from the caches, which must be contiguous."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_write_kv writes a contiguous KV pool")
+    qkv = rows(qkv)
+    cos, signed_sin = (rows(t) for t in rope)
+    return qkv, cos, signed_sin, k_cache.shape[-1]

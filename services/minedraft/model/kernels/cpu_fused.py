@@ -22,17 +22,12 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from minedraft.model.kernels import cpu_kernels
+from minedraft.model.kernels import cpu_kernels, rope_write_inputs
 
 
 def available() -> str | None:
     """None when the kernels load here, else why not."""
     return cpu_kernels.unavailable(_load)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim (layers.RMSNorm) in one call."""
-    return add_rms_norm(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -63,12 +58,8 @@ def rope_write_kv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], to
     """q normed (Qwen3) and rotated, returned [tokens, heads, head_dim]; k likewise and v written to the caches
     ([kv_heads, blocks, block_size, head_dim]) at `token_index` (KVCache.write's layout). As
     triton_fused.rope_write_kv."""
-    head_dim = k_cache.shape[-1]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_write_kv writes a contiguous KV pool")
-    qkv = _rows(qkv)
+    qkv, cos, signed_sin, head_dim = rope_write_inputs(qkv, rope, k_cache, v_cache, _rows)
     tokens = qkv.shape[0]
-    cos, signed_sin = (_rows(t) for t in rope)
     index = _contiguous(token_index.to(torch.int64))
     q = torch.empty(tokens, heads, head_dim)
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minedraft.model.kernels import rope_write_inputs
+
 _ELEMENTS_PER_PROGRAM = 1024  # silu_and_mul: a row of the MLP's intermediate size is cut into these
 
 
@@ -37,11 +39,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _warps(block: int) -> int:
     """Enough warps that a row of `block` elements takes a few registers per thread."""
     return max(1, min(16, block // 512))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim (layers.RMSNorm) in one kernel."""
-    return add_rms_norm(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -109,12 +106,8 @@ def rope_write_kv(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], to
     caches: [kv_heads, blocks, block_size, head_dim]; qk_norm: (q_norm weight, k_norm weight, eps) where the
     model norms q and k per head (Qwen3). Returns q [tokens, heads, head_dim], normed and rotated; k is
     normed, rotated and written with v at `token_index` (KVCache.write's layout)."""
-    head_dim = k_cache.shape[-1]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_write_kv writes a contiguous KV pool")
-    qkv = _rows(qkv)
+    qkv, cos, signed_sin, head_dim = rope_write_inputs(qkv, rope, k_cache, v_cache, _rows)
     tokens = qkv.shape[0]
-    cos, signed_sin = (_rows(t) for t in rope)
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # unread without a norm
     _rope_write_kv_kernel[(tokens, heads + 2 * kv_heads)](
