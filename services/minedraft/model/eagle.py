@@ -38,19 +38,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minedraft.model import layers
 from minedraft.model.attention import attend
 from minedraft.model.checkpoint import CheckpointError, CheckpointReader, find_weight_files
 from minedraft.model.config import ModelConfig
 from minedraft.model.gguf import is_gguf
-from minedraft.model.layers import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.transformer import MLP, DecoderLayer, ForwardContext, checkpoint_sources
 
@@ -83,18 +75,18 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 class Eagle3Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
-        self.head_dim, self.scale = config.head_dim, config.head_dim**-0.5
-        self.qkv_proj = QKVParallelLinear(2 * config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, False, tp, batch_invariant)  # fmt: skip
-        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, False, tp,
-                                        batch_invariant)  # fmt: skip
+        hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads,
+                                             config.num_key_value_heads, config.head_dim)  # fmt: skip
+        self.head_dim, self.scale = head_dim, head_dim**-0.5
+        self.qkv_proj = layers.QKVParallelLinear(2 * hidden, head_dim, heads, kv_heads, False, tp, batch_invariant)
+        self.o_proj = layers.RowParallelLinear(heads * head_dim, hidden, False, tp, batch_invariant)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         qk, v = self.qkv_proj(x).view(tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], dim=1)
         assert ctx.rope is not None
-        q, k = RotaryEmbedding.rotate(qk, ctx.rope).split([heads, kv_heads], dim=1)
+        q, k = layers.RotaryEmbedding.rotate(qk, ctx.rope).split([heads, kv_heads], dim=1)
         ctx.kv_cache.write(0, ctx.token_index, k, v)
         out = attend(q, ctx.kv_cache.k[0], ctx.kv_cache.v[0], ctx.attention, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
@@ -103,10 +95,10 @@ class Eagle3Attention(nn.Module):
 class Eagle3Layer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, batch_invariant: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # on the token embeddings
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # on the hidden input
+        self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps)  # on the token embeddings
+        self.hidden_norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps)  # on the hidden input
         self.self_attn = Eagle3Attention(config, tp, batch_invariant)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp, batch_invariant)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -128,24 +120,24 @@ class EagleHead(nn.Module):
             raise ValueError(f"unknown EAGLE head kind {kind!r}: use {EAGLE} or {EAGLE3}")
         hidden = config.hidden_size
         self.kind, self.vocab_size = kind, config.vocab_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, batch_invariant)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+        self.embed_tokens = layers.VocabParallelEmbedding(config.vocab_size, hidden, tp, batch_invariant)
+        self.rotary = layers.RotaryEmbedding(config.head_dim, config.rope, max_positions)
         # P-EAGLE: the target states a masked position stands on (the checkpoint's `mask_hidden`), if any.
         self.mask_hidden: torch.Tensor | None = None
         if kind == EAGLE3:
-            self.fc = ColumnParallelLinear(3 * hidden, hidden, False, tp, batch_invariant)
+            self.fc = layers.ColumnParallelLinear(3 * hidden, hidden, False, tp, batch_invariant)
             self.midlayer = Eagle3Layer(config, tp, batch_invariant)
-            self.norm = RMSNorm(hidden, config.rms_norm_eps)
-            self.lm_head = ParallelLMHead(config.draft_vocab_size, hidden, tp, batch_invariant)
+            self.norm = layers.RMSNorm(hidden, config.rms_norm_eps)
+            self.lm_head = layers.ParallelLMHead(config.draft_vocab_size, hidden, tp, batch_invariant)
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
             return
-        para_norm = lambda: RMSNorm(hidden, config.rms_norm_eps) if config.add_para_norm else None  # noqa: E731
+        para_norm = lambda: layers.RMSNorm(hidden, config.rms_norm_eps) if config.add_para_norm else None  # noqa: E731
         self.embedding_layernorm, self.hidden_states_layernorm = para_norm(), para_norm()
-        self.fc = ColumnParallelLinear(2 * hidden, hidden, fc_bias, tp, batch_invariant)
+        self.fc = layers.ColumnParallelLinear(2 * hidden, hidden, fc_bias, tp, batch_invariant)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, batch_invariant)
                                     for i in range(config.num_hidden_layers))  # fmt: skip
         self.layers[0].input_layernorm = nn.Identity()  # fc's output enters the first layer as it is
-        self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, batch_invariant)
+        self.lm_head = layers.ParallelLMHead(config.vocab_size, hidden, tp, batch_invariant)
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's features [tokens, width] -> the head's hidden input [tokens, hidden]: EAGLE-3 fuses
@@ -222,7 +214,7 @@ class EagleHead(nn.Module):
                                   f"vocab_size {self.vocab_size} but the checkpoint has no d2t map")  # fmt: skip
 
 
-def _maybe(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+def _maybe(norm: layers.RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
