@@ -72,29 +72,9 @@ def structured_to_proto(structured: StructuredOutputs | None) -> generate_pb2.St
 
 
 def sampling_to_proto(params: SamplingParams) -> generate_pb2.SamplingParameters:
-    return generate_pb2.SamplingParameters(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        max_tokens=params.max_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logit_bias=params.logit_bias,
-        min_p=params.min_p,
-        min_tokens=params.min_tokens,
-        logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
-        bad_words=params.bad_words,
-        resumed_tokens=params.resumed_tokens,
-        num_speculative_tokens=params.num_speculative_tokens,
-        structured_outputs=structured_to_proto(params.structured_outputs),
-        prediction=params.prediction,
-    )
+    """Field by field: the proto's SamplingParameters and SamplingParams have the same fields by name."""
+    plain = {name: getattr(params, name) for name in SamplingParams.model_fields if name != "structured_outputs"}
+    return generate_pb2.SamplingParameters(**plain, structured_outputs=structured_to_proto(params.structured_outputs))
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[generate_pb2.TokenLogprob]:
