@@ -135,11 +135,11 @@ def _eagle1_head_favouring(path, tokens: list[int]):
     return head
 
 
-def _sample(config: EngineConfig, params_kwargs: dict) -> tuple[Counter, int, int]:
+def _sample(config: EngineConfig, params_kwargs: dict, num_samples: int = NUM_SAMPLES) -> tuple[Counter, int, int]:
     """The sampled outputs' counts, and the draft tokens proposed and accepted on the way."""
     engine = LLMEngine.local(config)
     try:
-        requests = [engine.add_request(PROMPT, SamplingParams(**params_kwargs, seed=i)) for i in range(NUM_SAMPLES)]
+        requests = [engine.add_request(PROMPT, SamplingParams(**params_kwargs, seed=i)) for i in range(num_samples)]
         while engine.has_unfinished():
             engine.step()
         drafted, accepted = sum(r.stats.num_draft_tokens for r in requests), sum(r.stats.num_accepted_tokens
