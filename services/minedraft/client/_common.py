@@ -31,6 +31,9 @@ Prompt = Union[str, Sequence[int]]  # noqa: UP007
 Tls = Union[bool, None, grpc.ChannelCredentials, str, os.PathLike]  # noqa: UP007
 ChannelOptions = Sequence[tuple[str, Any]]
 
+# The documented server defaults of SamplingParameters. A value equal to its default is left unset so
+# the server applies its own default: the wire carries only what the caller chose to change.
+_SAMPLING_DEFAULTS: dict[str, object] = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 # Options beyond the call's named arguments, set only when given (None: the server's default).
 _OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
             "logprobs", "prompt_logprobs", "bad_words", "structured_outputs", "num_speculative_tokens",
@@ -83,17 +86,13 @@ def build_generate_request(
     SamplingParameters fields by name (presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
     min_p, min_tokens, logprobs, prompt_logprobs, bad_words, structured_outputs, num_speculative_tokens, and
     prediction: the text the output is expected to be, OpenAI's Predicted Outputs); an unknown name is a
-    TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model).
-
-    The defaults are the server's documented ones: a value equal to its default is left unset so the server
-    applies its own, and the wire carries only what the caller chose to change."""
+    TypeError. `lora`: the LoRA adapter to run through, by name (None: the base model). The defaults are the
+    server's (_SAMPLING_DEFAULTS)."""
     request = pb.GenerateRequest(request_id=request_id or "", lora_adapter=lora or "")
     _set_prompt(request, prompt)
     sampling = request.sampling
-    chosen = {"max_tokens": (max_tokens, 16), "temperature": (temperature, 1.0), "top_p": (top_p, 1.0),
-              "top_k": (top_k, -1)}  # fmt: skip
-    for name, (value, default) in chosen.items():
-        if value != default:
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value != _SAMPLING_DEFAULTS[name]:
             setattr(sampling, name, value)
     if seed is not None:
         sampling.seed = seed
