@@ -11,6 +11,7 @@ from scipy import stats
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.sampler import (
     SparseProbs,
+    _ascending_candidates,
     draft_sample,
     processed_probs,
     row_argmax,
@@ -80,6 +81,25 @@ def test_top_p_applies_after_temperature_and_top_k() -> None:
     assert probs_of(LOGITS_1234, 1.0, top_k=2, top_p=0.55) == pytest.approx([0, 0, 0, 1])
     # At T = 0.5 p = [1, 4, 9, 16] / 30: 16/30 < 0.6 <= 25/30.
     assert probs_of(LOGITS_1234, 0.5, top_p=0.6) == pytest.approx([0, 0, 9 / 25, 16 / 25])
+
+
+@pytest.mark.parametrize("rounding", [None, 0], ids=["distinct", "ties"])
+def test_a_narrow_top_k_sorts_only_its_candidates_and_keeps_what_a_full_sort_keeps(rounding) -> None:
+    """Top-k far below the vocabulary sorts only the largest logits; a row with top-p alone sorts them all.
+    Each row is processed on its own, so a row's result must not depend on which way its batch went. Rounded
+    logits tie at the k-th value beyond the candidates: then the whole vocabulary is sorted."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 4096) * 3
+    logits = logits.round(decimals=rounding) if rounding is not None else logits
+    narrow = [SamplingParams(0.9, top_k=k, top_p=p) for k, p in [(1, 1), (5, 1), (20, 0.9), (40, 0.5), (7, 0.8)]]
+    top_k = torch.tensor([p.top_k for p in narrow])
+    assert (_ascending_candidates(logits[:5], top_k).shape[-1] == 41) == (rounding is None)
+    alone = processed_probs(logits[:5], narrow)
+    beside_a_full_sort = processed_probs(logits, [*narrow, SamplingParams(0.9, top_p=0.7)])[:5]
+    assert torch.equal(alone > 0, beside_a_full_sort > 0)
+    torch.testing.assert_close(alone, beside_a_full_sort)
+    for row, k in [(0, 1), (1, 5)]:  # top-k alone keeps the k largest and every tie of the k-th
+        assert int((alone[row] > 0).sum()) == int((logits[row] >= logits[row].topk(k).values[-1]).sum())
 
 
 def test_matches_huggingface_warpers() -> None:

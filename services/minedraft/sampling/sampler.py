@@ -52,18 +52,32 @@ def _filter(logits: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> Tens
     float64 (1 turns it off)."""
     probs = logits.softmax(dim=-1)
     logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    vocab = logits.shape[-1]
-    ordered = logits.sort(dim=-1).values  # ascending, as in HF/vLLM
+    ordered = _ascending_candidates(logits, top_k)
+    width = ordered.shape[-1]
     # Top-k: the k-th largest logit is the threshold; ties with it survive.
-    kth = ordered.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
+    kth = ordered.gather(1, (width - top_k.clamp(1, width))[:, None])
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
     # Top-p: drop the longest run of smallest tokens whose mass is <= 1 - top_p (what remains has mass
     # >= top_p). Summing from the small end keeps the tail's mass accurate, so top_p = 1 drops nothing
     # with non-zero probability; the sum is monotone, so the dropped positions form a prefix.
     mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-    dropped = (mass <= (1.0 - top_p).float()[:, None]).sum(dim=1).clamp_(max=vocab - 1)  # keep the largest
+    dropped = (mass <= (1.0 - top_p).float()[:, None]).sum(dim=1).clamp_(max=width - 1)  # keep the largest
     threshold = ordered.gather(1, dropped[:, None])
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _ascending_candidates(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Each row's logits in ascending order (as HF/vLLM sort them): all of them, or, where every row has a
+    top-k far below the vocabulary, only the largest few, which hold every token top-k keeps: a partial
+    top-k is one pass over a row, where a full sort of a large vocabulary costs many."""
+    vocab = logits.shape[-1]
+    width = int(top_k.max()) + 1  # one past the widest k: shows whether ties of a k-th value reach further
+    if width * 8 <= vocab:
+        largest = logits.topk(width, dim=-1).values  # descending
+        kth = largest.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+        if bool((largest[:, -1:] < kth).all()):  # no tie of a k-th value left outside
+            return largest.flip(-1)
+    return logits.sort(dim=-1).values
 
 
 def _uses_filter(params: SamplingParams) -> bool:
