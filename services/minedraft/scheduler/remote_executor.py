@@ -23,21 +23,16 @@ from minedraft.pool import check_poolable
 from minedraft.pool.binding import DrafterPool
 from minedraft.scheduler.step_deadline import StepDeadline
 from minedraft.service.grpc_server import grpc_options
-from minedraft.service.health import is_serving
+from minedraft.service.health import is_serving, probe
 from minedraft.settings import SchedulerSettings
 from minedraft.wire import lora_adapter_to_proto, plan_to_proto, result_from_replies
-
-# A worker that died comes back within seconds (restarted by `up` or the kubelet): reconnect at least once a
-# second, where gRPC's default backoff grows to two minutes over a long outage (a drafter down for two minutes
-# was then seen serving again only a minute after its restart).
-_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class WorkerClient:
     def __init__(self, address: str, role: str) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.insecure_channel(address, options=grpc_options() + _RECONNECT)
+        self.channel = grpc.insecure_channel(address, options=grpc_options())
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
     def serving(self) -> bool:
@@ -208,12 +203,14 @@ class RemoteExecutor(QueuedChanges):
         ]  # fmt: skip
 
     def wait_until_serving(self, timeout_s: float) -> None:
+        """Probed on channels of their own: each worker's kept channel first connects once it serves, rather than
+        waiting out the backoff of the connections refused while it started."""
         deadline = time.monotonic() + timeout_s
         for worker in self.workers:
-            while not worker.serving():
+            while not probe(worker.address):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{worker.role} at {worker.address} is not SERVING after {timeout_s:.0f}s")
-                time.sleep(0.2)
+                time.sleep(0.1)
 
     def check_config(
         self, config: EngineConfig, workers: list[WorkerClient] | None = None

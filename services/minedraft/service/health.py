@@ -17,6 +17,13 @@ def is_serving(channel: grpc.Channel, timeout_s: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def probe(address: str, credentials: grpc.ChannelCredentials | None = None, timeout_s: float = 1.0) -> bool:
+    """`is_serving` on a channel of its own: a launcher waiting for a service it just started asks again and
+    again, and a kept channel would wait out its reconnect backoff after each refused connection."""
+    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as channel:
+        return is_serving(channel, timeout_s)
+
+
 def set_status(health_servicer, service_name: str, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):

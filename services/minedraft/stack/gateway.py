@@ -113,10 +113,13 @@ class GatewayStack:
 
     def start(self) -> None:
         try:
-            self.pool.start()
+            self.pool.start()  # first: a group binds to a pool drafter that serves when the group starts
+            for group in self.groups:  # the groups and the gateway start side by side
+                group.launch()
+            self._launch_gateway()
             for group in self.groups:
-                group.start()
-            self.start_gateway()
+                group.wait_serving()
+            self._wait_gateway()
         except BaseException:
             self.stop()
             raise
@@ -124,6 +127,9 @@ class GatewayStack:
     def start_gateway(self) -> None:
         """Start the gateway (again, after it died) and wait until it reports SERVING."""
         self._launch_gateway()
+        self._wait_gateway()
+
+    def _wait_gateway(self) -> None:
         _wait_serving(self.address, self.gateway, self._startup_timeout_s, self.settings.tls_cert)
 
     def _launch_gateway(self) -> subprocess.Popen:
@@ -292,14 +298,13 @@ def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls
                   what: str = "gateway") -> None:  # fmt: skip
     import grpc
 
-    from minedraft.service.health import is_serving
+    from minedraft.service.health import probe
 
     deadline = time.monotonic() + timeout_s
     credentials = grpc.ssl_channel_credentials(Path(tls_cert).read_bytes()) if tls_cert else None
-    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as channel:
-        while not is_serving(channel, timeout_s=1):
-            if process.poll() is not None:
-                raise RuntimeError(f"the {what} exited with code {process.returncode} during start-up")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {what} did not become SERVING within {timeout_s:.0f}s")
-            time.sleep(0.25)
+    while not probe(address, credentials):
+        if process.poll() is not None:
+            raise RuntimeError(f"the {what} exited with code {process.returncode} during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {what} did not become SERVING within {timeout_s:.0f}s")
+        time.sleep(0.1)

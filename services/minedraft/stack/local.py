@@ -20,7 +20,7 @@ import grpc
 
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.service.health import is_serving
+from minedraft.service.health import probe
 from minedraft.service.lifetime import supervised_child
 from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, StartupError, WorkerSettings, settings_flags
 
@@ -207,9 +207,14 @@ class LocalStack:
             raise
 
     def _start(self) -> None:
+        self.launch()
+        self.wait_serving()
+
+    def launch(self) -> None:
+        """Start every service without waiting for it (`wait_serving` waits): a gateway stack starts its groups
+        side by side."""
         for name, args in self._commands:
             self._processes.append((name, self._launch(name, args)))
-        self._wait_serving()
 
     def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
         options = supervised_child()
@@ -236,17 +241,18 @@ class LocalStack:
         """API keys through the environment: a command line is visible to every local user."""
         return {**env, API_KEYS_ENV: ",".join(self._api_keys)} if self._api_keys else env
 
-    def _wait_serving(self) -> None:
+    def wait_serving(self) -> None:
+        """Wait until the scheduler (with `workers_only`, each worker) reports SERVING; a service that exits
+        first is a StartupError naming it, a start that takes longer than the start-up timeout a TimeoutError."""
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
-            with self._channel(address) as channel:
-                while not is_serving(channel, timeout_s=1):
-                    for name, process in self._processes:
-                        if process.poll() is not None:
-                            raise StartupError(self._exit_message(name, process.returncode))
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
-                    time.sleep(0.25)
+            while not probe(address, self._credentials(address)):
+                for name, process in self._processes:
+                    if process.poll() is not None:
+                        raise StartupError(self._exit_message(name, process.returncode))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the stack did not become SERVING within {self.startup_timeout_s:.0f}s")
+                time.sleep(0.1)
 
     def _exit_message(self, name: str, code: int) -> str:
         """Why a service died at start-up: its log's last lines, or (logging to our stderr) a pointer there."""
@@ -257,11 +263,9 @@ class LocalStack:
         tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
         return f"{message}; the end of {log}:\n" + "\n".join(tail)
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _credentials(self, address: str) -> grpc.ChannelCredentials | None:
         cert = self.scheduler.tls_cert
-        if cert and address == self.address:
-            return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(cert).read_bytes()))
-        return grpc.insecure_channel(address)
+        return grpc.ssl_channel_credentials(Path(cert).read_bytes()) if cert and address == self.address else None
 
     def process(self, name: str) -> subprocess.Popen:
         """The running process of one service: verifier, drafter or scheduler."""
