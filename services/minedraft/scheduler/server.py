@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -21,8 +22,6 @@ from minedraft.frontends.chat import ChatTemplate
 from minedraft.frontends.generate import Generator, Limits
 from minedraft.frontends.grpc_api import MineDraftServicer
 from minedraft.frontends.grpc_server import start_public_server
-from minedraft.frontends.http_server import HttpServer, start_http, stop_http
-from minedraft.frontends.openai_api import OpenAIFrontend
 from minedraft.metrics import Metrics
 from minedraft.model.tokenizer import Tokenizer, load_tokenizer
 from minedraft.scheduler.loop import EngineLoop
@@ -31,6 +30,9 @@ from minedraft.scheduler.remote_executor import start_remote_engine
 from minedraft.service.grpc_server import PUBLIC_SERVICE
 from minedraft.service.health import set_public_status
 from minedraft.settings import SchedulerSettings, served_model_name
+
+if TYPE_CHECKING:
+    from minedraft.frontends.http_server import HttpServer
 
 log = logging.getLogger("minedraft.scheduler")
 
@@ -106,7 +108,8 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
         engine = await asyncio.to_thread(build_engine, config, tokenizer, verifier, drafter, settings,
                                        drafter_pool)  # fmt: skip
     except BaseException:
-        await stop_http(http)
+        if http is not None:
+            await http.stop()
         await server.stop(grace=None)
         raise
     event_loop = asyncio.get_running_loop()
@@ -127,7 +130,8 @@ async def serve_scheduler(config: EngineConfig, api: PublicApi, *, verifier: str
     if http is not None:
         http.stop_accepting()
     await server.stop(grace=5)
-    await stop_http(http)
+    if http is not None:
+        await http.stop()
     engine.executor.close()
 
 
@@ -144,6 +148,10 @@ def _capacity(engine: LLMEngine) -> str:
 async def _start_openai(
     api: PublicApi, config: EngineConfig, generator: Generator, state: _Serving, metrics: Metrics, model_name: str
 ) -> HttpServer:
+    # Imported here: a scheduler without --http-port starts without FastAPI and uvicorn.
+    from minedraft.frontends.http_server import start_http
+    from minedraft.frontends.openai_api import OpenAIFrontend
+
     frontend = OpenAIFrontend(
         generator,
         served_model_name=model_name,
