@@ -67,9 +67,8 @@ class WorldKeeper:
         try:
             world.form_world(self.engine.config, with_drafter, timeout_s=self.recovery.join_timeout_s)
         except Exception as exc:
-            if not (with_drafter and world.pool is not None) or not self._form_without_drafter(exc):
-                log.warning("could not form a world: %s", exc)
-                return False
+            log.warning("could not form a world: %s", exc)
+            return False
         self.gate.world_formed(world.has_drafter)
         self.engine.restart(speculate=world.has_drafter, may_run=self.gate.may_run)
         if self.metrics and world.pool is not None:
@@ -78,18 +77,6 @@ class WorldKeeper:
         log.info("world formed (epoch %d), %s; %d requests re-admitted", world.epoch, mode,
                  len(self.engine.requests))
         self._on_formed(mode)
-        return True
-
-    def _form_without_drafter(self, cause: BaseException) -> bool:
-        """A pool drafter that could not take the group (it filled up, or died since it was chosen): the group
-        decodes target-only meanwhile rather than wait."""
-        log.warning("the pool drafter at %s could not take this group (%s): target-only until one can",
-                    self.world.drafter.address if self.world.drafter else "?", cause)  # fmt: skip
-        try:
-            self.world.form_world(self.engine.config, False, timeout_s=self.recovery.join_timeout_s)
-        except Exception as exc:
-            log.warning("could not form a world without the drafter either: %s", exc)
-            return False
         return True
 
     def _may_form_world(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import secrets
 import socket
@@ -26,6 +27,8 @@ from minedraft.service.grpc_server import grpc_options
 from minedraft.service.health import is_serving, probe
 from minedraft.settings import SchedulerSettings
 from minedraft.wire import lora_adapter_to_proto, plan_to_proto, result_from_replies
+
+log = logging.getLogger("minedraft.scheduler")
 
 
 class WorkerClient:
@@ -153,7 +156,19 @@ class RemoteExecutor(QueuedChanges):
     ) -> dict[str, worker_pb2.WorkerInfo]:
         """Form a new world of the verifier (and the drafter): every member drops its request state. Returns
         each member's info by role and sets `kv_pool` to what all of them hold. Raises if a member does not
-        run `config`, their pool cannot hold one request, or a member does not join in time."""
+        run `config`, their pool cannot hold one request, or a member does not join in time. A pool drafter
+        that cannot take this group (it filled up, as when groups start together, or died since it was chosen)
+        leaves the group target-only meanwhile, rather than waiting or failing."""
+        try:
+            return self._form(config, with_drafter, timeout_s)
+        except Exception as exc:
+            if not (with_drafter and self.pool is not None and self.drafter is not None):
+                raise
+            log.warning("the pool drafter at %s could not take this group (%s): target-only until one can",
+                        self.drafter.address, exc)  # fmt: skip
+            return self._form(config, False, timeout_s)
+
+    def _form(self, config: EngineConfig, with_drafter: bool, timeout_s: float) -> dict[str, worker_pb2.WorkerInfo]:
         members = [self.verifier] + ([self.drafter] if with_drafter and self.drafter else [])
         self.members = []
         self._close_streams()  # the steps in flight belong to the old world
