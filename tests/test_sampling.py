@@ -11,7 +11,7 @@ from scipy import stats
 from minedraft.sampling.params import SamplingParams
 from minedraft.sampling.sampler import (
     SparseProbs,
-    _ascending_candidates,
+    _threshold_among_candidates,
     draft_sample,
     processed_probs,
     row_argmax,
@@ -83,23 +83,39 @@ def test_top_p_applies_after_temperature_and_top_k() -> None:
     assert probs_of(LOGITS_1234, 0.5, top_p=0.6) == pytest.approx([0, 0, 9 / 25, 16 / 25])
 
 
-@pytest.mark.parametrize("rounding", [None, 0], ids=["distinct", "ties"])
-def test_a_narrow_top_k_sorts_only_its_candidates_and_keeps_what_a_full_sort_keeps(rounding) -> None:
-    """Top-k far below the vocabulary sorts only the largest logits; a row with top-p alone sorts them all.
-    Each row is processed on its own, so a row's result must not depend on which way its batch went. Rounded
-    logits tie at the k-th value beyond the candidates: then the whole vocabulary is sorted."""
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_a_narrow_cut_sorts_only_its_candidates_and_keeps_what_a_full_sort_keeps(ties: bool) -> None:
+    """A top-k far below the vocabulary, or a top-p whose mass the largest logits reach, sorts only those; a
+    row with a wide top-k sorts them all. Each row is processed on its own, so a row's result must not depend
+    on which way its batch went. Logits of three values tie at the k-th value far beyond the candidates: then
+    the whole vocabulary is sorted."""
     torch.manual_seed(0)
-    logits = torch.randn(6, 4096) * 3
-    logits = logits.round(decimals=rounding) if rounding is not None else logits
-    narrow = [SamplingParams(0.9, top_k=k, top_p=p) for k, p in [(1, 1), (5, 1), (20, 0.9), (40, 0.5), (7, 0.8)]]
-    top_k = torch.tensor([p.top_k for p in narrow])
-    assert (_ascending_candidates(logits[:5], top_k).shape[-1] == 41) == (rounding is None)
-    alone = processed_probs(logits[:5], narrow)
-    beside_a_full_sort = processed_probs(logits, [*narrow, SamplingParams(0.9, top_p=0.7)])[:5]
+    logits = (torch.randn(7, 4096) * 0.3).round() if ties else torch.randn(7, 4096) * 4
+    narrow = [SamplingParams(0.9, top_k=k, top_p=p) for k, p in [(1, 1), (5, 1), (20, 0.9), (40, 0.5), (7, 0.8),
+                                                                   (-1, 0.9), (-1, 0.5)]]  # fmt: skip
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 4096 for p in narrow])
+    top_p = torch.tensor([p.top_p for p in narrow], dtype=torch.float64)
+    _, found = _threshold_among_candidates(logits / 0.9, top_k, top_p)
+    assert found.tolist() == [not ties] * 7
+    alone = processed_probs(logits, narrow)
+    wide = SamplingParams(0.9, top_k=3000)
+    beside_a_full_sort = processed_probs(torch.cat([logits, logits[:1]]), [*narrow, wide])[:7]
     assert torch.equal(alone > 0, beside_a_full_sort > 0)
     torch.testing.assert_close(alone, beside_a_full_sort)
     for row, k in [(0, 1), (1, 5)]:  # top-k alone keeps the k largest and every tie of the k-th
         assert int((alone[row] > 0).sum()) == int((logits[row] >= logits[row].topk(k).values[-1]).sum())
+
+
+def test_top_p_over_a_large_vocabulary_matches_huggingface() -> None:
+    """Top-p alone, its cut among the largest logits (the candidates) or beyond them (a full sort)."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    torch.manual_seed(1)
+    for scale, top_p in [(4.0, 0.9), (4.0, 0.3), (0.5, 0.95)]:  # 0.5: a flat row, whose cut lies far out
+        logits = torch.randn(4, 4096) * scale
+        expected = warpers.TopPLogitsWarper(top_p)(None, logits / 0.8).softmax(-1)
+        ours = target_probs(logits, SamplingParams(0.8, top_p))
+        torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+        assert torch.equal(ours > 0, expected > 0)
 
 
 def test_matches_huggingface_warpers() -> None:

@@ -11,6 +11,8 @@ probabilities whose mass reaches ``top_p`` (at least one token).
 Ties: every token whose logit equals the last kept one is kept, for top-k (as vLLM and HF do) and for
 top-p (where vLLM and HF cut inside a run of equal values by sort position). So the result never
 depends on how a sort (CPU or CUDA, stable or not) orders equal values.
+Only a row's largest logits are sorted where its cut lies among them (a top-k far below the vocabulary, a
+top-p whose mass they reach): the rest of the row drops whole, and the kept set is what a full sort keeps.
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ def _filter(logits: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> Tens
     float64 (1 turns it off)."""
     probs = logits.softmax(dim=-1)
     logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    ordered = _ascending_candidates(logits, top_k)
+    threshold, found = _threshold_among_candidates(logits, top_k, top_p)
+    rest = (~found).nonzero().squeeze(1)
+    if len(rest):  # the rows whose cut may lie beyond their candidates: every logit sorted, as in HF/vLLM
+        threshold[rest] = _threshold(logits[rest].sort(dim=-1).values, top_k[rest], top_p[rest])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _threshold(ordered: Tensor, top_k: Tensor, top_p: Tensor, outside: Tensor | None = None) -> Tensor:
+    """Each row's smallest kept logit [r, 1], from its logits in ascending order: all of them, or only its
+    largest, with `outside` the probability of the rest (0 where top-k drops them all), which top-p drops."""
     width = ordered.shape[-1]
     # Top-k: the k-th largest logit is the threshold; ties with it survive.
     kth = ordered.gather(1, (width - top_k.clamp(1, width))[:, None])
@@ -60,24 +71,41 @@ def _filter(logits: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> Tens
     # Top-p: drop the longest run of smallest tokens whose mass is <= 1 - top_p (what remains has mass
     # >= top_p). Summing from the small end keeps the tail's mass accurate, so top_p = 1 drops nothing
     # with non-zero probability; the sum is monotone, so the dropped positions form a prefix.
-    mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+    if outside is None:
+        mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+    else:
+        total = torch.where(outside > 0, ordered.logsumexp(dim=-1) - torch.log1p(-outside), ordered.logsumexp(dim=-1))
+        mass = outside[:, None] + (ordered - total[:, None]).exp().cumsum(dim=-1)
     dropped = (mass <= (1.0 - top_p).float()[:, None]).sum(dim=1).clamp_(max=width - 1)  # keep the largest
-    threshold = ordered.gather(1, dropped[:, None])
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    return ordered.gather(1, dropped[:, None])
 
 
-def _ascending_candidates(logits: Tensor, top_k: Tensor) -> Tensor:
-    """Each row's logits in ascending order (as HF/vLLM sort them): all of them, or, where every row has a
-    top-k far below the vocabulary, only the largest few, which hold every token top-k keeps: a partial
-    top-k is one pass over a row, where a full sort of a large vocabulary costs many."""
-    vocab = logits.shape[-1]
-    width = int(top_k.max()) + 1  # one past the widest k: shows whether ties of a k-th value reach further
-    if width * 8 <= vocab:
-        largest = logits.topk(width, dim=-1).values  # descending
-        kth = largest.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
-        if bool((largest[:, -1:] < kth).all()):  # no tie of a k-th value left outside
-            return largest.flip(-1)
-    return logits.sort(dim=-1).values
+# How many of a row's largest logits a top-p without a top-k starts from: its cut mostly falls among them.
+_TOP_P_CANDIDATES = 128
+
+
+def _threshold_among_candidates(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """`_threshold` [r, 1] from each row's largest logits only (a partial top-k is one pass over a row, where a
+    full sort of a large vocabulary costs many), and [r] whether it holds: not where a row's cut could fall
+    outside them (a top-k whose k-th value has ties further out, a top-p whose mass they do not reach, a wide
+    top-k), nor where the vocabulary is too small for the candidates to pay."""
+    vocab, rows = logits.shape[-1], logits.shape[0]
+    narrow = top_k < vocab // 8
+    width = max(int(top_k[narrow].max()) + 1 if bool(narrow.any()) else 0,  # + 1 shows where ties reach
+                _TOP_P_CANDIDATES if not bool(narrow.all()) else 0)  # fmt: skip
+    if width * 8 > vocab:
+        return logits.new_empty(rows, 1), torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    largest = logits.topk(width, dim=-1).values  # descending
+    kth = largest.gather(1, (top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+    full = logits.logsumexp(dim=-1)
+    outside = torch.where(narrow, 0.0, (1.0 - (largest - full[:, None]).exp().sum(dim=-1)).clamp(min=0.0))
+    found = torch.where(
+        narrow,
+        largest[:, -1] < kth,  # no tie of the k-th value left outside
+        # no top-k, and the rest's mass small enough (with room for rounding) for top-p to drop it whole
+        (top_k >= vocab) & (outside.double() + 1e-5 < 1.0 - top_p),
+    )
+    return _threshold(largest.flip(-1), top_k, top_p, outside), found
 
 
 def _uses_filter(params: SamplingParams) -> bool:
