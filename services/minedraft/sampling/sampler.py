@@ -74,7 +74,7 @@ def _threshold(ordered: Tensor, top_k: Tensor, top_p: Tensor, outside: Tensor | 
     if outside is None:
         mass = ordered.softmax(dim=-1).cumsum(dim=-1)
     else:
-        total = torch.where(outside > 0, ordered.logsumexp(dim=-1) - torch.log1p(-outside), ordered.logsumexp(dim=-1))
+        total = ordered.logsumexp(dim=-1) - torch.log1p(-outside)  # the whole row's, from the candidates' share
         mass = outside[:, None] + (ordered - total[:, None]).exp().cumsum(dim=-1)
     dropped = (mass <= (1.0 - top_p).float()[:, None]).sum(dim=1).clamp_(max=width - 1)  # keep the largest
     return ordered.gather(1, dropped[:, None])

@@ -246,7 +246,8 @@ class LocalStack:
         first is a StartupError naming it, a start that takes longer than the start-up timeout a TimeoutError."""
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self._ready_addresses:
-            while not probe(address, self._credentials(address)):
+            credentials = self._credentials(address)
+            while not probe(address, credentials):
                 for name, process in self._processes:
                     if process.poll() is not None:
                         raise StartupError(self._exit_message(name, process.returncode))
