@@ -13,6 +13,7 @@ import torch
 from minedraft.model.checkpoint import resolve_checkpoint
 from minedraft.model.config import load_model_config
 from minedraft.model.errors import CheckpointError
+from minedraft.model.gguf import GGUFTensor, _dequantized_in_torch
 from minedraft.model.runner import ModelRunner, SeqInput
 from minedraft.model.tokenizer import load_tokenizer
 
@@ -62,14 +63,39 @@ def test_quantized_gguf_matches_transformers_reading_it(checkpoints, arch, quant
     torch.testing.assert_close(ours(gguf), reference(hf), atol=1e-4, rtol=1e-4)
 
 
-def test_shards_read_only_their_rows_and_columns(checkpoints, tmp_path) -> None:
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_1"])
+def test_types_dequantized_in_torch_equal_the_gguf_library_bit_for_bit(checkpoints, quant, tmp_path) -> None:
+    """Q8_0 and Q4_1 are dequantized by torch ops, not by the library: every tensor, every bit, as the library
+    gives it (scales across the float16 range, every nibble and int8 value)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from minedraft.model.gguf import open_gguf
+
+    file = open_gguf(write_gguf(checkpoints["llama"], tmp_path / "model.gguf", quant))
+    quantized = [t for t in file.reader.tensors if t.tensor_type.name == quant]
+    assert quantized
+    for tensor in quantized:
+        theirs = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        assert torch.equal(GGUFTensor(file, tensor.name, tensor.name, None).read(), theirs), tensor.name
+    rng = np.random.default_rng(0)  # blocks of random bytes: any scale, minimum and quant the format can hold
+    size, halves = {"Q8_0": (34, 1), "Q4_1": (20, 2)}[quant]  # block bytes, float16s leading a block
+    blocks = rng.integers(0, 256, (64, 8 * size), dtype=np.uint8)
+    scales = rng.uniform(-60000, 60000, (64, 8, halves)).astype(np.float16).view(np.uint8)  # finite
+    blocks.reshape(64, 8, size)[:, :, : 2 * halves] = scales
+    theirs = torch.from_numpy(dequantize(blocks, tensor.tensor_type).astype(np.float32))
+    assert torch.equal(_dequantized_in_torch(blocks, quant), theirs)
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q4_1"])
+def test_shards_read_only_their_rows_and_columns(checkpoints, quant, tmp_path) -> None:
     """What a tensor-parallel rank reads (a range of rows, or of columns) equals that range of the whole
     tensor, Llama's permuted Q/K rows included."""
     from minedraft.model.checkpoint import open_reader
 
     folder = make_tiny_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512,
                                   num_layers=1, num_heads=4, num_kv_heads=2, seed=5)  # fmt: skip
-    reader = open_reader(write_gguf(folder, tmp_path / "model.gguf", "Q4_K"))
+    reader = open_reader(write_gguf(folder, tmp_path / "model.gguf", quant))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):  # fmt: skip
         tensor = reader.tensor(name)

@@ -2,7 +2,8 @@
 
 The file's metadata gives what a folder's config.json, generation_config.json and tokenizer files give: the
 architecture and its hyperparameters (`hf_config`), the EOS ids, the BPE tokenizer (`build_tokenizer`) and
-the chat template. Tensors are dequantized at load by the `gguf` library, the one llama.cpp publishes, and
+the chat template. Tensors are dequantized at load by the `gguf` library, the one llama.cpp publishes (Q8_0 and
+Q4_1, the types of the packaged model, by the same arithmetic as whole-tensor torch ops: `_dequantized_in_torch`), and
 read under their Hugging Face names (`GGUFReader.tensor`), so the model's weight loaders shard them as
 they shard safetensors: a tensor-parallel rank dequantizes only the rows (or the blocks of columns) of its
 shard. llama.cpp's converter interleaves the rotary halves of each Llama head's Q and K rows; reading undoes
@@ -274,6 +275,9 @@ class GGUFTensor:
         from gguf.quants import dequantize
 
         kind = self._tensor.tensor_type
+        fast = _dequantized_in_torch(data, kind.name)
+        if fast is not None:
+            return fast
         try:
             values = dequantize(np.ascontiguousarray(data), kind)
         except NotImplementedError as exc:
@@ -281,6 +285,32 @@ class GGUFTensor:
                                   "library cannot dequantize") from exc  # fmt: skip
         values = np.ascontiguousarray(values, dtype=np.float32)
         return torch.from_numpy(values if values.flags.writeable else values.copy())  # F32 is a view of the map
+
+
+# Bytes of one 32-value block: Q8_0 = float16 scale + 32 int8; Q4_1 = float16 scale and minimum + 16 bytes of nibbles.
+_TORCH_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
+
+
+def _dequantized_in_torch(data: np.ndarray, kind: str) -> torch.Tensor | None:
+    """Rows of Q8_0 or Q4_1 blocks dequantized as the gguf library does, bit for bit (the same float32 products and
+    sums, in the same order: x * d; d * q + m with a block's low nibbles first), as whole-tensor torch ops rather than
+    the library's row groups; None for any other type."""
+    import numpy as np
+    import torch
+
+    size = _TORCH_BLOCK_BYTES.get(kind)
+    if size is None or data.dtype != np.uint8:
+        return None
+    rows = data.shape[0] if data.ndim == 2 else 1
+    blocks = torch.from_numpy(np.array(data, copy=True)).view(-1, size)  # a copy: the file's map is read-only
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    if kind == "Q8_0":
+        values = blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    else:
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        nibbles = blocks[:, 4:]
+        values = d * torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float() + m
+    return values.view(rows, -1) if data.ndim == 2 else values.view(-1)
 
 
 def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
