@@ -22,6 +22,12 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models, services
 
 from minedraft.config import REPO_ROOT, EngineConfig  # noqa: E402
+from minedraft.stack import fork_server  # noqa: E402
+
+# The stacks the tests start fork their services from a warm process (stack/fork_server.py) instead of paying a
+# fresh interpreter's imports for each of several hundred; `minedraft up`, which the tests also start as a
+# process, starts fresh ones as it does for users. MINEDRAFT_TEST_FRESH_SERVICES=1 starts every service fresh.
+fork_server.enable(os.environ.get("MINEDRAFT_TEST_FRESH_SERVICES") != "1")
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 

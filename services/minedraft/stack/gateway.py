@@ -12,7 +12,6 @@ from pathlib import Path
 
 from minedraft.config import EngineConfig
 from minedraft.frontends.auth import API_KEYS_ENV
-from minedraft.service.lifetime import supervised_child
 from minedraft.settings import (
     BACKEND_API_KEY_ENV,
     GatewaySettings,
@@ -21,11 +20,13 @@ from minedraft.settings import (
     served_model_name,
     settings_flags,
 )
+from minedraft.stack.fork_server import Process, launch_service
 from minedraft.stack.local import (
     LocalStack,
     child_env,
     engine_flags,
     free_port,
+    on_cpu,
     scheduler_settings,
     threads_per_worker,
 )
@@ -74,9 +75,16 @@ class GatewayStack:
         ports = metrics_ports or _metrics_ports(scheduler, groups)
         keys = [self._backend_key] if self._backend_key else []
         self.groups = [
-            LocalStack(configs[i], scheduler=scheduler.model_copy(update={"metrics_port": ports[i]}), worker=worker,
-                       log_level=log_level, log_dir=_group_dir(log_dir, i), startup_timeout_s=startup_timeout_s,
-                       api_keys=keys, drafter_pool=self.pool.addresses)  # fmt: skip
+            LocalStack(
+                configs[i],
+                scheduler=scheduler.model_copy(update={"metrics_port": ports[i]}),
+                worker=worker,
+                log_level=log_level,
+                log_dir=_group_dir(log_dir, i),
+                startup_timeout_s=startup_timeout_s,
+                api_keys=keys,
+                drafter_pool=self.pool.addresses,
+            )  # fmt: skip
             for i in range(groups)
         ]
         self.settings = _named_gateway(gateway or GatewaySettings(), config, scheduler)
@@ -87,7 +95,7 @@ class GatewayStack:
         self._log_dir, self._log_level, self._startup_timeout_s = log_dir, log_level, startup_timeout_s
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-        self.gateway: subprocess.Popen | None = None
+        self.gateway: Process | None = None
 
     def __enter__(self) -> GatewayStack:
         self.start()
@@ -132,13 +140,10 @@ class GatewayStack:
     def _wait_gateway(self) -> None:
         _wait_serving(self.address, self.gateway, self._startup_timeout_s, self.settings.tls_cert)
 
-    def _launch_gateway(self) -> subprocess.Popen:
-        out = open(self._log_dir / "gateway.log", "a") if self._log_dir else None  # noqa: SIM115
-        options = supervised_child()
-        env = self.gateway_env(child_env(options.pop("env")))
-        self.gateway = subprocess.Popen(
-            self.gateway_command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None, **options
-        )
+    def _launch_gateway(self) -> Process:
+        log = self._log_dir / "gateway.log" if self._log_dir else None
+        env = self.gateway_env(child_env(dict(os.environ)))
+        self.gateway = launch_service(self.gateway_command(), env, log, forkable=on_cpu(self.config))
         return self.gateway
 
     def gateway_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -160,13 +165,13 @@ class GatewayStack:
             process.kill()
             process.wait()
 
-    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+    def processes(self) -> list[tuple[str, Process]]:
         """Every service's latest process, named "group <i> <role>" or "gateway" (what `Supervisor` watches)."""
         named = [(f"group {i} {name}", p) for i, g in enumerate(self.groups) for name, p in g.processes()]
         named += self.pool.processes()
         return named + ([("gateway", self.gateway)] if self.gateway is not None else [])
 
-    def restart(self, name: str) -> subprocess.Popen:
+    def restart(self, name: str) -> Process:
         """Start a service ("gateway", "group <i> <role>") again with its unchanged command, after it died."""
         if name == "gateway":
             return self._launch_gateway()
@@ -210,7 +215,7 @@ class DrafterPoolProcesses:
                       str(groups), "--host", "127.0.0.1"]  # fmt: skip
         self._log_dir = log_dir
         self._startup_timeout_s = startup_timeout_s
-        self.members: list[subprocess.Popen] = []
+        self.members: list[Process] = []
 
     def command(self, index: int) -> list[str]:
         return [sys.executable, "-m", "minedraft", "drafter", *self._args, "--port", str(self.ports[index])]
@@ -221,16 +226,12 @@ class DrafterPoolProcesses:
         for address, process in zip(self.addresses, self.members):
             _wait_serving(address, process, self._startup_timeout_s, None, what="pool drafter")
 
-    def _launch(self, index: int) -> subprocess.Popen:
-        options = supervised_child()
-        env = child_env(options.pop("env"))
+    def _launch(self, index: int) -> Process:
+        env = child_env(dict(os.environ))
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
-        path = self.log_path(index)
-        out = open(path, "a") if path else None  # noqa: SIM115
-        return subprocess.Popen(self.command(index), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                **options)  # fmt: skip
+        return launch_service(self.command(index), env, self.log_path(index), forkable=on_cpu(self.config))
 
-    def restart(self, index: int) -> subprocess.Popen:
+    def restart(self, index: int) -> Process:
         if self.members[index].poll() is None:
             raise RuntimeError(f"pool drafter {index} is still running (pid {self.members[index].pid})")
         self.members[index] = self._launch(index)
@@ -241,7 +242,7 @@ class DrafterPoolProcesses:
         self.members[index].kill()
         self.members[index].wait()
 
-    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+    def processes(self) -> list[tuple[str, Process]]:
         return [(f"pool {i} drafter", p) for i, p in enumerate(self.members)]
 
     def log_path(self, index: int) -> Path | None:
@@ -294,7 +295,7 @@ def _group_dir(log_dir: Path | None, index: int) -> Path | None:
     return path
 
 
-def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float, tls_cert: str | None,
+def _wait_serving(address: str, process: Process, timeout_s: float, tls_cert: str | None,
                   what: str = "gateway") -> None:  # fmt: skip
     import grpc
 

@@ -21,8 +21,8 @@ import grpc
 from minedraft.config import EngineConfig, Mode
 from minedraft.frontends.auth import API_KEYS_ENV
 from minedraft.service.health import probe
-from minedraft.service.lifetime import supervised_child
 from minedraft.settings import SETTINGS_MODELS, SchedulerSettings, StartupError, WorkerSettings, settings_flags
+from minedraft.stack.fork_server import Process, launch_service
 
 # How long the scheduler may take to exit after its request drain.
 _EXIT_MARGIN_S = 15.0
@@ -99,6 +99,11 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in {"MINEDRAFT_" + n.upper() for n in names}}
 
 
+def on_cpu(config: EngineConfig) -> bool:
+    """Whether the stack's model processes run on CPU (their services may then be forked: stack/fork_server.py)."""
+    return config.resolved_device() == "cpu"
+
+
 def colocates_by_default(config: EngineConfig) -> bool:
     """Whether a stack on this machine runs the drafter inside the verifier's process when not told: at tensor
     parallel size 1 on CPU, where a drafter process would only share the verifier's cores and add a hand-over
@@ -152,7 +157,7 @@ class LocalStack:
         self._api_keys = list(api_keys)
         self.startup_timeout_s = startup_timeout_s
         self._log_dir = log_dir
-        self._processes: list[tuple[str, subprocess.Popen]] = []
+        self._processes: list[tuple[str, Process]] = []
         self._commands = self._build_commands(host, log_level)
         if workers_only:  # the caller drives the workers itself (the offline API with tensor parallelism)
             self._commands = [c for c in self._commands if c[0] != "scheduler"]
@@ -216,19 +221,15 @@ class LocalStack:
         for name, args in self._commands:
             self._processes.append((name, self._launch(name, args)))
 
-    def _launch(self, name: str, args: list[str]) -> subprocess.Popen:
-        options = supervised_child()
-        env = child_env(options.pop("env"))
+    def _launch(self, name: str, args: list[str]) -> Process:
+        env = child_env(dict(os.environ))
         env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(self.config, os.cpu_count() or 1)))
         if name == "scheduler":
             env = self._scheduler_env(env)
-        out = open(self._log_dir / f"{name}.log", "a") if self._log_dir else None  # noqa: SIM115
-        return subprocess.Popen(
-            [sys.executable, "-m", "minedraft", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            **options,
-        )
+        log = self._log_dir / f"{name}.log" if self._log_dir else None
+        return launch_service([sys.executable, "-m", "minedraft", *args], env, log, forkable=on_cpu(self.config))
 
-    def restart(self, name: str) -> subprocess.Popen:
+    def restart(self, name: str) -> Process:
         """Start a service again with its unchanged command (as Kubernetes restarts a pod), after it died."""
         old = self.process(name)
         if old.poll() is None:
@@ -268,11 +269,11 @@ class LocalStack:
         cert = self.scheduler.tls_cert
         return grpc.ssl_channel_credentials(Path(cert).read_bytes()) if cert and address == self.address else None
 
-    def process(self, name: str) -> subprocess.Popen:
+    def process(self, name: str) -> Process:
         """The running process of one service: verifier, drafter or scheduler."""
         return dict(self._processes)[name]
 
-    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+    def processes(self) -> list[tuple[str, Process]]:
         """Each service's latest process (what `supervision.Supervisor` watches and restarts)."""
         return list(self._processes)
 
@@ -290,7 +291,7 @@ class LocalStack:
         self._processes.clear()
 
 
-def _terminate(processes: list[subprocess.Popen], timeout_s: float) -> None:
+def _terminate(processes: list[Process], timeout_s: float) -> None:
     """SIGTERM all at once, wait up to `timeout_s` for them together, then SIGKILL the rest."""
     for process in processes:
         if process.poll() is None:

@@ -6,7 +6,6 @@ back-off), and only one that crash-loops stops the stack. Its children die with 
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict, deque
@@ -15,14 +14,15 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 if TYPE_CHECKING:
     from minedraft.settings import SupervisorSettings
+    from minedraft.stack.fork_server import Process
 
 
 class Supervised(Protocol):
     """A stack of services that `Supervisor` keeps running (`LocalStack`, `GatewayStack`)."""
 
-    def processes(self) -> list[tuple[str, subprocess.Popen]]: ...
+    def processes(self) -> list[tuple[str, Process]]: ...
 
-    def restart(self, name: str) -> subprocess.Popen: ...
+    def restart(self, name: str) -> Process: ...
 
     def log_path(self, name: str) -> Path | None: ...
 
@@ -77,7 +77,7 @@ class Supervisor:
             self.stack.restart(name)
         return None
 
-    def _schedule(self, name: str, process: subprocess.Popen, now: float) -> bool:
+    def _schedule(self, name: str, process: Process, now: float) -> bool:
         """A restart after the back-off; False (and the line that says why) if the service crash-loops."""
         recent = self._recent[name]
         while recent and now - recent[0] > self.settings.crash_loop_window:
