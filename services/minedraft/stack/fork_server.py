@@ -1,7 +1,7 @@
 """Start a local stack's services by forking a warm process instead of starting fresh interpreters.
 
 Every service of a CPU stack starts by importing the interpreter's world (torch, grpc, pydantic, our own
-modules), which is most of a toy service's start-up (docs/performance.md, "The test suite"). A fork server is one
+modules), which is most of a toy service's start-up (docs/design.md, "Testing"). A fork server is one
 process, started once per launcher and environment, that has done those imports and forks each service from
 there. A forked service then runs `minedraft <args>` exactly as `python -m minedraft <args>` would, and is a
 real process with its own pid that the launcher signals directly; its exit status comes back over a pipe,
