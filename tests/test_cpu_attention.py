@@ -187,3 +187,21 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_cpu_refuses(tmp_path) 
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "attention stays on torch's sdpa path (no C compiler" in done.stderr
+
+
+def test_a_kernel_choice_is_timed_once_per_machine_and_timed_again_when_unreadable(tmp_path, monkeypatch) -> None:
+    from minedraft.model.kernels.cpu_kernels import remembered
+
+    monkeypatch.setenv("MINEDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    timings = []
+
+    def measure(verdict: bool):
+        return lambda: timings.append(verdict) or verdict
+
+    assert remembered("choice", measure(True)) is True
+    assert remembered("choice", measure(False)) is True  # kept: not timed again
+    assert remembered("other-torch", measure(False)) is False  # another key is another verdict
+    (kept,) = (tmp_path / "cache" / "verdicts").glob("choice-*.json")
+    kept.write_text("{not json")
+    assert remembered("choice", measure(False)) is False
+    assert timings == [True, False, False]

@@ -22,6 +22,7 @@ from torch import nn
 
 from minedraft.model.config import RopeConfig
 from minedraft.model.errors import CheckpointError
+from minedraft.model.kernels.cpu_kernels import remembered
 from minedraft.model.parallel import TensorParallel
 from minedraft.model.quantization import QuantConfig, QuantizedWeight
 from minedraft.model.tensor_slice import TensorSlice
@@ -71,7 +72,7 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     Which GEMM is faster depends on the CPU: oneDNN on a prepacked weight ran the decode and verification shapes
     (tens of rows) 2-2.5x faster than torch's BLAS GEMM (MKL) on an AVX-512 EPYC (MKL takes slower paths on AMD),
     which is how vLLM's CPU build runs its linear layers too, while on an Intel Xeon with AVX-512 and AMX MKL was
-    1.4x faster at one row and 4x at 160. So both are timed once, at start-up (`_onednn_faster`)."""
+    1.4x faster at one row and 4x at 160. So both are timed once per machine (`_onednn_faster`)."""
     usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
     if not usable or not _onednn_packs(weight.dtype) or not _onednn_faster(weight.dtype):
         return None
@@ -81,7 +82,8 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 @functools.cache
 def _onednn_faster(dtype: torch.dtype) -> bool:
     """Whether oneDNN's GEMM on a prepacked weight beats torch's own on this CPU: both timed on a decode (1 row) and
-    a verification shape (64 rows), a few milliseconds once per process.
+    a verification shape (64 rows), up to a few seconds on a busy machine, so the verdict is kept for the machine's
+    next processes (`cpu_kernels.remembered`; torch's version is part of its key, as it brings both libraries).
 
     Timed on one thread: the gap this choice is for comes from the kernels (2-4x either way, see above), and with
     more threads than free cores a BLAS GEMM waits at its barriers for a thread that lost its core (6x slower
@@ -89,6 +91,11 @@ def _onednn_faster(dtype: torch.dtype) -> bool:
     step then runs on the thread count measured to pay (one, at one request). The two are timed in turns and
     compared on the fastest turn and the typical one, so that a burst of other work sparing one of them does not
     decide. Either is a fast kernel of the default mode; the strict mode packs nothing."""
+    name = f"onednn-faster-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}"
+    return remembered(name, lambda: _time_onednn_against_blas(dtype))
+
+
+def _time_onednn_against_blas(dtype: torch.dtype) -> bool:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(512, 512, generator=generator).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)

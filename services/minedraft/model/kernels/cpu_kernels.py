@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -58,6 +59,27 @@ def unavailable(load: Callable[[], ctypes.CDLL]) -> str | None:
 def _cache_dir() -> Path:
     root = os.environ.get("MINEDRAFT_CACHE_DIR") or Path.home() / ".cache" / "minedraft"
     return Path(root) / "kernels"
+
+
+def remembered(name: str, measure: Callable[[], bool]) -> bool:
+    """A verdict about this CPU that `measure` times (which of two kernels is faster), kept beside the built
+    kernels so that only the first process on the machine pays for the timing. `name` holds what else decides it
+    (the dtype, torch's version); the CPU is part of the key here."""
+    cpu = hashlib.sha256(_cpu_signature().encode()).hexdigest()[:16]
+    path = _cache_dir().parent / "verdicts" / f"{name}-{cpu}.json"
+    try:
+        return bool(json.loads(path.read_text())["verdict"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    verdict = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # processes may measure side by side
+        partial.write_text(json.dumps({"verdict": verdict}))
+        partial.replace(path)
+    except OSError as exc:
+        log.warning("could not keep a kernel choice in %s (%s): the next process times it again", path, exc)
+    return verdict
 
 
 def _compiler() -> str:
