@@ -67,6 +67,7 @@ class ScriptedFaults(generate_pb2_grpc.MineDraftServicer):
         self.fail_after_first = False  # UNAVAILABLE after the first message (must not be retried)
         self.break_once = False  # the first call only: UNAVAILABLE after its first message
         self.no_finish = False  # end the stream with OK but without a finish reason
+        self.break_after_finish = False  # UNAVAILABLE after the final message (the server died before closing)
         self.delay = 0.0  # seconds before each message
         self.calls = 0
         self.requests: list[pb.GenerateRequest] = []
@@ -111,6 +112,8 @@ class ScriptedFaults(generate_pb2_grpc.MineDraftServicer):
                 self._finish(msg, request, length=len(chunks) < len(SCRIPT), completion_tokens=total)
             yield msg
             sent[0] += 1
+        if self.break_after_finish:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler lost")
 
     def _finish(self, msg: pb.GenerateResponse, request: pb.GenerateRequest, length: bool, completion_tokens: int):
         msg.finish_reason = pb.FINISH_REASON_LENGTH if length else pb.FINISH_REASON_STOP
@@ -287,6 +290,17 @@ def test_no_retry_after_the_first_message(address: str, scripted: ScriptedFaults
         with pytest.raises(MineDraftError):
             client.generate("x")
     assert scripted.calls == 2  # one per call: neither retried
+
+
+def test_a_stream_that_breaks_after_its_final_message_is_whole(address: str, scripted: ScriptedFaults) -> None:
+    """The server died between the final message and the stream's close: the caller has the whole output, with
+    or without resumption (a text prompt), and nothing is submitted again."""
+    scripted.break_after_finish = True
+    with Client(address, retries=FAST_RETRY) as client:
+        _check_full_completion(client.generate("Hello there"))
+        completion = client.generate([1, 2, 3])
+        assert (completion.token_ids, completion.finish_reason) == (FULL_IDS, "stop")
+    assert scripted.calls == 2
 
 
 def test_a_token_id_stream_that_breaks_is_resumed_where_it_broke(address: str, scripted: ScriptedFaults) -> None:

@@ -102,6 +102,8 @@ class AsyncClient(ClientBase):
                     yield stream.take(msg)
                     msg = await _read(call)
             except grpc.RpcError as err:  # after the first message: resumed where that repeats no output
+                if stream.finished:  # the final message came before the break: the output is whole
+                    return
                 stream.check_resumable(err)
                 await self._backoff_or_raise(err, attempt, deadline)
                 attempt += 1

@@ -233,7 +233,7 @@ class ResumableStream:
     def check_resumable(self, err: grpc.RpcError) -> None:
         """After a break: raise it unless the rest may be submitted (the retry policy still decides when, and
         if at all)."""
-        if not self.resumable or self.finished:
+        if not self.resumable:
             raise MineDraftError.from_rpc_error(err) from err
 
     def check_finished(self) -> None:

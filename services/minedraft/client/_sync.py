@@ -88,6 +88,8 @@ class Client(ClientBase):
                     yield stream.take(msg)
                     msg = next(call, None)
             except grpc.RpcError as err:  # after the first message: resumed where that repeats no output
+                if stream.finished:  # the final message came before the break: the output is whole
+                    return
                 stream.check_resumable(err)
                 self._backoff_or_raise(err, attempt, deadline)
                 attempt += 1
