@@ -28,11 +28,8 @@ MINEDRAFT = [sys.executable, "-m", "minedraft"]
 @pytest.fixture(autouse=True)
 def forking(monkeypatch) -> None:
     """On here whatever the suite's setting (tests/conftest.py), with fork servers of these tests' own."""
-    monkeypatch.setattr(fork_server, "_SERVERS", {})
-    was = fork_server._enabled
-    enable()
-    yield
-    enable(was)
+    for name, value in (("_SERVERS", {}), ("_enabled", True), ("_ignored", frozenset())):
+        monkeypatch.setattr(fork_server, name, value)
 
 
 def test_a_forked_service_fails_with_the_code_and_message_of_a_fresh_one(tmp_path: Path) -> None:
@@ -103,3 +100,6 @@ def test_services_share_a_fork_server_where_their_start_time_environments_agree(
     one = fork_server._server_for({**env, "OMP_NUM_THREADS": "1", fork_server.API_KEYS_ENV: "a"})
     assert fork_server._server_for({**env, "OMP_NUM_THREADS": "2"}) is one  # applied as each service starts
     assert fork_server._server_for({**env, "GOMP_SPINCOUNT": "7"}) is not one  # read by OpenMP as torch loads
+    assert fork_server._server_for({**env, "CURRENT_TEST": "b"}) is not one
+    enable(run_time_variables=("CURRENT_TEST",))  # the launcher's own, changing as it runs (a test runner's)
+    assert fork_server._server_for({**env, "CURRENT_TEST": "b"}) is one

@@ -64,12 +64,16 @@ def launch_service(command: list[str], env: dict[str, str], log: Path | None, *,
 
 
 _enabled = False
+_ignored: frozenset[str] = frozenset()  # the launcher's own run-time variables (enable)
 
 
-def enable(enabled: bool = True) -> None:
-    """Fork this process's CPU stacks' services from fork servers from now on (or, False, no longer)."""
-    global _enabled
+def enable(enabled: bool = True, run_time_variables: tuple[str, ...] = ()) -> None:
+    """Fork this process's CPU stacks' services from fork servers from now on (or, False, no longer).
+    `run_time_variables`: the launcher's variables that no service reads at start-up and that change while it
+    runs (a test runner's name of the current test): services that differ in these alone share a fork server."""
+    global _enabled, _ignored
     _enabled = enabled and sys.platform.startswith("linux")
+    _ignored = frozenset(run_time_variables)
 
 
 _SERVERS: dict[tuple, ForkServer] = {}
@@ -78,7 +82,8 @@ _SERVERS_LOCK = threading.Lock()
 
 def _server_for(env: dict[str, str]) -> ForkServer | None:
     """This environment's fork server, started on first use (None: too many environments already)."""
-    key = (os.getcwd(), *sorted((k, v) for k, v in env.items() if k not in _RUN_TIME_VARIABLES))
+    ignored = _RUN_TIME_VARIABLES | _ignored
+    key = (os.getcwd(), *sorted((k, v) for k, v in env.items() if k not in ignored))
     with _SERVERS_LOCK:
         for gone in [k for k, server in _SERVERS.items() if not server.alive]:
             del _SERVERS[gone]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import sys
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
@@ -225,8 +226,11 @@ def _follower_main(config_json: str, dist_json: str, rank: int, threads_beside: 
 def serve_verifier(
     config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
 ) -> None:
+    # A CPU rank forks its followers before it has started a thread pool, a gRPC server or a model: they skip a
+    # fresh interpreter's imports. CUDA cannot be used across fork, so GPU followers start fresh.
+    forked = config.resolved_device() == "cpu" and sys.platform.startswith("linux")
     followers = [
-        mp.get_context("spawn").Process(
+        mp.get_context("fork" if forked else "spawn").Process(
             target=_follower_main,
             args=(config.model_dump_json(), dist.model_dump_json(), rank, settings.cpu_threads_beside),
             name=f"verifier-rank-{rank}",
