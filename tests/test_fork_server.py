@@ -44,6 +44,13 @@ def test_a_forked_service_fails_with_the_code_and_message_of_a_fresh_one(tmp_pat
     assert ended[True][0] == 2 and "unrecognized arguments: --no-such-flag" in ended[True][1]
 
 
+def test_a_log_that_cannot_be_opened_fails_in_the_launcher_forked_or_fresh(tmp_path: Path) -> None:
+    for forkable in (True, False):
+        with pytest.raises(FileNotFoundError):
+            launch_service([*MINEDRAFT, "scheduler", "--help"], child_env(dict(os.environ)),
+                           tmp_path / "missing" / "scheduler.log", forkable=forkable)  # fmt: skip
+
+
 def test_fresh_interpreters_where_the_fork_server_is_off(tmp_path: Path) -> None:
     enable(False)
     process = launch_service([*MINEDRAFT, "scheduler", "--help"], child_env(dict(os.environ)), tmp_path / "log",
