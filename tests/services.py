@@ -4,8 +4,8 @@ HTTP posts and bursts of requests."""
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -22,6 +22,7 @@ from minedraft.api import worker_pb2, worker_pb2_grpc
 from minedraft.client import Client
 from minedraft.service.health import is_serving
 from minedraft.settings import WorkerSettings
+from minedraft.stack.fork_server import launch_service
 from minedraft.stack.local import free_port
 
 # Workers that exit as soon as they are told to. A stack stops its scheduler first and waits for it to drain and
@@ -52,14 +53,14 @@ def wait_serving(address: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while not serving(address, timeout_s=1):
         assert time.monotonic() < deadline, f"{address} is {health(address)}, not SERVING after {timeout_s:.0f}s"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def wait_health(address: str, want: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while (status := health(address)) != want:
         assert time.monotonic() < deadline, f"{address} is {status}, not {want}"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def worker_info(address: str) -> worker_pb2.WorkerInfo:
@@ -84,20 +85,18 @@ def children(pid: int) -> list[int]:
 def gateway(backend: str, tokenizer: str, log_path: Path) -> Iterator[str]:
     """`minedraft gateway` in front of one scheduler, as a process; yields its address once it serves."""
     port = free_port()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([
-            sys.executable, "-m", "minedraft", "gateway", "--tokenizer", tokenizer, "--host", "127.0.0.1",
-            "--port", str(port), "--backend", backend,
-        ], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 120
-            while not serving(f"127.0.0.1:{port}", timeout_s=1):
-                assert process.poll() is None and time.monotonic() < deadline, f"the gateway did not start: {log_path}"
-                time.sleep(0.2)
-            yield f"127.0.0.1:{port}"
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+    command = [sys.executable, "-m", "minedraft", "gateway", "--tokenizer", tokenizer, "--host", "127.0.0.1",
+               "--port", str(port), "--backend", backend]  # fmt: skip
+    process = launch_service(command, dict(os.environ), log_path, forkable=True)  # as the stacks start theirs
+    try:
+        deadline = time.monotonic() + 120
+        while not serving(f"127.0.0.1:{port}", timeout_s=1):
+            assert process.poll() is None and time.monotonic() < deadline, f"the gateway did not start: {log_path}"
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
 
 
 def post_json(url: str, body: bytes, timeout_s: float = 120) -> tuple[int, bytes]:

@@ -86,7 +86,7 @@ def _assert_idle(stack: LocalStack, timeout_s: float = 10.0) -> None:
         if all(i.num_active_sequences == 0 and i.num_free_blocks == i.num_blocks for i in infos):
             return
         assert time.monotonic() < deadline, f"KV blocks still held: {infos}"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
