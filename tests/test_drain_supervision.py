@@ -190,8 +190,11 @@ def _services_of(up: subprocess.Popen) -> dict[str, int]:
     """The service processes of `minedraft up`, by role (from their command lines)."""
     services = {}
     for pid in children(up.pid):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        services[args[args.index(b"minedraft") + 1].decode()] = pid
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            services[args[args.index(b"minedraft") + 1].decode()] = pid
+        except (OSError, ValueError):  # gone, or not yet exec'd (a zombie has no command line)
+            continue
     return services
 
 
@@ -220,10 +223,12 @@ def test_up_drains_on_sigterm(pair) -> None:
 
 def test_services_die_with_a_sigkilled_up(pair) -> None:
     up, _ = _up(pair)
-    services = _services_of(up)
-    assert set(services) == {"verifier", "drafter", "scheduler"}
-    up.kill()
-    up.wait()
+    try:
+        services = _services_of(up)
+        assert set(services) == {"verifier", "drafter", "scheduler"}
+    finally:
+        up.kill()  # a failure above must not leave `up` behind
+        up.wait()
     deadline = time.monotonic() + 60
     while alive := [name for name, pid in services.items() if _alive(pid)]:
         assert time.monotonic() < deadline, f"still running after minedraft up was SIGKILLed: {alive}"
