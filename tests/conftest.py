@@ -27,7 +27,7 @@ from minedraft.stack import fork_server  # noqa: E402
 # The stacks the tests start fork their services from a warm process (stack/fork_server.py) instead of paying a
 # fresh interpreter's imports for each of several hundred; `minedraft up`, which the tests also start as a
 # process, starts fresh ones as it does for users. MINEDRAFT_TEST_FRESH_SERVICES=1 starts every service fresh.
-# pytest names the running test in the environment: without it the key, every test would start fork servers anew.
+# pytest names the running test in the environment; were that name in the key, each test would start fork servers anew.
 fork_server.enable(os.environ.get("MINEDRAFT_TEST_FRESH_SERVICES") != "1", run_time_variables=("PYTEST_CURRENT_TEST",))
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
