@@ -6,6 +6,7 @@ No request may be lost, and greedy output must equal the offline autoregressive 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from minedraft.metrics import PREFIX_CACHE_HITS, scrape
 from minedraft.stack.local import LocalStack, free_port, scheduler_settings
 
 from conftest import offline_greedy, tiny_config
-from services import QUICK_STOP, TWO_PROCESSES, serving, wait_health, worker_info
+from services import QUICK_STOP, TWO_PROCESSES, children, serving, wait_health, worker_info
 
 NUM_STREAMS = 16
 MAX_TOKENS = 100
@@ -169,6 +170,22 @@ def test_verifier_dies_mid_stream_requests_are_held_and_resumed(group, expected,
     assert load.results() == expected
     _until(lambda: serving(stack.address), what="the scheduler to serve again")
     assert _drafts_now(stack.address) > 0  # the drafter is back in the world too
+
+
+def test_a_killed_tensor_parallel_rank_ends_its_verifier_and_requests_are_held_and_resumed(group, expected) -> None:
+    """The verifier's other rank SIGKILLed: rank 0 cannot form a world without it, so it exits (code 1) for whoever
+    started it to start every rank anew; meanwhile the scheduler holds the requests, as for a dead verifier."""
+    stack = group(2)
+    load = Load(stack.address)
+    load.wait_for_tokens(200)
+    verifier = stack.process("verifier")
+    [rank_1] = children(verifier.pid)
+    os.kill(rank_1, signal.SIGKILL)
+    assert verifier.wait(timeout=60) == 1
+    stack.restart("verifier")
+    assert load.results() == expected
+    _until(lambda: serving(stack.address), what="the scheduler to serve again")
+    assert _drafts_now(stack.address) > 0
 
 
 @pytest.mark.parametrize("victim", ["drafter", "verifier"])

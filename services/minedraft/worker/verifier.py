@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import sys
+import threading
 
 from minedraft.api import worker_pb2
 from minedraft.config import DistributedConfig, EngineConfig, num_slots
@@ -223,6 +226,22 @@ def _follower_main(config_json: str, dist_json: str, rank: int, threads_beside: 
         node.close()
 
 
+def _exit_when_a_follower_dies(followers: list[mp.process.BaseProcess], stopping: threading.Event) -> None:
+    """A rank that died leaves the others unable to form a world again (each join fails on its missing peer): end
+    the whole verifier, so that whoever started it (`minedraft up`, the kubelet) starts all its ranks anew."""
+    ended = multiprocessing.connection.wait([process.sentinel for process in followers])
+    if stopping.is_set():
+        return
+    dead = next(process for process in followers if process.sentinel in ended)
+    dead.join()
+    log.error("%s exited with code %s; stopping this verifier so that all its ranks start again", dead.name,
+              dead.exitcode)  # fmt: skip
+    for process in followers:
+        if process.is_alive():
+            process.kill()
+    os._exit(1)
+
+
 def serve_verifier(
     config: EngineConfig, dist: DistributedConfig, settings: WorkerSettings, host: str, port: int
 ) -> None:
@@ -240,6 +259,10 @@ def serve_verifier(
     ]
     for process in followers:
         process.start()
+    stopping = threading.Event()
+    if followers:
+        threading.Thread(target=_exit_when_a_follower_dies, args=(followers, stopping), name="follower-watch",
+                         daemon=True).start()  # fmt: skip
     holder: dict = {}
 
     def load() -> VerifierNode | PairNode:
@@ -254,6 +277,7 @@ def serve_verifier(
     log.info("verifier (tp=%d) listening on %s:%d", config.tensor_parallel_size, host, bound)
 
     def stop() -> None:
+        stopping.set()
         servicer.wait_until_quiet(settings.step_drain_timeout)
         node = holder.get("node")
         if node is not None:
