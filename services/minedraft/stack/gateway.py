@@ -122,16 +122,10 @@ class GatewayStack:
     def start(self) -> None:
         try:
             self.pool.start()  # first: a group binds to a pool drafter that serves when the group starts
-            # The groups and the gateway start side by side, but for the schedulers of groups that share a pool:
-            # each binds to the drafter with the most room as it forms its world, so they start one after another
-            # and each sees the groups bound before it (their workers load meanwhile).
-            pooled = bool(self.pool.addresses)
-            for group in self.groups:
-                group.launch([name for name in group.commands if name != "scheduler"] if pooled else None)
+            for group in self.groups:  # the groups and the gateway start side by side
+                group.launch()
             self._launch_gateway()
             for group in self.groups:
-                if pooled:
-                    group.launch(["scheduler"])
                 group.wait_serving()
             self._wait_gateway()
         except BaseException:

@@ -215,12 +215,11 @@ class LocalStack:
         self.launch()
         self.wait_serving()
 
-    def launch(self, roles: Sequence[str] | None = None) -> None:
-        """Start every service (or those of `roles`) without waiting for it (`wait_serving` waits): a gateway stack
-        starts its groups side by side."""
+    def launch(self) -> None:
+        """Start every service without waiting for it (`wait_serving` waits): a gateway stack starts its groups
+        side by side."""
         for name, args in self._commands:
-            if roles is None or name in roles:
-                self._processes.append((name, self._launch(name, args)))
+            self._processes.append((name, self._launch(name, args)))
 
     def _launch(self, name: str, args: list[str]) -> Process:
         env = child_env(dict(os.environ))
